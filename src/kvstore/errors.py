@@ -1,0 +1,29 @@
+"""Error classes. Every failure of the store is a subclass of :class:`KVStoreError`."""
+
+
+class KVStoreError(Exception):
+    """Base class of every error the store raises (argument misuse raises ValueError/TypeError)."""
+
+
+class LayoutMismatch(KVStoreError):
+    """The store was created for another KVLayout (or chunk size) than the one given."""
+
+
+class StoreLocked(KVStoreError):
+    """Another process holds the store open for writing."""
+
+
+class CorruptData(KVStoreError):
+    """Stored bytes failed their checksum, or a file is missing or truncated."""
+
+
+class CapacityError(KVStoreError):
+    """The data cannot fit the store's configured capacity."""
+
+
+class StoreClosed(KVStoreError):
+    """The store was used after close()."""
+
+
+class FormatError(KVStoreError):
+    """The store directory has an unknown format version or unreadable metadata."""

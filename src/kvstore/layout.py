@@ -1,0 +1,136 @@
+"""KVLayout: the shape and numeric format of one model's KV cache.
+
+A layout's fingerprint seeds every chunk address, so KV of one model is never served to another.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+import xxhash
+
+# dtype name -> (torch dtype, numpy dtype used for raw byte views, bytes per element)
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "float16": (torch.float16, np.dtype(np.float16)),
+    "bfloat16": (torch.bfloat16, np.dtype(np.uint16)),  # numpy has no bf16: viewed as raw u16
+    "float32": (torch.float32, np.dtype(np.float32)),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVLayout:
+    """Shape and format of a model's KV cache.
+
+    Keys are stored before rotary encoding; ``rope_theta`` and ``rope_scaling`` describe how to
+    apply it on load. ``rope_scaling`` is an optional flat mapping (e.g. ``{"type": "linear",
+    "factor": 2.0}``); it is kept as a sorted tuple of pairs so the layout stays hashable.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] | Mapping[str, object] | None = None
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"KVLayout.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+            raise ValueError(f"KVLayout.rope_theta must be a positive number, got {theta!r}")
+        object.__setattr__(self, "rope_theta", float(theta))
+        rs = self.rope_scaling
+        if rs is not None:
+            items = rs.items() if isinstance(rs, Mapping) else rs
+            try:
+                pairs = tuple(sorted((str(k), v) for k, v in items))
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"KVLayout.rope_scaling must be a mapping of str to numbers/strings: {e}"
+                ) from None
+            for k, v in pairs:
+                if not isinstance(v, int | float | str) or isinstance(v, bool):
+                    raise ValueError(
+                        f"KVLayout.rope_scaling[{k!r}] must be a number or string, got {v!r}"
+                    )
+            object.__setattr__(self, "rope_scaling", pairs or None)
+        if not isinstance(self.model_id, str):
+            raise ValueError(f"KVLayout.model_id must be a str, got {self.model_id!r}")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype][0]
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The numpy dtype used to view raw bytes (bf16 is viewed as uint16)."""
+        return _DTYPES[self.dtype][1]
+
+    @property
+    def itemsize(self) -> int:
+        return self.np_dtype.itemsize
+
+    @property
+    def head_token_bytes(self) -> int:
+        """Bytes of one token's K (or V) for one head of one layer."""
+        return self.head_dim * self.itemsize
+
+    @property
+    def layer_token_bytes(self) -> int:
+        """Bytes of one token's K and V in one layer (all kv-heads)."""
+        return 2 * self.num_kv_heads * self.head_token_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's K and V across all layers."""
+        return self.num_layers * self.layer_token_bytes
+
+    def chunk_bytes(self, chunk_tokens: int) -> int:
+        """Bytes of a chunk of ``chunk_tokens`` tokens."""
+        return chunk_tokens * self.token_bytes
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+        """Shape of the keys (or values) tensor for ``num_tokens`` tokens: [L, H, T, D]."""
+        return (self.num_layers, self.num_kv_heads, num_tokens, self.head_dim)
+
+    # ---- identity ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "model_id": self.model_id,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> KVLayout:
+        known = {"num_layers", "num_kv_heads", "head_dim", "dtype", "rope_theta",
+                 "rope_scaling", "model_id"}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"unknown KVLayout fields: {sorted(extra)}")
+        return cls(**d)  # type: ignore[arg-type]
+
+    @cached_property
+    def fingerprint(self) -> bytes:
+        """16-byte xxh3_128 digest of the canonical JSON of the layout."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_128_digest(canon.encode())
