@@ -21,3 +21,9 @@ __all__ = [
     "StoreClosed",
     "FormatError",
 ]
+
+from kvstore.store import Store, StoreConfig, open_store  # noqa: E402
+
+open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sqlite3.connect)
+
+__all__ += ["Store", "StoreConfig", "open", "open_store"]

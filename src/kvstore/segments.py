@@ -1,0 +1,200 @@
+"""Segment files: the disk tier's payload. Fixed-size slots, each holding one chunk's extent.
+
+Slot ``s`` lives in file ``seg-{s // slots_per_segment:06d}.kv`` at offset
+``(s % slots_per_segment) * slot_stride``. Files are preallocated (``posix_fallocate``) and made
+durable before any catalog record points into them, so a later write cannot hit a full disk on a
+normal filesystem. Inside an extent layer l holds K [H, n, D] then V [H, n, D] contiguously, so a
+layer of a chunk is one read.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from kvstore.errors import CapacityError, CorruptData
+
+PAGE = 4096
+
+
+def align_up(n: int, a: int = PAGE) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentGeometry:
+    """Where slots live: stride, slots per file, and how many slots the disk budget holds."""
+
+    slot_stride: int
+    total_slots: int
+    slots_per_segment: int
+
+    @classmethod
+    def for_budget(cls, *, slot_bytes: int, disk_bytes: int,
+                   segment_bytes: int = 1 << 30) -> SegmentGeometry:
+        stride = align_up(slot_bytes)
+        total = disk_bytes // stride
+        per_seg = max(1, min(segment_bytes // stride, max(total, 1)))
+        return cls(slot_stride=stride, total_slots=total, slots_per_segment=per_seg)
+
+    @property
+    def num_segments(self) -> int:
+        return -(-self.total_slots // self.slots_per_segment)
+
+    def segment_size(self, seg: int) -> int:
+        n = min(self.slots_per_segment, self.total_slots - seg * self.slots_per_segment)
+        return max(n, 0) * self.slot_stride
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        return slot // self.slots_per_segment, (slot % self.slots_per_segment) * self.slot_stride
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SegmentFiles:
+    """Open segment files of one store. Thread-safety: the store serializes all calls."""
+
+    def __init__(self, directory: str, geometry: SegmentGeometry, *, readonly: bool) -> None:
+        self.dir = directory
+        self.geo = geometry
+        self.readonly = readonly
+        self._fds: dict[int, int] = {}
+        self._dirty: set[int] = set()
+        self._ready: set[int] = set()  # segments known to exist at full size, durably
+        if not readonly:
+            os.makedirs(directory, exist_ok=True)
+
+    def path(self, seg: int) -> str:
+        return os.path.join(self.dir, f"seg-{seg:06d}.kv")
+
+    def existing(self) -> dict[int, int]:
+        """Segment number -> current file size, for the files present on disk."""
+        out: dict[int, int] = {}
+        if not os.path.isdir(self.dir):
+            return out
+        for name in os.listdir(self.dir):
+            if name.startswith("seg-") and name.endswith(".kv"):
+                try:
+                    seg = int(name[4:-3])
+                except ValueError:
+                    continue
+                out[seg] = os.path.getsize(os.path.join(self.dir, name))
+        return out
+
+    def _fd(self, seg: int) -> int:
+        fd = self._fds.get(seg)
+        if fd is None:
+            flags = os.O_RDONLY if self.readonly else os.O_RDWR
+            try:
+                fd = os.open(self.path(seg), flags | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise CorruptData(f"segment file {self.path(seg)!r} is missing") from None
+            self._fds[seg] = fd
+        return fd
+
+    def prepare(self, seg: int) -> None:
+        """Create or resize segment ``seg`` to its full size, durably (file and directory)."""
+        size = self.geo.segment_size(seg)
+        path = self.path(seg)
+        created = not os.path.exists(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            cur = os.fstat(fd).st_size
+            if cur > size:
+                os.ftruncate(fd, size)
+            elif cur < size:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        os.ftruncate(fd, cur)
+                        raise CapacityError(
+                            f"no space on the device to preallocate {size} bytes for {path!r}; "
+                            f"lower disk_bytes or free disk space"
+                        ) from e
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            _fsync_dir(self.dir)
+        old = self._fds.pop(seg, None)
+        if old is not None:
+            os.close(old)
+        self._ready.add(seg)
+
+    def mark_ready(self, seg: int) -> None:
+        """Record that ``seg`` already exists at its full size (checked by the caller)."""
+        self._ready.add(seg)
+
+    def remove(self, seg: int) -> None:
+        self._ready.discard(seg)
+        old = self._fds.pop(seg, None)
+        if old is not None:
+            os.close(old)
+        try:
+            os.unlink(self.path(seg))
+        except FileNotFoundError:
+            return
+        _fsync_dir(self.dir)
+
+    def write(self, slot: int, data: memoryview) -> None:
+        """Write an extent into ``slot`` (not yet durable: call :meth:`sync`)."""
+        assert len(data) <= self.geo.slot_stride
+        seg, off = self.geo.locate(slot)
+        if seg not in self._ready:
+            self.prepare(seg)  # created lazily, durably, before anything can reference it
+        fd = self._fd(seg)
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            try:
+                n = os.pwrite(fd, view[done:], off + done)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise CapacityError(f"disk full while writing {self.path(seg)!r}") from e
+                raise
+            done += n
+        self._dirty.add(seg)
+
+    def sync(self) -> None:
+        """Make every write so far durable."""
+        for seg in sorted(self._dirty):
+            os.fdatasync(self._fds[seg])
+        self._dirty.clear()
+
+    def read(self, slot: int, offset: int, into: memoryview) -> None:
+        """Fill ``into`` from ``slot`` at byte ``offset``; a short read raises CorruptData."""
+        seg, base = self.geo.locate(slot)
+        fd = self._fd(seg)
+        view = memoryview(into).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], base + offset + done)
+            if n == 0:
+                raise CorruptData(
+                    f"segment file {self.path(seg)!r} is truncated: slot {slot} "
+                    f"needs {len(view)} bytes at {base + offset}"
+                )
+            done += n
+
+    def drop_cache(self) -> None:
+        """Ask the kernel to drop cached pages of every segment file (for cold-read benchmarks)."""
+        for seg in self.existing():
+            fd = self._fd(seg)
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

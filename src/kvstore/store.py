@@ -1,0 +1,787 @@
+"""The store: prefix-addressed, refcounted chunks of KV over a DRAM tier and a disk tier.
+
+Durability and crash safety come from one write order: a chunk's extent is written into a slot no
+committed record references, fsynced, and only then does a catalog transaction make it visible.
+Freed slots are reused only after the transaction that freed them has committed. Sessions (one
+per put) are the durable truth; chunk refcounts are derived from them at open, and chunks no
+session references (left by a crash between an eviction and a put) are collected then.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from threading import RLock
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.catalog import FORMAT_VERSION, Catalog, ChunkRecord, SessionRecord
+from kvstore.dram import DramTier
+from kvstore.errors import (
+    CapacityError,
+    CorruptData,
+    FormatError,
+    LayoutMismatch,
+    StoreClosed,
+)
+from kvstore.hashing import as_tokens, chain_seed, chunk_hash, common_prefix_len
+from kvstore.layout import KVLayout
+from kvstore.lock import DirLock
+from kvstore.policy import AccessStats, PriorityHeap, make_policy
+from kvstore.segments import SegmentFiles, SegmentGeometry
+
+DEFAULT_DRAM_BYTES = 1 << 30  # 1 GiB
+DEFAULT_DISK_BYTES = 16 << 30  # 16 GiB
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Sizes and policy of a store; persisted at creation, sizes replaceable on reopen."""
+
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    dram_bytes: int = DEFAULT_DRAM_BYTES
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_tokens", "dram_bytes", "disk_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            low = 1 if name == "chunk_tokens" else 0
+            if v < low:
+                raise ValueError(f"{name} must be >= {low}, got {v}")
+        make_policy(self.policy)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"chunk_tokens": self.chunk_tokens, "dram_bytes": self.dram_bytes,
+                "disk_bytes": self.disk_bytes, "policy": self.policy}
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """``use`` leading tokens of chunk ``rec`` placed at token offset ``start`` of a request."""
+
+    rec: ChunkRecord
+    start: int
+    use: int
+
+
+def _checksums(extent: np.ndarray, num_layers: int) -> np.ndarray:
+    """xxh3_64 of each layer's bytes of an extent ([num_layers * layer_bytes] uint8)."""
+    per = len(extent) // num_layers
+    return np.fromiter(
+        (xxhash.xxh3_64_intdigest(extent[i * per : (i + 1) * per]) for i in range(num_layers)),
+        dtype=np.uint64, count=num_layers,
+    )
+
+
+class Store:
+    """An open store directory. Use :func:`kvstore.open`; close with :meth:`close` or ``with``.
+
+    Thread-safety: every public method is safe to call from several threads; they are
+    serialized by one lock per store. Two processes cannot open one store for writing at once
+    (:class:`~kvstore.errors.StoreLocked`).
+    """
+
+    def __init__(self, path: str, *, layout: KVLayout, config: StoreConfig, catalog: Catalog,
+                 lock: DirLock, readonly: bool) -> None:
+        # Private: open() builds a Store only once catalog, lock and config are settled.
+        self.path = path
+        self.layout = layout
+        self.config = config
+        self.readonly = readonly
+        self._catalog = catalog
+        self._lock_file = lock
+        self._mutex = RLock()
+        self._closed = False
+        self._policy = make_policy(config.policy)
+        self._chunk_bytes = layout.chunk_bytes(config.chunk_tokens)
+        self._geo = SegmentGeometry.for_budget(slot_bytes=self._chunk_bytes,
+                                               disk_bytes=config.disk_bytes)
+        self._segments = SegmentFiles(os.path.join(path, "segments"), self._geo,
+                                      readonly=readonly)
+        self._dram = DramTier(capacity_bytes=config.dram_bytes, slot_bytes=self._chunk_bytes,
+                              policy=self._policy)
+        self._clock = int(catalog.get_meta("clock") or 0)
+        self._chunks: dict[bytes, ChunkRecord] = {}
+        self._children: dict[bytes, set[bytes]] = defaultdict(set)
+        self._sessions: dict[bytes, SessionRecord] = {}
+        self._holders: dict[bytes, set[bytes]] = defaultdict(set)  # chunk -> sessions holding it
+        self._session_heap = PriorityHeap()
+        self._free_slots: list[int] = []
+        self._dirty_access: set[bytes] = set()
+        self.problems: list[str] = []  # integrity problems found at open (read-only mode)
+        self._counters: dict[str, int] = defaultdict(int)
+
+    # ------------------------------------------------------------------ loading
+    def _load(self) -> None:
+        chunks, sessions = self._catalog.load()
+        problems: list[str] = []
+        # Sessions are the truth: a session whose chain is incomplete is dropped.
+        broken = [s.key for s in sessions.values() if any(c not in chunks for c in s.chunks)]
+        for k in broken:
+            problems.append(f"session {k.hex()} references a missing chunk")
+        referenced = {c for s in sessions.values() if s.key not in broken for c in s.chunks}
+        orphans = [k for k in chunks if k not in referenced]
+        # Slots outside the current budget, or in missing/short segment files, are lost.
+        present = self._segments.existing()
+        bad_chunks: set[bytes] = set()
+        lost_slots: set[bytes] = set()
+        for k, rec in chunks.items():
+            if k not in referenced:
+                continue
+            seg, off = self._geo.locate(rec.slot)
+            if rec.slot >= self._geo.total_slots:
+                lost_slots.add(k)
+            elif present.get(seg, -1) < off + rec.n_tokens * self.layout.token_bytes:
+                bad_chunks.add(k)
+                problems.append(f"chunk {k.hex()} lies in a missing or truncated segment file")
+        drop = set(broken)
+        for s in sessions.values():
+            if any(c in bad_chunks or c in lost_slots for c in s.chunks):
+                drop.add(s.key)
+        if self.readonly:
+            self.problems = problems
+            self._counters["orphan_chunks"] = len(orphans)
+            keep_sessions = {k: s for k, s in sessions.items() if k not in drop}
+        else:
+            keep_sessions = {k: s for k, s in sessions.items() if k not in drop}
+            live = {c for s in keep_sessions.values() for c in s.chunks}
+            dead = [k for k in chunks if k not in live]
+            if drop or dead:
+                with self._catalog.write() as txn:
+                    for k in drop:
+                        txn.delete_session(k)
+                    for k in dead:
+                        txn.delete_chunk(k)
+            self._counters["corrupt_chunks"] += len(bad_chunks)
+            self._counters["dropped_sessions"] += len(drop)
+            self._counters["collected_orphans"] += len(orphans)
+            # Segment files are created lazily on first write; existing ones of the wrong size
+            # (truncated, or the budget changed) are resized now; files beyond the budget go.
+            for seg, size in present.items():
+                if seg >= self._geo.num_segments:
+                    self._segments.remove(seg)
+                elif size == self._geo.segment_size(seg):
+                    self._segments.mark_ready(seg)
+                else:
+                    self._segments.prepare(seg)
+        for s in keep_sessions.values():
+            for c in s.chunks:
+                if c not in self._chunks:
+                    rec = chunks[c]
+                    self._chunks[c] = rec
+                    self._children[rec.parent].add(c)
+                self._holders[c].add(s.key)
+            self._sessions[s.key] = s
+            self._session_heap.push(s.key, self._session_priority(s))
+        used = {rec.slot for rec in self._chunks.values()}
+        self._free_slots = [s for s in range(self._geo.total_slots) if s not in used]
+        heapq.heapify(self._free_slots)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"store {self.path!r} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise PermissionError(f"store {self.path!r} was opened read-only")
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _session_priority(self, s: SessionRecord) -> float:
+        return self._policy.priority(AccessStats(inserted=s.created, last_access=s.last_access))
+
+    def _extent_bytes(self, n_tokens: int) -> int:
+        return n_tokens * self.layout.token_bytes
+
+    def _extent_view(self, slot: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """A slot's first extent bytes viewed as [L, 2 (K/V), H, n, D] in the layout dtype."""
+        lay = self.layout
+        nbytes = self._extent_bytes(n_tokens)
+        return slot[:nbytes].view(lay.torch_dtype).view(
+            lay.num_layers, 2, lay.num_kv_heads, n_tokens, lay.head_dim)
+
+    def _check_kv(self, name: str, t: object, n_tokens: int) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != self.layout.torch_dtype:
+            raise TypeError(
+                f"{name} must have dtype {self.layout.torch_dtype} (the layout's "
+                f"{self.layout.dtype!r}), got {t.dtype}"
+            )
+        want = self.layout.kv_shape(n_tokens)
+        if tuple(t.shape) != want:
+            raise ValueError(
+                f"{name} must have shape [num_layers, num_kv_heads, T, head_dim] = {list(want)} "
+                f"for {n_tokens} tokens, got {list(t.shape)}"
+            )
+        return t
+
+    def _split(self, toks: np.ndarray) -> list[np.ndarray]:
+        c = self.config.chunk_tokens
+        return [toks[i : i + c] for i in range(0, len(toks), c)]
+
+    def _resolve(self, toks: np.ndarray, namespace: str | None) -> list[_Piece]:
+        """The longest stored prefix of ``toks``, as pieces of stored chunks."""
+        c = self.config.chunk_tokens
+        parent = chain_seed(self.layout.fingerprint, namespace)
+        pieces: list[_Piece] = []
+        pos = 0
+        while len(toks) - pos >= c:
+            part = toks[pos : pos + c]
+            rec = self._chunks.get(chunk_hash(parent, part))
+            if rec is None or rec.n_tokens != c or not np.array_equal(rec.tokens, part):
+                break
+            pieces.append(_Piece(rec, pos, c))
+            parent = rec.key
+            pos += c
+        rest = toks[pos : pos + c]
+        if len(rest):
+            best, best_len = None, 0
+            for child in self._children.get(parent, ()):
+                rec = self._chunks[child]
+                n = common_prefix_len(rec.tokens, rest)
+                if n > best_len:
+                    best, best_len = rec, n
+            if best is not None:
+                pieces.append(_Piece(best, pos, best_len))
+        return pieces
+
+    # ------------------------------------------------------------------ chunk IO
+    def _load_chunk(self, rec: ChunkRecord) -> torch.Tensor:
+        """The chunk's slot in DRAM, reading and verifying it from disk on a DRAM miss."""
+        slot = self._dram.lookup(rec.key, self._tick())
+        if slot is not None:
+            self._counters["dram_hits"] += 1
+            return slot
+        self._counters["disk_hits"] += 1
+        slot = self._dram.insert(rec.key, self._extent_bytes(rec.n_tokens), self._clock)
+        try:
+            buf = slot[: self._extent_bytes(rec.n_tokens)].numpy()
+            self._segments.read(rec.slot, 0, memoryview(buf))
+            sums = _checksums(buf, self.layout.num_layers)
+            if not np.array_equal(sums, rec.checksums):
+                bad = int(np.flatnonzero(sums != rec.checksums)[0])
+                raise CorruptData(
+                    f"chunk {rec.key.hex()} (disk slot {rec.slot}) failed its checksum "
+                    f"at layer {bad}"
+                )
+        except CorruptData as e:
+            self._dram.discard(rec.key)
+            self._quarantine(rec.key, e)
+            raise
+        except BaseException:
+            self._dram.discard(rec.key)
+            raise
+        return slot
+
+    def _quarantine(self, key: bytes, err: CorruptData) -> None:
+        """Drop every session holding a corrupt chunk, so the store stops claiming it."""
+        self._counters["corrupt_chunks"] += 1
+        if self.readonly:
+            return
+        victims = sorted(self._holders.get(key, ()))
+        self._counters["dropped_sessions"] += len(victims)
+        self._drop_sessions(victims)
+        err.add_note(f"dropped {len(victims)} stored context(s) that included this chunk")
+
+    def _drop_sessions(self, keys: list[bytes], protect: frozenset[bytes] = frozenset()) -> int:
+        """Delete sessions durably; free chunks no remaining session holds (except ``protect``).
+
+        Returns the number of chunks freed. Slots become reusable only after the commit.
+        """
+        if not keys:
+            return 0
+        dec: dict[bytes, int] = defaultdict(int)
+        for k in keys:
+            for c in self._sessions[k].chunks:
+                dec[c] += 1
+        freed = [c for c, d in dec.items() if len(self._holders[c]) == d and c not in protect]
+        with self._catalog.write() as txn:
+            for k in keys:
+                txn.delete_session(k)
+            for c in freed:
+                txn.delete_chunk(c)
+        for k in keys:
+            s = self._sessions.pop(k)
+            self._session_heap.remove(k)
+            self._dirty_access.discard(k)
+            for c in s.chunks:
+                self._holders[c].discard(k)
+        for c in freed:
+            self._forget_chunk(c)
+        return len(freed)
+
+    def _forget_chunk(self, c: bytes) -> None:
+        rec = self._chunks.pop(c)
+        self._holders.pop(c, None)
+        kids = self._children.get(rec.parent)
+        if kids is not None:
+            kids.discard(c)
+            if not kids:
+                del self._children[rec.parent]
+        self._dram.discard(c)
+        heapq.heappush(self._free_slots, rec.slot)
+
+    def _collect_orphans(self, candidates: frozenset[bytes]) -> None:
+        """Durably delete chunks among ``candidates`` that no session holds any more."""
+        dead = [c for c in candidates if c in self._chunks and not self._holders.get(c)]
+        if dead:
+            with self._catalog.write() as txn:
+                for c in dead:
+                    txn.delete_chunk(c)
+            for c in dead:
+                self._forget_chunk(c)
+
+    def _make_room(self, need: int, protect: frozenset[bytes]) -> None:
+        """Evict whole sessions (least valuable first) until ``need`` slots are free."""
+        while len(self._free_slots) < need:
+            victim = self._session_heap.peek()
+            if victim is None:
+                raise CapacityError(
+                    f"need {need} free disk slots but only {len(self._free_slots)} can be freed"
+                )
+            self._counters["evicted_sessions"] += 1
+            self._counters["evicted_chunks"] += self._drop_sessions([victim], protect)
+            if len(self._free_slots) < need and not self._sessions:
+                raise CapacityError(
+                    f"need {need} free disk slots, store holds only {self._geo.total_slots}"
+                )
+
+    # ------------------------------------------------------------------ public API
+    def put(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
+            namespace: str | None = None) -> None:
+        """Store the KV of ``tokens``; durable when it returns.
+
+        ``keys``/``values``: [num_layers, num_kv_heads, T, head_dim] in the layout dtype, keys
+        without rotary encoding. Chunks already stored (a shared prefix) are not written again.
+        A stored context that is a strict prefix of ``tokens`` is superseded (its KV stays
+        servable through this one). Thread-safe.
+        """
+        toks = as_tokens(tokens)
+        keys = self._check_kv("keys", keys, len(toks))
+        values = self._check_kv("values", values, len(toks))
+        with self._mutex:
+            self._check_writable()
+            self._put(toks, keys, values, namespace)
+
+    def _put(self, toks: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
+             namespace: str | None) -> None:
+        lay, c = self.layout, self.config.chunk_tokens
+        n_tok = len(toks)
+        now = self._tick()
+        self._counters["put_tokens"] += n_tok
+        pieces = self._resolve(toks, namespace)
+        served = sum(p.use for p in pieces)
+        if served == n_tok:
+            # Already servable (possibly through a longer context): only refresh recency.
+            self._touch_holders(pieces[-1].rec.key, now)
+            return
+        # The chain of this put: existing full chunks, then new ones.
+        parts = self._split(toks)
+        seed = chain_seed(lay.fingerprint, namespace)
+        existing = [p.rec for p in pieces if p.use == p.rec.n_tokens and p.use == c]
+        chain: list[bytes] = [r.key for r in existing]
+        parent = chain[-1] if chain else seed
+        new_specs: list[tuple[bytes, bytes, int]] = []  # (key, parent, index)
+        for i in range(len(existing), len(parts)):
+            key = chunk_hash(parent, parts[i])
+            if key in self._chunks:
+                # Same address but different tokens (a hash collision) or a full chunk that the
+                # walk did not take: refuse rather than alias.
+                raise CorruptData(f"chunk address collision at {key.hex()}")
+            new_specs.append((key, parent, i))
+            chain.append(key)
+            parent = key
+        if len(new_specs) > self._geo.total_slots:
+            raise CapacityError(
+                f"a context of {n_tok} tokens needs {len(new_specs)} chunk slots; disk_bytes="
+                f"{self.config.disk_bytes} holds {self._geo.total_slots}"
+            )
+        protect = frozenset(r.key for r in existing)
+        self._make_room(len(new_specs), protect)
+        # Write extents into free slots, then make them durable.
+        taken: list[int] = []
+        new_recs: list[ChunkRecord] = []
+        try:
+            for key, par, i in new_specs:
+                part = parts[i]
+                n = len(part)
+                slot_no = heapq.heappop(self._free_slots)
+                taken.append(slot_no)
+                buf = self._dram.insert(key, self._extent_bytes(n), now)
+                ext = self._extent_view(buf, n)  # [L, 2, H, n, D]
+                t0 = i * c
+                ext[:, 0].copy_(keys[:, :, t0 : t0 + n, :])
+                ext[:, 1].copy_(values[:, :, t0 : t0 + n, :])
+                raw = buf[: self._extent_bytes(n)].numpy()
+                sums = _checksums(raw, lay.num_layers)
+                self._segments.write(slot_no, memoryview(raw))
+                new_recs.append(ChunkRecord(key, par, n, slot_no, sums, part.copy()))
+            self._segments.sync()
+            # Contexts this put supersedes: stored strict prefixes of it.
+            superseded = self._prefix_sessions(toks, chain, namespace)
+            session = SessionRecord(chain[-1], n_tok, now, now, tuple(chain))
+            dec: dict[bytes, int] = defaultdict(int)
+            for k in superseded:
+                for ch in self._sessions[k].chunks:
+                    dec[ch] += 1
+            chain_set = set(chain)
+            freed = [ch for ch, d in dec.items()
+                     if len(self._holders[ch]) == d and ch not in chain_set]
+            with self._catalog.write() as txn:
+                for rec in new_recs:
+                    txn.put_chunk(rec)
+                txn.put_session(session)
+                for k in superseded:
+                    txn.delete_session(k)
+                for ch in freed:
+                    txn.delete_chunk(ch)
+                txn.put_meta("clock", self._clock)
+        except BaseException:
+            for key, _, _ in new_specs:
+                self._dram.discard(key)
+            for s in taken:
+                heapq.heappush(self._free_slots, s)
+            self._collect_orphans(protect)
+            raise
+        # Committed: apply to the in-memory mirror.
+        for rec in new_recs:
+            self._chunks[rec.key] = rec
+            self._children[rec.parent].add(rec.key)
+        for k in superseded:
+            s = self._sessions.pop(k)
+            self._session_heap.remove(k)
+            self._dirty_access.discard(k)
+            for ch in s.chunks:
+                self._holders[ch].discard(k)
+        for ch in freed:
+            self._forget_chunk(ch)
+        self._sessions[session.key] = session
+        for ch in chain:
+            self._holders[ch].add(session.key)
+        self._session_heap.push(session.key, self._session_priority(session))
+        self._counters["put_chunks_written"] += len(new_recs)
+
+    def _prefix_sessions(self, toks: np.ndarray, chain: list[bytes],
+                         namespace: str | None) -> list[bytes]:
+        """Stored sessions whose tokens are a strict prefix of ``toks`` (chain = its chunks)."""
+        c = self.config.chunk_tokens
+        out = []
+        parent = chain_seed(self.layout.fingerprint, namespace)
+        for i, key in enumerate(chain):
+            part = toks[i * c : (i + 1) * c]
+            if key in self._sessions and key != chain[-1]:
+                out.append(key)
+            for child in self._children.get(parent, ()):
+                rec = self._chunks[child]
+                if (child in self._sessions and child != key and rec.n_tokens < len(part)
+                        and np.array_equal(rec.tokens, part[: rec.n_tokens])):
+                    out.append(child)
+            parent = key
+        return out
+
+    def _touch_holders(self, chunk: bytes, clock: int) -> None:
+        for k in self._holders.get(chunk, ()):
+            s = self._sessions[k]
+            s.last_access = clock
+            self._dirty_access.add(k)
+            self._session_heap.push(k, self._session_priority(s))
+
+    def match(self, tokens: object, *, namespace: str | None = None) -> int:
+        """How many leading tokens of ``tokens`` the store can serve (from any tier).
+
+        Thread-safe.
+        """
+        toks = as_tokens(tokens)
+        with self._mutex:
+            self._check_open()
+            n = sum(p.use for p in self._resolve(toks, namespace))
+            self._counters["match_calls"] += 1
+            self._counters["matched_tokens"] += n
+            return n
+
+    def get(self, tokens: object, *, namespace: str | None = None,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None,
+            device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of all of ``tokens``: (keys, values), [num_layers, num_kv_heads, T, head_dim].
+
+        Keys are pre-RoPE, in the layout dtype, on CPU unless ``device`` is given; with
+        ``out=(k, v)`` the preallocated tensors are filled and returned. Raises KeyError if not
+        every token is stored, :class:`CorruptData` if stored bytes fail their checksum (the
+        contexts holding them are then dropped, so a retry sees a shorter match). Thread-safe.
+        """
+        toks = as_tokens(tokens)
+        n_tok = len(toks)
+        if out is not None:
+            if not isinstance(out, tuple | list) or len(out) != 2:
+                raise TypeError("out must be a (keys, values) pair of tensors")
+            k_out = self._check_kv("out[0]", out[0], n_tok)
+            v_out = self._check_kv("out[1]", out[1], n_tok)
+            if device is not None and torch.device(device) != k_out.device:
+                raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
+        with self._mutex:
+            self._check_open()
+            pieces = self._resolve(toks, namespace)
+            served = sum(p.use for p in pieces)
+            if served < n_tok:
+                self._counters["get_misses"] += 1
+                raise KeyError(f"only {served} of the {n_tok} tokens are stored")
+            if out is None:
+                shape = self.layout.kv_shape(n_tok)
+                k_out = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
+                v_out = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
+            for p in pieces:
+                ext = self._extent_view(self._load_chunk(p.rec), p.rec.n_tokens)
+                k_out[:, :, p.start : p.start + p.use].copy_(ext[:, 0, :, : p.use])
+                v_out[:, :, p.start : p.start + p.use].copy_(ext[:, 1, :, : p.use])
+            if not self.readonly:
+                self._touch_holders(pieces[-1].rec.key, self._clock)
+            self._counters["gets"] += 1
+            self._counters["served_tokens"] += n_tok
+            return k_out, v_out
+
+    def delete(self, tokens: object, *, namespace: str | None = None) -> bool:
+        """Remove the context stored for exactly ``tokens``; chunks other contexts share stay.
+
+        Returns False if no context was stored for exactly these tokens. Thread-safe.
+        """
+        toks = as_tokens(tokens)
+        with self._mutex:
+            self._check_writable()
+            pieces = self._resolve(toks, namespace)
+            if sum(p.use for p in pieces) != len(toks):
+                return False
+            last = pieces[-1].rec
+            s = self._sessions.get(last.key)
+            if s is None or s.n_tokens != len(toks) or last.n_tokens != pieces[-1].use:
+                return False
+            self._drop_sessions([s.key])
+            return True
+
+    def stats(self) -> dict[str, object]:
+        """Bytes and chunk counts per tier, hits/misses, evictions. Thread-safe."""
+        with self._mutex:
+            cnt = self._counters
+            disk_payload = sum(self._extent_bytes(r.n_tokens) for r in self._chunks.values())
+            return {
+                "dram": {
+                    "capacity_bytes": self.config.dram_bytes,
+                    "bytes": self._dram.bytes_used,
+                    "chunks": len(self._dram),
+                    "slots": self._dram.num_slots,
+                },
+                "disk": {
+                    "capacity_bytes": self.config.disk_bytes,
+                    "bytes": disk_payload,
+                    "slot_bytes": len(self._chunks) * self._geo.slot_stride,
+                    "chunks": len(self._chunks),
+                    "slots": self._geo.total_slots,
+                    "sessions": len(self._sessions),
+                    "tokens": sum(s.n_tokens for s in self._sessions.values()),
+                },
+                "hits": {"dram": cnt["dram_hits"], "disk": cnt["disk_hits"]},
+                "misses": cnt["get_misses"],
+                "evictions": {
+                    "dram_chunks": self._dram.evictions,
+                    "disk_sessions": cnt["evicted_sessions"],
+                    "disk_chunks": cnt["evicted_chunks"],
+                },
+                "corrupt": {
+                    "chunks": cnt["corrupt_chunks"],
+                    "dropped_sessions": cnt["dropped_sessions"],
+                    "collected_orphans": cnt["collected_orphans"],
+                },
+                "requests": {
+                    "puts_tokens": cnt["put_tokens"],
+                    "chunks_written": cnt["put_chunks_written"],
+                    "gets": cnt["gets"],
+                    "served_tokens": cnt["served_tokens"],
+                    "matches": cnt["match_calls"],
+                    "matched_tokens": cnt["matched_tokens"],
+                },
+            }
+
+    # ------------------------------------------------------------------ introspection
+    def sessions(self) -> list[SessionRecord]:
+        """Snapshot of the stored contexts (copies). Thread-safe."""
+        with self._mutex:
+            return [replace(s) for s in self._sessions.values()]
+
+    def chunk_records(self) -> list[ChunkRecord]:
+        """Snapshot of the chunk records. Thread-safe."""
+        with self._mutex:
+            return list(self._chunks.values())
+
+    def read_extent(self, rec: ChunkRecord) -> np.ndarray:
+        """Read a chunk's extent straight from disk (bypassing DRAM), unverified. Thread-safe."""
+        with self._mutex:
+            self._check_open()
+            buf = np.empty(self._extent_bytes(rec.n_tokens), dtype=np.uint8)
+            self._segments.read(rec.slot, 0, memoryview(buf))
+            return buf
+
+    def checksums_of(self, extent: np.ndarray) -> np.ndarray:
+        return _checksums(extent, self.layout.num_layers)
+
+    def drop_caches(self) -> None:
+        """Empty the DRAM tier and the OS page cache of the segment files (for benchmarks)."""
+        with self._mutex:
+            self._check_open()
+            for key in list(self._chunks):
+                self._dram.discard(key)
+            self._segments.drop_cache()
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Persist access times and release files and the lock. Idempotent. Thread-safe."""
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._dirty_access and not self.readonly:
+                    with self._catalog.write() as txn:
+                        for k in self._dirty_access:
+                            txn.put_session(self._sessions[k])
+                        txn.put_meta("clock", self._clock)
+                    self._dirty_access.clear()
+            finally:
+                self._segments.close()
+                self._catalog.close()
+                self._lock_file.release()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._sessions)} contexts"
+        return f"<kvstore.Store {self.path!r} {state}>"
+
+
+def _size_arg(name: str, v: object) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | np.integer):
+        raise TypeError(f"{name} must be an int number of bytes, got {type(v).__name__}")
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return int(v)
+
+
+def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
+               dram_bytes: int | None = None, disk_bytes: int | None = None,
+               chunk_tokens: int | None = None, policy: str | None = None,
+               readonly: bool = False) -> Store:
+    """Open (or create) the store directory ``path``.
+
+    On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
+    chunk_tokens 256, policy "lru"). On reopen, ``layout`` and ``chunk_tokens`` may be omitted
+    (stored values are used) but must match if given (:class:`LayoutMismatch`); sizes and policy
+    given replace the stored ones. ``readonly`` opens a store that must exist, shares it with
+    other readers, and never writes. Raises :class:`StoreLocked` if another process has it open
+    for writing.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if layout is not None and not isinstance(layout, KVLayout):
+        raise TypeError(f"layout must be a kvstore.KVLayout, got {type(layout).__name__}")
+    dram_bytes = _size_arg("dram_bytes", dram_bytes)
+    disk_bytes = _size_arg("disk_bytes", disk_bytes)
+    if chunk_tokens is not None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
+            raise TypeError(f"chunk_tokens must be an int, got {type(chunk_tokens).__name__}")
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if policy is not None:
+        make_policy(policy)
+    if readonly:
+        if not os.path.isdir(os.path.join(path, "catalog")):
+            raise FileNotFoundError(f"no kvstore at {path!r}")
+    else:
+        os.makedirs(path, exist_ok=True)
+    lock = DirLock(os.path.join(path, "LOCK"), exclusive=not readonly)
+    try:
+        catalog = Catalog(os.path.join(path, "catalog"), readonly=readonly)
+        try:
+            store = _settle(path, catalog, lock, layout, dram_bytes, disk_bytes, chunk_tokens,
+                            policy, readonly)
+        except BaseException:
+            catalog.close()
+            raise
+    except BaseException:
+        lock.release()
+        raise
+    return store
+
+
+def _settle(path: str, catalog: Catalog, lock: DirLock, layout: KVLayout | None,
+            dram_bytes: int | None, disk_bytes: int | None, chunk_tokens: int | None,
+            policy: str | None, readonly: bool) -> Store:
+    fmt = catalog.get_meta("format")
+    given = {k: v for k, v in {"dram_bytes": dram_bytes, "disk_bytes": disk_bytes,
+                               "chunk_tokens": chunk_tokens, "policy": policy}.items()
+             if v is not None}
+    if fmt is None:
+        if readonly:
+            raise FormatError(f"{path!r} holds no initialized kvstore")
+        if layout is None:
+            raise ValueError(f"layout is required to create a new store at {path!r}")
+        config = StoreConfig(**given)
+        _check_budget(layout, config)
+        with catalog.write() as txn:
+            txn.put_meta("layout", layout.to_dict())
+            txn.put_meta("config", config.to_dict())
+            txn.put_meta("clock", 0)
+            txn.put_meta("format", FORMAT_VERSION)  # last: marks the store initialized
+    else:
+        if fmt != FORMAT_VERSION:
+            raise FormatError(f"store format {fmt!r} is not supported (expected {FORMAT_VERSION})")
+        try:
+            stored = KVLayout.from_dict(catalog.get_meta("layout"))  # type: ignore[arg-type]
+            stored_cfg = StoreConfig(**catalog.get_meta("config"))  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise FormatError(f"store metadata at {path!r} is invalid: {e}") from None
+        if layout is not None and layout != stored:
+            raise LayoutMismatch(
+                f"store at {path!r} was created for {stored}, not {layout}"
+            )
+        if chunk_tokens is not None and chunk_tokens != stored_cfg.chunk_tokens:
+            raise LayoutMismatch(
+                f"store at {path!r} uses chunk_tokens={stored_cfg.chunk_tokens}, "
+                f"not {chunk_tokens}"
+            )
+        layout = stored
+        config = replace(stored_cfg, **given)
+        _check_budget(layout, config)
+        if config != stored_cfg and not readonly:
+            with catalog.write() as txn:
+                txn.put_meta("config", config.to_dict())
+    store = Store(path, layout=layout, config=config, catalog=catalog, lock=lock,
+                  readonly=readonly)
+    store._load()
+    return store
+
+
+def _check_budget(layout: KVLayout, config: StoreConfig) -> None:
+    slot = layout.chunk_bytes(config.chunk_tokens)
+    if config.disk_bytes < slot:
+        raise ValueError(
+            f"disk_bytes={config.disk_bytes} is smaller than one chunk ({slot} bytes for "
+            f"chunk_tokens={config.chunk_tokens}); the disk tier must hold at least one chunk"
+        )

@@ -1,0 +1,42 @@
+import pytest
+
+import kvstore
+from tests.kvstore.kvgen import SMALL, causal_kv
+
+
+@pytest.fixture
+def layout():
+    return SMALL
+
+
+@pytest.fixture
+def open_small(tmp_path):
+    """Factory: open a small store under tmp_path (default: 4-token chunks, roomy tiers)."""
+    opened = []
+
+    def _open(name="store", **kw):
+        kw.setdefault("layout", SMALL)
+        kw.setdefault("chunk_tokens", 4)
+        kw.setdefault("dram_bytes", 1 << 20)
+        kw.setdefault("disk_bytes", 4 << 20)
+        s = kvstore.open(tmp_path / name, **kw)
+        opened.append(s)
+        return s
+
+    yield _open
+    for s in opened:
+        s.close()
+
+
+def put_causal(store, tokens, namespace=None):
+    k, v = causal_kv(store.layout, tokens)
+    store.put(tokens, k, v, namespace=namespace)
+    return k, v
+
+
+def assert_get_exact(store, tokens, namespace=None):
+    import torch
+
+    k, v = store.get(tokens, namespace=namespace)
+    ek, ev = causal_kv(store.layout, tokens)
+    assert torch.equal(k, ek) and torch.equal(v, ev)
