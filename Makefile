@@ -22,7 +22,7 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 demo: $(VENV)/.installed
-	$(PY) -m kvstore.demo
+	$(PY) -m kvstore.demo --fresh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis kvstore-demo-store
