@@ -16,6 +16,34 @@ from dataclasses import dataclass
 from kvstore.errors import CapacityError, CorruptData
 
 PAGE = 4096
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+
+
+def _views(buffers: list) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in buffers]
+
+
+def _vector_io(call, fd: int, buffers: list, offset: int) -> int:
+    """Run ``os.preadv``/``os.pwritev`` until every buffer is done (or EOF on a read).
+
+    Returns the bytes transferred; handles short transfers and more buffers than IOV_MAX.
+    """
+    views = [v for v in _views(buffers) if len(v)]
+    done = 0
+    while views:
+        batch = views[:IOV_MAX]
+        n = call(fd, batch, offset + done)
+        if n == 0:
+            return done
+        done += n
+        while n and views:  # drop what was transferred
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return done
 
 
 def align_up(n: int, a: int = PAGE) -> int:
@@ -147,23 +175,26 @@ class SegmentFiles:
             return
         _fsync_dir(self.dir)
 
-    def write(self, slot: int, data: memoryview) -> None:
-        """Write an extent into ``slot`` (not yet durable: call :meth:`sync`)."""
-        assert len(data) <= self.geo.slot_stride
+    def write(self, slot: int, buffers: list) -> None:
+        """Write an extent given as buffers in extent order into ``slot`` (one ``pwritev``).
+
+        Not durable until :meth:`sync`. Thread-safety: the store calls it from its IO worker
+        while holding the store lock, so no other call runs concurrently.
+        """
+        total = sum(len(v) for v in _views(buffers))
+        assert total <= self.geo.slot_stride
         seg, off = self.geo.locate(slot)
         if seg not in self._ready:
             self.prepare(seg)  # created lazily, durably, before anything can reference it
         fd = self._fd(seg)
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            try:
-                n = os.pwrite(fd, view[done:], off + done)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise CapacityError(f"disk full while writing {self.path(seg)!r}") from e
-                raise
-            done += n
+        try:
+            n = _vector_io(os.pwritev, fd, buffers, off)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise CapacityError(f"disk full while writing {self.path(seg)!r}") from e
+            raise
+        if n != total:
+            raise OSError(errno.EIO, f"short write to {self.path(seg)!r}: {n} of {total} bytes")
         self._dirty.add(seg)
 
     def sync(self) -> None:
@@ -172,20 +203,18 @@ class SegmentFiles:
             os.fdatasync(self._fds[seg])
         self._dirty.clear()
 
-    def read(self, slot: int, offset: int, into: memoryview) -> None:
-        """Fill ``into`` from ``slot`` at byte ``offset``; a short read raises CorruptData."""
+    def read(self, slot: int, buffers: list, offset: int = 0) -> None:
+        """Fill ``buffers`` (in extent order) from ``slot`` at byte ``offset`` with one
+        ``preadv``; a short read (truncated file) raises CorruptData."""
         seg, base = self.geo.locate(slot)
         fd = self._fd(seg)
-        view = memoryview(into).cast("B")
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], base + offset + done)
-            if n == 0:
-                raise CorruptData(
-                    f"segment file {self.path(seg)!r} is truncated: slot {slot} "
-                    f"needs {len(view)} bytes at {base + offset}"
-                )
-            done += n
+        total = sum(len(v) for v in _views(buffers))
+        n = _vector_io(os.preadv, fd, buffers, base + offset)
+        if n != total:
+            raise CorruptData(
+                f"segment file {self.path(seg)!r} is truncated: slot {slot} needs {total} bytes "
+                f"at {base + offset}, got {n}"
+            )
 
     def drop_cache(self) -> None:
         """Ask the kernel to drop cached pages of every segment file (for cold-read benchmarks)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import os
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from threading import RLock
 
@@ -72,13 +73,45 @@ class _Piece:
     use: int
 
 
+_INT_VIEW = {2: torch.int16, 4: torch.int32}
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a same-shape numpy integer view of its bytes (works for bf16 too)."""
+    return t.view(_INT_VIEW[t.element_size()]).numpy()
+
+
 def _checksums(extent: np.ndarray, num_layers: int) -> np.ndarray:
-    """xxh3_64 of each layer's bytes of an extent ([num_layers * layer_bytes] uint8)."""
+    """xxh3_64 of each layer's bytes of a contiguous extent ([num_layers * layer_bytes] uint8)."""
     per = len(extent) // num_layers
     return np.fromiter(
         (xxhash.xxh3_64_intdigest(extent[i * per : (i + 1) * per]) for i in range(num_layers)),
         dtype=np.uint64, count=num_layers,
     )
+
+
+def _piece_checksums(pieces: list[np.ndarray], num_layers: int) -> np.ndarray:
+    """The same checksums as :func:`_checksums`, streamed over an extent given as pieces in
+    extent order (each layer's pieces are consecutive and equally many)."""
+    per = len(pieces) // num_layers
+    out = np.empty(num_layers, dtype=np.uint64)
+    for layer in range(num_layers):
+        h = xxhash.xxh3_64()
+        for p in pieces[layer * per : (layer + 1) * per]:
+            h.update(p)
+        out[layer] = h.intdigest()
+    return out
+
+
+def _extent_pieces(k: np.ndarray, v: np.ndarray, t0: int, n: int) -> list[np.ndarray]:
+    """Contiguous pieces of tokens [t0, t0+n) of raw K/V views [L, H, T, D], in extent order:
+    for each layer, K of every head, then V of every head."""
+    L, H = k.shape[0], k.shape[1]
+    out = []
+    for layer in range(L):
+        out += [k[layer, h, t0 : t0 + n] for h in range(H)]  # each [n, D], contiguous
+        out += [v[layer, h, t0 : t0 + n] for h in range(H)]
+    return out
 
 
 class Store:
@@ -118,6 +151,14 @@ class Store:
         self._dirty_access: set[bytes] = set()
         self.problems: list[str] = []  # integrity problems found at open (read-only mode)
         self._counters: dict[str, int] = defaultdict(int)
+        self._io: ThreadPoolExecutor | None = None  # one IO worker, started on first use
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        """The IO worker: disk reads/writes overlap checksums and DRAM copies on the caller's
+        thread. Only used while the store lock is held, so segment IO stays serialized."""
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-io")
+        return self._io
 
     # ------------------------------------------------------------------ loading
     def _load(self) -> None:
@@ -212,6 +253,10 @@ class Store:
         return slot[:nbytes].view(lay.torch_dtype).view(
             lay.num_layers, 2, lay.num_kv_heads, n_tokens, lay.head_dim)
 
+    def _extent_np(self, slot: torch.Tensor, n_tokens: int) -> np.ndarray:
+        """:meth:`_extent_view` as a raw numpy integer view [L, 2, H, n, D]."""
+        return _raw(self._extent_view(slot, n_tokens))
+
     def _check_kv(self, name: str, t: object, n_tokens: int) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -269,14 +314,8 @@ class Store:
         slot = self._dram.insert(rec.key, self._extent_bytes(rec.n_tokens), self._clock)
         try:
             buf = slot[: self._extent_bytes(rec.n_tokens)].numpy()
-            self._segments.read(rec.slot, 0, memoryview(buf))
-            sums = _checksums(buf, self.layout.num_layers)
-            if not np.array_equal(sums, rec.checksums):
-                bad = int(np.flatnonzero(sums != rec.checksums)[0])
-                raise CorruptData(
-                    f"chunk {rec.key.hex()} (disk slot {rec.slot}) failed its checksum "
-                    f"at layer {bad}"
-                )
+            self._segments.read(rec.slot, [buf])
+            self._verify(rec, _checksums(buf, self.layout.num_layers))
         except CorruptData as e:
             self._dram.discard(rec.key)
             self._quarantine(rec.key, e)
@@ -285,6 +324,70 @@ class Store:
             self._dram.discard(rec.key)
             raise
         return slot
+
+    def _copy_out(self, slot: torch.Tensor, p: _Piece, k_out: torch.Tensor,
+                  v_out: torch.Tensor) -> None:
+        """Copy the ``p.use`` leading tokens of a chunk held in ``slot`` into the output."""
+        a, b = p.start, p.start + p.use
+        if k_out.device.type == "cpu":
+            ext = self._extent_np(slot, p.rec.n_tokens)  # [L, 2, H, n, D]
+            np.copyto(_raw(k_out)[:, :, a:b], ext[:, 0, :, : p.use])  # [L, H, use, D]
+            np.copyto(_raw(v_out)[:, :, a:b], ext[:, 1, :, : p.use])
+        else:
+            ext = self._extent_view(slot, p.rec.n_tokens)
+            k_out[:, :, a:b].copy_(ext[:, 0, :, : p.use])
+            v_out[:, :, a:b].copy_(ext[:, 1, :, : p.use])
+
+    def _read_misses(self, misses: list[_Piece], k_out: torch.Tensor,
+                     v_out: torch.Tensor) -> None:
+        """Read chunks from disk into the output and the DRAM tier, verifying each.
+
+        Whole chunks bound for a contiguous CPU output are read by the IO worker straight into
+        the output (one ``preadv`` per chunk) while this thread verifies the previous chunk and
+        copies it into a DRAM slot; other pieces go through a DRAM slot (:meth:`_load_chunk`).
+        """
+        direct = (k_out.device.type == "cpu" and k_out.is_contiguous()
+                  and v_out.is_contiguous())
+        kr, vr = (_raw(k_out), _raw(v_out)) if direct else (None, None)
+        now_direct = [p for p in misses if direct and p.use == p.rec.n_tokens]
+        staged = [p for p in misses if not (direct and p.use == p.rec.n_tokens)]
+        pool = self._io_pool()
+        jobs = []
+        for p in now_direct:
+            pieces = _extent_pieces(kr, vr, p.start, p.use)
+            jobs.append((p, pieces, pool.submit(self._segments.read, p.rec.slot, pieces)))
+        try:
+            for p, pieces, fut in jobs:
+                fut.result()
+                self._verify(p.rec, _piece_checksums(pieces, self.layout.num_layers))
+                self._counters["disk_hits"] += 1
+                if self._dram.num_slots:
+                    n, a = p.rec.n_tokens, p.start
+                    ext = self._extent_np(
+                        self._dram.insert(p.rec.key, self._extent_bytes(n), self._clock), n)
+                    np.copyto(ext[:, 0], kr[:, :, a : a + n])  # [L, H, n, D]
+                    np.copyto(ext[:, 1], vr[:, :, a : a + n])
+        except CorruptData as e:
+            for _, _, fut in jobs:
+                fut.cancel()
+            wait([fut for _, _, fut in jobs])
+            self._quarantine(p.rec.key, e)
+            raise
+        except BaseException:
+            for _, _, fut in jobs:
+                fut.cancel()
+            wait([fut for _, _, fut in jobs])
+            raise
+        for p in staged:
+            self._copy_out(self._load_chunk(p.rec), p, k_out, v_out)
+
+    @staticmethod
+    def _verify(rec: ChunkRecord, sums: np.ndarray) -> None:
+        if not np.array_equal(sums, rec.checksums):
+            bad = int(np.flatnonzero(sums != rec.checksums)[0])
+            raise CorruptData(
+                f"chunk {rec.key.hex()} (disk slot {rec.slot}) failed its checksum at layer {bad}"
+            )
 
     def _quarantine(self, key: bytes, err: CorruptData) -> None:
         """Drop every session holding a corrupt chunk, so the store stops claiming it."""
@@ -411,25 +514,34 @@ class Store:
             )
         protect = frozenset(r.key for r in existing)
         self._make_room(len(new_specs), protect)
-        # Write extents into free slots, then make them durable.
+        # Write extents into free slots and make them durable on the IO worker (one pwritev
+        # per chunk straight from the caller's tensors, then fdatasync), while this thread
+        # computes checksums and fills the DRAM slots from the same bytes.
+        kr = _raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
+        vr = _raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
         taken: list[int] = []
         new_recs: list[ChunkRecord] = []
-        try:
-            for key, par, i in new_specs:
-                part = parts[i]
-                n = len(part)
-                slot_no = heapq.heappop(self._free_slots)
-                taken.append(slot_no)
-                buf = self._dram.insert(key, self._extent_bytes(n), now)
-                ext = self._extent_view(buf, n)  # [L, 2, H, n, D]
-                t0 = i * c
-                ext[:, 0].copy_(keys[:, :, t0 : t0 + n, :])
-                ext[:, 1].copy_(values[:, :, t0 : t0 + n, :])
-                raw = buf[: self._extent_bytes(n)].numpy()
-                sums = _checksums(raw, lay.num_layers)
-                self._segments.write(slot_no, memoryview(raw))
-                new_recs.append(ChunkRecord(key, par, n, slot_no, sums, part.copy()))
+        jobs: list[tuple[int, list[np.ndarray]]] = []
+        for _, _, i in new_specs:
+            taken.append(heapq.heappop(self._free_slots))
+            jobs.append((taken[-1], _extent_pieces(kr, vr, i * c, len(parts[i]))))
+
+        def write_all() -> None:
+            for slot_no, pieces in jobs:
+                self._segments.write(slot_no, pieces)
             self._segments.sync()
+
+        fut: Future[None] | None = None
+        try:
+            fut = self._io_pool().submit(write_all)
+            for (key, par, i), (slot_no, pieces) in zip(new_specs, jobs, strict=True):
+                n, t0 = len(parts[i]), i * c
+                sums = _piece_checksums(pieces, lay.num_layers)
+                ext = self._extent_np(self._dram.insert(key, self._extent_bytes(n), now), n)
+                np.copyto(ext[:, 0], kr[:, :, t0 : t0 + n])  # [L, H, n, D]
+                np.copyto(ext[:, 1], vr[:, :, t0 : t0 + n])
+                new_recs.append(ChunkRecord(key, par, n, slot_no, sums, parts[i].copy()))
+            fut.result()  # durable (or the IO error, re-raised here)
             # Contexts this put supersedes: stored strict prefixes of it.
             superseded = self._prefix_sessions(toks, chain, namespace)
             session = SessionRecord(chain[-1], n_tok, now, now, tuple(chain))
@@ -450,6 +562,8 @@ class Store:
                     txn.delete_chunk(ch)
                 txn.put_meta("clock", self._clock)
         except BaseException:
+            if fut is not None:
+                wait([fut])  # the worker must be done with the slots before they are reused
             for key, _, _ in new_specs:
                 self._dram.discard(key)
             for s in taken:
@@ -542,10 +656,18 @@ class Store:
                 shape = self.layout.kv_shape(n_tok)
                 k_out = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
                 v_out = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
+            # Pass 1: DRAM hits (lookups only, so nothing is evicted while copying them out).
+            misses = []
             for p in pieces:
-                ext = self._extent_view(self._load_chunk(p.rec), p.rec.n_tokens)
-                k_out[:, :, p.start : p.start + p.use].copy_(ext[:, 0, :, : p.use])
-                v_out[:, :, p.start : p.start + p.use].copy_(ext[:, 1, :, : p.use])
+                slot = self._dram.lookup(p.rec.key, self._tick())
+                if slot is None:
+                    misses.append(p)
+                else:
+                    self._counters["dram_hits"] += 1
+                    self._copy_out(slot, p, k_out, v_out)
+            # Pass 2: DRAM misses, read from disk.
+            if misses:
+                self._read_misses(misses, k_out, v_out)
             if not self.readonly:
                 self._touch_holders(pieces[-1].rec.key, self._clock)
             self._counters["gets"] += 1
@@ -629,7 +751,7 @@ class Store:
         with self._mutex:
             self._check_open()
             buf = np.empty(self._extent_bytes(rec.n_tokens), dtype=np.uint8)
-            self._segments.read(rec.slot, 0, memoryview(buf))
+            self._segments.read(rec.slot, [buf])
             return buf
 
     def checksums_of(self, extent: np.ndarray) -> np.ndarray:
@@ -658,6 +780,9 @@ class Store:
                         txn.put_meta("clock", self._clock)
                     self._dirty_access.clear()
             finally:
+                if self._io is not None:
+                    self._io.shutdown(wait=True)
+                    self._io = None
                 self._segments.close()
                 self._catalog.close()
                 self._lock_file.release()
