@@ -1,0 +1,457 @@
+"""Store throughput against the machine's ceilings, measured in one run (issue 2).
+
+For each layout (SmolLM2-135M and a Llama-8B-sized one) and one context of ``T`` tokens:
+
+1. ``dram_get``: ``store.get`` of a context resident in the DRAM tier (also ``get(out=...)``)
+   vs ``np.copyto`` of the same number of bytes (ceiling).
+2. ``cold_get``: ``store.get`` after ``store.drop_caches()`` (DRAM tier emptied, segment pages
+   fadvise-dropped) vs a buffered sequential read of a file of the same size, its page cache
+   dropped first, read in large ``preadv`` calls into a preallocated buffer (ceiling).
+3. ``put``: a durable ``store.put`` of a whole context with new tokens vs ``write`` + ``fsync``
+   of the same bytes to a new file (ceiling).
+4. naive alternatives: ``torch.save`` + ``fsync`` / cold ``torch.load(weights_only=True)`` and
+   safetensors ``save_file`` + ``fsync`` / cold ``load_file`` (which mmaps lazily, so the timed
+   load also touches one byte per 4 KiB page to make it read the data).
+
+Store and ceiling measurements are interleaved within each repetition (their order alternates)
+so drift of the noisy virtio disk hits both alike; ratios are taken between medians. Bytes are
+the K+V payload of the context (``T * layout.token_bytes``); GB/s is 1e9 bytes per second.
+
+    python bench/store_throughput.py [--smol-tokens 2048] [--llama-tokens 2048] [--reps 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+
+import kvstore
+from kvstore import KVLayout
+
+LAYOUTS: dict[str, KVLayout] = {
+    "smollm2-135m": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16",
+                             rope_theta=100000.0, model_id="smollm2-135m-instruct"),
+    "llama-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16",
+                         rope_theta=500000.0, model_id="llama-3-8b-sized"),
+}
+
+CHUNK_TOKENS = 256
+READ_BLOCK = 8 << 20  # ceiling reads: 8 MiB preadv calls
+WRITE_BLOCK = 8 << 20
+
+# (metric, ceiling or alternative it is compared with, target ratio or None)
+COMPARISONS: list[tuple[str, str, float | None, str]] = [
+    ("dram_get", "copy_ceiling", 0.5, "DRAM get >= 50% of np.copyto bandwidth"),
+    ("dram_get_out", "copy_ceiling", None, "get(out=prealloc) vs np.copyto (info)"),
+    ("dram_get", "copy_alloc_ceiling", None, "get vs np.copyto into new np.empty (info)"),
+    ("cold_get", "read_ceiling", 0.8, "cold disk get >= 80% of raw sequential read"),
+    ("put", "write_ceiling", 0.8, "durable put >= 80% of raw write+fsync"),
+    ("cold_get", "torch_load", 1.0, "cold get ahead of torch.load (cold)"),
+    ("cold_get", "safetensors_load", 1.0, "cold get ahead of safetensors load_file (cold)"),
+    ("put", "torch_save", 1.0, "put ahead of torch.save + fsync"),
+    ("put", "safetensors_save", 1.0, "put ahead of safetensors save_file + fsync"),
+]
+
+
+# ---------------------------------------------------------------------------------- helpers
+def drop_file_cache(path: str) -> None:
+    """Write back and drop the page cache of one file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_write(path: str, buf: np.ndarray) -> None:
+    """write + fsync of ``buf`` to a new file (the durable-write ceiling)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done : done + WRITE_BLOCK])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: str, buf: np.ndarray) -> None:
+    """Buffered sequential read of ``path`` into ``buf`` in large calls (the read ceiling)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done : done + READ_BLOCK]], done)
+            if n == 0:
+                raise OSError(f"{path} is shorter than {len(view)} bytes")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def cpu_busy_s() -> float:
+    """CPU seconds all processes of the machine have spent busy (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def summarize(samples: list[float], nbytes: int) -> dict[str, object]:
+    a = np.asarray(samples, dtype=np.float64)
+    p50 = float(np.percentile(a, 50))
+    return {
+        "samples_s": [float(x) for x in a],
+        "p50_s": p50,
+        "p90_s": float(np.percentile(a, 90)),
+        "min_s": float(a.min()),
+        "max_s": float(a.max()),
+        "gbps_p50": nbytes / p50 / 1e9,
+        "gbps_best": nbytes / float(a.min()) / 1e9,
+        "gbps_samples": [nbytes / float(x) / 1e9 for x in a],
+    }
+
+
+def new_tokens(rng: np.random.Generator, n: int, first: int) -> np.ndarray:
+    """Random token ids whose first token is unique to this context (so every chunk is new)."""
+    toks = rng.integers(0, 49152, size=n, dtype=np.int64)
+    toks[0] = first
+    return toks
+
+
+# ---------------------------------------------------------------------------------- bench
+def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int,
+                 workdir: str, profile: bool, log: Callable[[str], None]) -> dict[str, object]:
+    nbytes = n_tok * layout.token_bytes
+    n_chunks = -(-n_tok // CHUNK_TOKENS)
+    slot_bytes = layout.chunk_bytes(CHUNK_TOKENS)
+    slot_stride = -(-slot_bytes // 4096) * 4096
+    n_puts = warmup + reps + 1
+    # No eviction while measuring: every put fits on disk; DRAM holds two contexts and a spare.
+    disk_bytes = (n_puts + 4) * n_chunks * slot_stride
+    dram_bytes = (2 * n_chunks + 1) * slot_stride
+    root = os.path.join(workdir, name)
+    os.makedirs(root)
+    log(f"[{name}] {n_tok} tokens = {nbytes / 1e6:.1f} MB of K+V ({n_chunks} chunks of "
+        f"{slot_bytes / 1e6:.2f} MB); disk {disk_bytes / 2**30:.2f} GiB, "
+        f"dram {dram_bytes / 2**20:.0f} MiB")
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(layout.kv_shape(n_tok), generator=gen).to(layout.torch_dtype)
+    values = torch.randn(layout.kv_shape(n_tok), generator=gen).to(layout.torch_dtype)
+    kv_out = (torch.empty_like(keys), torch.empty_like(values))
+    raw_src = np.concatenate([keys.numpy().view(np.uint8).ravel(),
+                              values.numpy().view(np.uint8).ravel()])
+    assert raw_src.nbytes == nbytes
+    raw_dst = np.empty_like(raw_src)
+    raw_dst.fill(0)  # fault the pages in now, not while timing
+    rng = np.random.default_rng(1)
+
+    samples: dict[str, list[float]] = {k: [] for k in (
+        "copy_ceiling", "copy_alloc_ceiling", "dram_get", "dram_get_out", "read_ceiling",
+        "cold_get", "write_ceiling", "put", "torch_save", "torch_load", "safetensors_save",
+        "safetensors_load")}
+    store = kvstore.open(os.path.join(root, "store"), layout=layout, dram_bytes=dram_bytes,
+                         disk_bytes=disk_bytes, chunk_tokens=CHUNK_TOKENS)
+    next_first = 1
+
+    def fresh() -> np.ndarray:
+        nonlocal next_first
+        next_first += 1
+        return new_tokens(rng, n_tok, next_first)
+
+    ctx = fresh()  # the context read back by every get
+    store.put(ctx, keys, values)
+    ceil_file = os.path.join(root, "ceiling.bin")
+    raw_write(ceil_file, raw_src)
+    pt_file = os.path.join(root, "kv.pt")
+    st_file = os.path.join(root, "kv.safetensors")
+    write_no = 0
+
+    def hits() -> tuple[int, int]:
+        h = store.stats()["hits"]
+        return h["dram"], h["disk"]
+
+    def run_rep(store_first: bool) -> dict[str, float]:
+        nonlocal write_no
+        s: dict[str, float] = {}
+
+        # 3. durable put of a whole new context vs write+fsync of a new file.
+        write_no += 1
+        wfile = os.path.join(root, f"write-{write_no}.bin")
+        put_toks = fresh()
+
+        def put_store() -> None:
+            s["put"] = timed(lambda: store.put(put_toks, keys, values))
+
+        def put_ceil() -> None:
+            s["write_ceiling"] = timed(lambda: raw_write(wfile, raw_src))
+
+        for f in ((put_store, put_ceil) if store_first else (put_ceil, put_store)):
+            f()
+        os.unlink(wfile)
+
+        # 2. cold get from disk vs a cold buffered read of a file of the same size.
+        def cold_store() -> None:
+            store.drop_caches()
+            d0 = hits()
+            s["cold_get"] = timed(lambda: store.get(ctx))
+            d1 = hits()
+            assert d1[1] - d0[1] == n_chunks and d1[0] == d0[0], (d0, d1)
+
+        def cold_ceil() -> None:
+            drop_file_cache(ceil_file)
+            s["read_ceiling"] = timed(lambda: raw_read(ceil_file, raw_dst))
+
+        for f in ((cold_store, cold_ceil) if store_first else (cold_ceil, cold_store)):
+            f()
+
+        # 1. get from the DRAM tier (the cold get just loaded ctx) vs np.copyto of the bytes.
+        def dram_store() -> None:
+            d0 = hits()
+            s["dram_get"] = timed(lambda: store.get(ctx))
+            s["dram_get_out"] = timed(lambda: store.get(ctx, out=kv_out))
+            d1 = hits()
+            assert d1[0] - d0[0] == 2 * n_chunks and d1[1] == d0[1], (d0, d1)
+
+        def dram_ceil() -> None:
+            s["copy_ceiling"] = timed(lambda: np.copyto(raw_dst, raw_src))
+            # the same copy into freshly allocated memory, as get() without out= does
+            s["copy_alloc_ceiling"] = timed(lambda: np.copyto(np.empty_like(raw_src), raw_src))
+
+        for f in ((dram_store, dram_ceil) if store_first else (dram_ceil, dram_store)):
+            f()
+
+        # 4. naive alternatives: torch.save/load and safetensors, durable save, cold load.
+        def torch_save() -> None:
+            torch.save({"keys": keys, "values": values}, pt_file)
+            fsync_path(pt_file)
+
+        def st_save() -> None:
+            safetensors.torch.save_file({"keys": keys, "values": values}, st_file)
+            fsync_path(st_file)
+
+        def st_load(path: str) -> dict[str, torch.Tensor]:
+            # safetensors >= 0.6 maps the file lazily: touch every page so the bytes are read.
+            d = safetensors.torch.load_file(path)
+            for t in d.values():
+                t.view(torch.uint8).reshape(-1)[::4096].sum()
+            return d
+
+        for path, save, load, tag in (
+            (pt_file, torch_save, lambda: torch.load(pt_file, weights_only=True), "torch"),
+            (st_file, st_save, lambda: st_load(st_file), "safetensors"),
+        ):
+            s[f"{tag}_save"] = timed(save)
+            drop_file_cache(path)
+            s[f"{tag}_load"] = timed(load)
+            os.unlink(path)
+        return s
+
+    # Other processes' CPU use during each repetition, as a fraction of the machine: on a
+    # 2-core box a concurrent job visibly slows copies and checksums (recorded, not corrected).
+    other_cpu: list[float] = []
+    t_start = time.perf_counter()
+    for rep in range(warmup + reps):
+        keep = rep >= warmup
+        b0, o0, w0 = cpu_busy_s(), own_cpu_s(), time.perf_counter()
+        s = run_rep(store_first=rep % 2 == 0)
+        frac = ((cpu_busy_s() - b0) - (own_cpu_s() - o0)) / (
+            (time.perf_counter() - w0) * (os.cpu_count() or 1))
+        if keep:
+            for k, v in s.items():
+                samples[k].append(v)
+            other_cpu.append(max(frac, 0.0))
+        log(f"[{name}] rep {rep + 1}/{warmup + reps}{'' if keep else ' (warmup)'}: " + ", ".join(
+            f"{k} {nbytes / v / 1e9:.2f}" for k, v in s.items())
+            + f" GB/s; other processes' CPU {frac:.0%}")
+
+    # Correctness of what was timed: the last gets returned the stored bytes.
+    k_got, v_got = store.get(ctx)
+    assert torch.equal(k_got, keys) and torch.equal(v_got, values)
+    elapsed = time.perf_counter() - t_start
+
+    prof = None
+    if profile:
+        prof = profile_store(store, ctx, keys, values, fresh)
+    stats = store.stats()
+    store.close()
+
+    metrics = {k: summarize(v, nbytes) for k, v in samples.items() if v}
+    ratios = []
+    for metric, base, target, label in COMPARISONS:
+        r = metrics[metric]["gbps_p50"] / metrics[base]["gbps_p50"]
+        ratios.append({"metric": metric, "vs": base, "ratio_p50": r, "target": target,
+                       "met": None if target is None else bool(r >= target), "label": label})
+    return {
+        "layout": layout.to_dict(),
+        "tokens": n_tok,
+        "chunk_tokens": CHUNK_TOKENS,
+        "bytes": nbytes,
+        "dram_bytes": dram_bytes,
+        "disk_bytes": disk_bytes,
+        "elapsed_s": elapsed,
+        "other_cpu_frac_samples": other_cpu,
+        "other_cpu_frac_p50": float(np.median(other_cpu)),
+        "metrics": metrics,
+        "ratios": ratios,
+        "store_stats": stats,
+        "profile": prof,
+    }
+
+
+def profile_store(store: kvstore.Store, ctx: np.ndarray, keys: torch.Tensor,
+                  values: torch.Tensor, fresh: Callable[[], np.ndarray]) -> dict[str, str]:
+    """cProfile text (top functions by own time) of a few puts, cold gets and DRAM gets."""
+    out: dict[str, str] = {}
+    for tag in ("put", "cold_get", "dram_get"):
+        pr = cProfile.Profile()
+        for _ in range(3):
+            if tag == "put":
+                toks = fresh()
+                pr.runcall(store.put, toks, keys, values)
+            else:
+                if tag == "cold_get":
+                    store.drop_caches()
+                pr.runcall(store.get, ctx)
+        text = io.StringIO()
+        pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(14)
+        out[tag] = text.getvalue()
+    return out
+
+
+def machine_info() -> dict[str, object]:
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "python": sys.version.split()[0],
+            "cpus": os.cpu_count(), "mem_bytes": mem, "torch": torch.__version__,
+            "numpy": np.__version__, "safetensors": safetensors.__version__,
+            "torch_threads": torch.get_num_threads()}
+
+
+def print_table(results: dict[str, dict[str, object]]) -> None:
+    for name, r in results.items():
+        m = r["metrics"]
+        print(f"\n{name}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB K+V per context; "
+              f"other processes used {r['other_cpu_frac_p50']:.0%} of the CPUs (median rep)")
+        print(f"  {'measure':<18}{'GB/s p50':>10}{'best':>8}{'p50 ms':>10}{'p90 ms':>10}"
+              f"{'min ms':>9}{'max ms':>9}")
+        for k, v in m.items():
+            print(f"  {k:<18}{v['gbps_p50']:>10.2f}{v['gbps_best']:>8.2f}"
+                  f"{v['p50_s'] * 1e3:>10.1f}{v['p90_s'] * 1e3:>10.1f}"
+                  f"{v['min_s'] * 1e3:>9.1f}{v['max_s'] * 1e3:>9.1f}")
+        print(f"  {'comparison':<50}{'ratio':>8}{'target':>8}  met")
+        for c in r["ratios"]:
+            tgt = "-" if c["target"] is None else f"{c['target']:.2f}"
+            met = "-" if c["met"] is None else ("yes" if c["met"] else "NO")
+            print(f"  {c['label']:<50}{c['ratio_p50']:>8.2f}{tgt:>8}  {met}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smol-tokens", type=int, default=2048,
+                   help="context length for the SmolLM2-135M layout (default 2048)")
+    p.add_argument("--llama-tokens", type=int, default=2048,
+                   help="context length for the Llama-8B-sized layout (default 2048)")
+    p.add_argument("--layouts", default="smollm2-135m,llama-8b",
+                   help=f"comma-separated subset of {','.join(LAYOUTS)}")
+    p.add_argument("--reps", type=int, default=9, help="measured repetitions (default 9)")
+    p.add_argument("--warmup", type=int, default=2, help="warmup repetitions (default 2)")
+    p.add_argument("--dir", default=None,
+                   help="parent directory for the temporary store and files (default: a "
+                        "tempfile directory); everything created is removed at the end")
+    p.add_argument("--out", default="bench/results/store_throughput.json",
+                   help="JSON output (default bench/results/store_throughput.json)")
+    p.add_argument("--profile", action="store_true",
+                   help="also cProfile a few puts/gets per layout and store the text in the JSON")
+    p.add_argument("--quiet", action="store_true", help="no per-repetition progress lines")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    for n in names:
+        if n not in LAYOUTS:
+            p.error(f"--layouts: unknown layout {n!r}; choose from {sorted(LAYOUTS)}")
+    if args.reps < 1 or args.warmup < 0:
+        p.error("--reps must be >= 1 and --warmup >= 0")
+    tokens = {"smollm2-135m": args.smol_tokens, "llama-8b": args.llama_tokens}
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    workdir = tempfile.mkdtemp(prefix="kvstore-bench-", dir=args.dir)
+    t0 = time.perf_counter()
+    try:
+        results = {n: bench_layout(n, LAYOUTS[n], tokens[n], args.reps, args.warmup, workdir,
+                                   args.profile, log) for n in names}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report = {
+        "bench": "store_throughput",
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "args": vars(args),
+        "machine": machine_info(),
+        "workdir_parent": os.path.dirname(workdir),
+        "total_s": time.perf_counter() - t0,
+        "gb": "1e9 bytes; bytes = K+V payload of the context (tokens * layout.token_bytes)",
+        "results": results,
+    }
+    if os.path.dirname(args.out):
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(results)
+    if args.profile:
+        for n, r in results.items():
+            for tag, text in (r["profile"] or {}).items():
+                print(f"\n--- profile {n} {tag} ---\n{text}")
+    print(f"\nwrote {args.out} (total {report['total_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""engine: the attention runtime on top of kvstore (model, tokenizer, generation).
+
+Submodules are imported lazily so ``import engine`` stays cheap; ``engine.load_model`` and
+``engine.Model`` pull in torch and the model code on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.model import Model, ModelConfig, apply_rope, load_model
+    from engine.tokenizer import Tokenizer
+
+__all__ = ["Model", "ModelConfig", "Tokenizer", "apply_rope", "load_model"]
+
+_LAZY = {
+    "Model": "engine.model",
+    "ModelConfig": "engine.model",
+    "apply_rope": "engine.model",
+    "load_model": "engine.model",
+    "Tokenizer": "engine.tokenizer",
+    "create_session": "engine.hf_cache",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,215 @@
+"""Generation with KV reuse: load the longest stored prefix, prefill the rest, decode, store.
+
+``Generator.generate(ids)`` is one request. ``Conversation`` is a multi-turn chat on top of it:
+it keeps the conversation's token ids (so every turn's prompt extends the last one exactly and
+the store serves the whole history), and when the history would overflow the context window it
+truncates the *stored KV* (drop the oldest half, keep sink tokens) and re-positions the rest —
+no recompute (AttentionStore §3.4).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import kvstore
+from engine.model import KV, Model, split_kv, stack_kv
+from kvstore.rope import Truncation
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """Greedy when ``temperature`` is 0 (the default)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationResult:
+    tokens: list[int]  # the generated ids only
+    reused_tokens: int  # prompt tokens whose KV came from the store
+    prefilled_tokens: int  # prompt tokens computed
+    ttft_s: float  # request start -> first token sampled (load + prefill)
+    load_s: float  # time spent getting KV from the store
+    total_s: float
+    stored_tokens: int  # tokens whose KV was stored for the next turn (0 if store=False)
+    stop_reason: str  # "stop_token" or "max_new_tokens"
+
+
+def _sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
+    # logits [V] float32
+    if cfg.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / cfg.temperature, dim=-1)  # [V]
+    if cfg.top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)  # [V]
+        keep = torch.cumsum(sp, 0) - sp < cfg.top_p  # [V] smallest set reaching top_p
+        probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+class Generator:
+    """Runs requests for ``model`` with KV reuse through ``store``.
+
+    Thread-safety: one request at a time per Generator (the store itself is thread-safe).
+    """
+
+    def __init__(self, model: Model, store: kvstore.Store) -> None:
+        if store.layout != model.layout:
+            raise kvstore.LayoutMismatch(
+                f"store layout {store.layout} does not match the model's {model.layout}"
+            )
+        self.model = model
+        self.store = store
+        tok = model.tokenizer
+        stops = {tok.token_to_id("<|im_end|>")}
+        if model.config.eos_token_id is not None:
+            stops.add(int(model.config.eos_token_id))
+        self.stop_ids = frozenset(stops)
+
+    def load_prefix(self, ids: Sequence[int], *, namespace: str | None = None,
+                    leave: int = 1) -> tuple[int, list[KV] | None]:
+        """The longest stored prefix of ``ids`` that leaves at least ``leave`` tokens to compute
+        (a request needs one to produce logits) and its KV per layer, or (0, None)."""
+        n = min(self.store.match(ids, namespace=namespace), len(ids) - leave)
+        if n <= 0:
+            return 0, None
+        k, v = self.store.get(ids[:n], namespace=namespace)  # [L, H, n, D] each
+        return n, split_kv(k, v)
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int = 64, *,
+                 sampling: SamplingConfig | None = None, namespace: str | None = None,
+                 store: bool = True, reuse: bool = True) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after ``ids``, reusing stored KV of its prefix.
+
+        Stores the KV of ``ids`` + the generated tokens that were fed back (all but the last)
+        for the next turn when ``store`` is true. ``reuse=False`` recomputes everything (the
+        baseline the reuse path must equal).
+        """
+        ids = self.model._check_ids(ids).tolist()
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        window = self.model.config.context_length
+        if len(ids) + max_new_tokens > window:
+            raise ValueError(
+                f"ids ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed the context "
+                f"window of {window}; truncate the history first (see Conversation)"
+            )
+        cfg = sampling or SamplingConfig()
+        gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+        t0 = time.perf_counter()
+        n_reused, past = self.load_prefix(ids, namespace=namespace) if reuse else (0, None)
+        load_s = time.perf_counter() - t0
+        logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True)
+        out = [_sample(logits[-1], cfg, gen)]
+        ttft = time.perf_counter() - t0
+        stop_reason = "max_new_tokens"
+        while True:
+            if out[-1] in self.stop_ids:
+                stop_reason = "stop_token"
+                break
+            if len(out) >= max_new_tokens:
+                break
+            logits, kv = self.model.forward([out[-1]], past=kv, last_only=True)
+            out.append(_sample(logits[-1], cfg, gen))
+        fed = ids + out[:-1]  # tokens whose KV exists
+        stored = 0
+        if store:
+            k, v = stack_kv(kv)  # [L, H, T, D]
+            assert k.shape[2] == len(fed)
+            self.store.put(fed, k, v, namespace=namespace)
+            stored = len(fed)
+        return GenerationResult(
+            tokens=out, reused_tokens=n_reused, prefilled_tokens=len(ids) - n_reused,
+            ttft_s=ttft, load_s=load_s, total_s=time.perf_counter() - t0, stored_tokens=stored,
+            stop_reason=stop_reason,
+        )
+
+
+@dataclass
+class Conversation:
+    """A multi-turn chat whose history lives in the store.
+
+    ``ids`` are the conversation's token ids so far (the context the next turn extends). When a
+    turn would overflow the window, the stored KV of ``ids`` is truncated (``truncation``) and
+    stored again under the conversation's own namespace (the kept KV was computed with the
+    dropped history, so it must not be served to another context with the same tokens).
+    """
+
+    generator: Generator
+    name: str
+    ids: list[int] = field(default_factory=list)
+    namespace: str | None = None
+    truncation: Truncation = field(default_factory=Truncation)
+    window: int | None = None  # context window; default (and at most) the model's
+    truncations: int = 0
+
+    def __post_init__(self) -> None:
+        limit = self.generator.model.config.context_length
+        if self.window is None:
+            self.window = limit
+        if not 0 < self.window <= limit:
+            raise ValueError(f"window must be in (0, {limit}], got {self.window}")
+
+    def _message_ids(self, role: str, content: str, *, first: bool) -> list[int]:
+        m = self.generator.model
+        if first:
+            return m.chat_template([{"role": role, "content": content}])
+        # a continuation: <|im_end|>\n closes the assistant turn, then the new message
+        full = m.chat_template([{"role": "system", "content": ""},
+                                {"role": role, "content": content}])
+        sys_part = m.chat_template([{"role": "system", "content": ""}],
+                                   add_generation_prompt=False)
+        assert full[: len(sys_part)] == sys_part, "chat template is not compositional"
+        im_end = m.tokenizer.token_to_id("<|im_end|>")
+        nl = m.tokenizer.encode("\n", allow_special=False)
+        return [im_end, *nl, *full[len(sys_part):]]
+
+    def turn(self, user_text: str, max_new_tokens: int = 128, *,
+             sampling: SamplingConfig | None = None) -> tuple[str, GenerationResult]:
+        """Add a user message, generate the reply, store the context. Returns (text, result)."""
+        new = self._message_ids("user", user_text, first=not self.ids)
+        window = self.window
+        while len(self.ids) + len(new) + max_new_tokens > window:
+            if not self.ids:
+                raise ValueError(
+                    f"a message of {len(new)} tokens + {max_new_tokens} new tokens does not fit "
+                    f"the context window of {window}"
+                )
+            self._truncate()
+        r = self.generator.generate(self.ids + new, max_new_tokens, sampling=sampling,
+                                    namespace=self.namespace)
+        # History = prompt + the assistant's content; a final stop token is re-added by the
+        # next message (which starts by closing the assistant turn).
+        content = r.tokens[:-1] if r.stop_reason == "stop_token" else r.tokens
+        self.ids = self.ids + new + content
+        text = self.generator.model.tokenizer.decode(
+            [t for t in r.tokens if t not in self.generator.stop_ids], skip_special=True)
+        return text, r
+
+    def _truncate(self) -> None:
+        """Drop the oldest part of the stored history KV and re-store the rest (re-positioned
+        to 0..K-1 on use). History tokens without stored KV (the last generated token, or a
+        tail the store evicted) are computed on top of the stored prefix first."""
+        store, model = self.generator.store, self.generator.model
+        n, past = self.generator.load_prefix(self.ids, namespace=self.namespace, leave=0)
+        if n < len(self.ids):
+            _, past = model.forward(self.ids[n:], past=past)
+        k, v = stack_kv(past)  # [L, H, T, D]
+        kept, kk, vv = self.truncation.apply(self.ids, k, v)
+        ns = f"conversation:{self.name}"
+        store.put(kept, kk.contiguous(), vv.contiguous(), namespace=ns)
+        self.ids, self.namespace = kept, ns
+        self.truncations += 1

@@ -1,0 +1,154 @@
+"""Generation with reuse: exactly the tokens of a full recompute; truncation without recompute."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstore
+from engine.generate import Conversation, Generator, SamplingConfig
+from engine.model import split_kv, stack_kv
+from kvstore.rope import Truncation, apply_rope
+from tests.engine.test_model_reference import (
+    read_sharegpt_records,
+    sharegpt_messages,
+    sharegpt_path,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGIT_TOL = 0.05  # max |logit diff| reuse vs recompute; fp16 KV from a different batch shape
+
+
+def _turn1_messages():
+    for rec in read_sharegpt_records(sharegpt_path()):
+        msgs = [m for m in sharegpt_messages(rec) if m["role"] != "system"]
+        if len(msgs) >= 3 and msgs[0]["role"] == "user" and msgs[2]["role"] == "user":
+            return msgs
+    pytest.fail("no multi-turn ShareGPT conversation found")
+
+
+TURN1_SCRIPT = """
+import json, sys, kvstore, engine
+from engine.generate import Generator
+model = engine.load_model()
+ids = json.loads(sys.argv[2])
+with kvstore.open(sys.argv[1], layout=model.layout, dram_bytes=64 << 20,
+                  disk_bytes=1 << 30) as store:
+    r = Generator(model, store).generate(ids, 32)
+print(json.dumps({"tokens": r.tokens, "stored": r.stored_tokens, "stop": r.stop_reason}))
+"""
+
+
+def test_turn2_reuse_from_new_process_equals_recompute(model, tmp_path):
+    msgs = _turn1_messages()
+    ids1 = model.chat_template(msgs[:1])
+    ids1 = ids1[:380] if len(ids1) > 380 else ids1
+    path = tmp_path / "st"
+    r = subprocess.run([sys.executable, "-c", TURN1_SCRIPT, str(path), json.dumps(ids1)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    turn1 = json.loads(r.stdout.strip().splitlines()[-1])
+    assert turn1["stored"] == len(ids1) + len(turn1["tokens"]) - 1
+    content = turn1["tokens"][:-1] if turn1["stop"] == "stop_token" else turn1["tokens"]
+    conv = Conversation(Generator(model, kvstore.open(path)), "t")
+    ids2 = ids1 + content + conv._message_ids("user", msgs[2]["content"][:400], first=False)
+    store = conv.generator.store
+    try:
+        gen = Generator(model, store)
+        reuse = gen.generate(ids2, 64, store=False)
+        recompute = gen.generate(ids2, 64, store=False, reuse=False)
+        assert reuse.reused_tokens >= len(ids1) + len(content) - 1
+        assert recompute.reused_tokens == 0
+        assert reuse.tokens == recompute.tokens
+        assert len(reuse.tokens) >= 16
+        # logits of the prefilled part: loaded KV vs full recompute
+        n = reuse.reused_tokens
+        k, v = store.get(ids2[:n])
+        with_reuse, _ = model.forward(ids2[n:], past=split_kv(k, v))
+        full = model.logits(ids2)[n:]
+        assert (with_reuse - full).abs().max().item() < LOGIT_TOL
+        assert torch.equal(with_reuse.argmax(-1), full.argmax(-1))
+    finally:
+        store.close()
+
+
+def test_repositioning_without_dropping_is_exact(model, tmp_path):
+    """Pre-RoPE KV stored once serves the same context at any offset."""
+    ids = model.chat_template([{"role": "user", "content": "List four prime numbers."}])
+    _, kv0 = model.forward(ids)  # positions 0..n-1
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28) as store:
+        store.put(ids, *stack_kv(kv0))
+        k, v = store.get(ids)
+    off = 777
+    _, kv_off = model.forward(ids, positions=list(range(off, off + len(ids))))
+    k_off, v_off = stack_kv(kv_off)
+    # layer 0 K/V do not depend on positions at all: exact
+    assert torch.equal(k[0], k_off[0]) and torch.equal(v[0], v_off[0])
+    # deeper layers: only through relative positions, so equal up to fp rounding
+    assert (k.float() - k_off.float()).abs().max().item() < 0.02
+    assert (v.float() - v_off.float()).abs().max().item() < 0.02
+    # post-RoPE keys at the new positions = RoPE applied on load to the stored keys
+    rot_loaded = apply_rope(k.float(), off, model.layout)
+    rot_recomp = apply_rope(k_off.float(), off, model.layout)
+    assert (rot_loaded - rot_recomp).abs().max().item() < 0.03
+    # continuing at the offset from the loaded KV = recompute at the offset
+    tail = model.tokenizer.encode("Two, three", allow_special=False)
+    cont, _ = model.forward(tail, positions=list(range(off + len(ids), off + len(ids) + 3)),
+                            past=split_kv(k, v), past_positions=list(range(off, off + len(ids))))
+    ref = model.logits(ids + tail)[len(ids):]
+    assert (cont - ref).abs().max().item() < LOGIT_TOL
+    assert torch.equal(cont.argmax(-1), ref.argmax(-1))
+
+
+def test_conversation_overflow_truncates_kv_without_recompute(model, tmp_path):
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28) as store:
+        gen = Generator(model, store)
+        conv = Conversation(gen, "overflow", window=150, truncation=Truncation(sink=4))
+        results = []
+        for q in ("Name a color.", "Name an animal.", "Name a fruit.", "Name a city.",
+                  "Name a planet."):
+            _, r = conv.turn(q, 12)
+            results.append((r, conv.truncations))
+        assert conv.truncations >= 1
+        assert conv.namespace == "conversation:overflow"
+        # after each truncation the kept history was served from the store, not recomputed
+        for (r, t), (_, t_prev) in zip(results[1:], results[:-1], strict=True):
+            assert r.reused_tokens > 0
+            if t > t_prev:
+                assert r.prefilled_tokens < 40  # only the new message (+1 token)
+        assert len(conv.ids) + 12 <= 150 + 40
+        assert store.match(conv.ids, namespace=conv.namespace) >= len(conv.ids) - 1
+        # the truncated KV lives only in the conversation's namespace
+        assert store.match(conv.ids) < len(conv.ids) // 2
+
+
+def test_sampling_is_seeded(model, tmp_path):
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28) as store:
+        gen = Generator(model, store)
+        ids = model.chat_template([{"role": "user", "content": "Tell me a word."}])
+        cfg = SamplingConfig(temperature=0.8, top_p=0.9, seed=3)
+        a = gen.generate(ids, 8, sampling=cfg, store=False)
+        b = gen.generate(ids, 8, sampling=cfg, store=False)
+        assert a.tokens == b.tokens
+
+
+def test_bad_input(model, tmp_path):
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28) as store:
+        gen = Generator(model, store)
+        with pytest.raises(ValueError, match="ids"):
+            gen.generate([], 4)
+        with pytest.raises(ValueError, match="ids"):
+            gen.generate([1, 2, model.config.vocab_size], 4)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            gen.generate([1, 2], 0)
+        with pytest.raises(ValueError, match="context window"):
+            gen.generate([1] * 10, model.config.context_length)
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingConfig(temperature=-1)
+    other = kvstore.KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, model_id="other")
+    with kvstore.open(tmp_path / "o", layout=other, disk_bytes=1 << 20) as store:
+        with pytest.raises(kvstore.LayoutMismatch):
+            Generator(model, store)
