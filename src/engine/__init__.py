@@ -9,17 +9,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.model import Model, ModelConfig, apply_rope, load_model
+    from engine.generate import Conversation, Generator, SamplingConfig
+    from engine.hf_cache import create_session
+    from engine.model import Model, ModelConfig, load_model
     from engine.tokenizer import Tokenizer
 
-__all__ = ["Model", "ModelConfig", "Tokenizer", "apply_rope", "load_model"]
+__all__ = ["Conversation", "Generator", "Model", "ModelConfig", "SamplingConfig", "Tokenizer",
+           "create_session", "load_model"]
 
 _LAZY = {
     "Model": "engine.model",
     "ModelConfig": "engine.model",
-    "apply_rope": "engine.model",
     "load_model": "engine.model",
     "Tokenizer": "engine.tokenizer",
+    "Generator": "engine.generate",
+    "Conversation": "engine.generate",
+    "SamplingConfig": "engine.generate",
     "create_session": "engine.hf_cache",
 }
 

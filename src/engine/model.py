@@ -23,18 +23,15 @@ import torch.nn.functional as F
 
 from engine.gguf_loader import read_gguf
 from engine.tokenizer import Tokenizer
-from kvstore import KVLayout
+from kvstore import KVLayout, rope
 
 __all__ = [
     "DEFAULT_GGUF",
     "KV",
     "Model",
     "ModelConfig",
-    "apply_rope",
     "default_gguf_path",
     "load_model",
-    "rope_cos_sin",
-    "rotate_half",
     "split_kv",
     "stack_kv",
 ]
@@ -44,54 +41,6 @@ MODEL_ID = "smollm2-135m-instruct"
 
 # Per-layer KV: (keys pre-RoPE, values), each [num_kv_heads, T, head_dim].
 KV = tuple[torch.Tensor, torch.Tensor]
-
-
-# ---- RoPE --------------------------------------------------------------------------------------
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [T, head_dim] for half-split RoPE at integer ``positions`` [T].
-
-    Angles are computed in float64 (accurate at any position), then cast to ``dtype``.
-    """
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
-    inv_freq = 1.0 / (
-        float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    )  # [D/2]
-    ang = positions.to(torch.float64).reshape(-1, 1) * inv_freq.reshape(1, -1)  # [T, D/2]
-    emb = torch.cat([ang, ang], dim=-1)  # [T, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] on the last dim (HF Llama convention)."""
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def _rope_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [..., T, D]; cos, sin [T, D] broadcast over leading dims
-    return x * cos + rotate_half(x) * sin
-
-
-def apply_rope(
-    x: torch.Tensor, positions: torch.Tensor | Sequence[int], theta: float
-) -> torch.Tensor:
-    """Rotary encoding of ``x`` [..., T, D] at ``positions`` [T] (half-split convention).
-
-    Computes in float32 (or x's dtype if float64) and returns x's dtype. Rotation by -angle
-    (the inverse) is ``apply_rope(x, -positions, theta)``.
-    """
-    pos = torch.as_tensor(positions)
-    if pos.dim() != 1 or pos.numel() != x.shape[-2]:
-        raise ValueError(
-            f"positions must be 1-D with one entry per token ({x.shape[-2]}), "
-            f"got shape {tuple(pos.shape)}"
-        )
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = rope_cos_sin(pos, x.shape[-1], theta, dtype=work)
-    return _rope_with(x.to(work), cos, sin).to(x.dtype)
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -356,7 +305,7 @@ class Model:
         kv_dtype = self.layout.torch_dtype if round_kv else torch.float32
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
 
-        cos_all, sin_all = rope_cos_sin(torch.cat([past_pos, pos]), D, c.rope_theta)  # [P+T, D]
+        cos_all, sin_all = rope.cos_sin(self.layout, torch.cat([past_pos, pos]))  # [P+T, D]
         cos_new, sin_new = cos_all[P:], sin_all[P:]  # [T, D]
         if P == 0:
             mask, causal = None, T > 1
@@ -382,8 +331,8 @@ class Model:
                 v_c = torch.cat([pv.to(device="cpu", dtype=kv_dtype), v_c], dim=1)  # [Hkv, P+T, D]
             assert k_c.shape == v_c.shape == (Hkv, P + T, D), (k_c.shape, v_c.shape)
             new_kv.append((k_c, v_c))
-            q = _rope_with(q, cos_new, sin_new)  # [H, T, D]
-            k_r = _rope_with(k_c.to(torch.float32), cos_all, sin_all)  # [Hkv, P+T, D]
+            q = rope.rotate(q, cos_new, sin_new)  # [H, T, D]
+            k_r = rope.rotate(k_c.to(torch.float32), cos_all, sin_all)  # [Hkv, P+T, D]
             v_f = v_c.to(torch.float32)  # [Hkv, P+T, D]
             attn = F.scaled_dot_product_attention(
                 q.unsqueeze(0), k_r.unsqueeze(0), v_f.unsqueeze(0),

@@ -60,6 +60,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with precomputed tables: x [..., T, D], cos/sin [T, D] (see :func:`cos_sin`)."""
+    return x * cos + rotate_half(x) * sin
+
+
 def _positions(positions: torch.Tensor | Sequence[int] | int, n: int,
                device: torch.device) -> torch.Tensor:
     if isinstance(positions, int):
@@ -85,8 +90,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | Sequence[int] | int,
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = cos_sin(layout, pos, dtype=work)
     cos, sin = cos.to(x.device), sin.to(x.device)
-    xw = x.to(work)
-    return xw * cos - rotate_half(xw) * sin if inverse else xw * cos + rotate_half(xw) * sin
+    return rotate(x.to(work), cos, -sin if inverse else sin)
 
 
 def remove_rope(x: torch.Tensor, positions: torch.Tensor | Sequence[int] | int,

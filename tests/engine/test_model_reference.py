@@ -371,32 +371,7 @@ def test_past_positions_shift_consistently(model):
     assert (moved - base[-3:]).abs().max().item() > 0.05
 
 
-# ---- RoPE and GGUF permutation -----------------------------------------------------------------
-def test_apply_rope_matches_hf():
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    from engine.model import apply_rope
-
-    theta, D, T = 100000.0, 64, 700
-    x = torch.randn(3, T, D, generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(T)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float) / D))
-    emb = torch.cat([pos[:, None].float() * inv_freq] * 2, dim=-1)
-    ref, _ = apply_rotary_pos_emb(x[None], x[None], emb.cos()[None], emb.sin()[None])
-    ours = apply_rope(x, pos, theta)
-    assert ours.shape == x.shape and ours.dtype == x.dtype
-    assert (ours - ref[0]).abs().max().item() <= 5e-4  # HF computes angles in float32
-    back = apply_rope(ours, -pos, theta)
-    assert (back - x).abs().max().item() <= 1e-5
-    # scores depend on relative position only
-    q, k = x[0, :1], x[1, :1]
-    s1 = apply_rope(q, [10], theta) @ apply_rope(k, [3], theta).T
-    s2 = apply_rope(q, [510], theta) @ apply_rope(k, [503], theta).T
-    assert abs(float(s1) - float(s2)) <= 1e-4
-    with pytest.raises(ValueError, match="positions"):
-        apply_rope(x, torch.arange(T - 1), theta)
-
-
+# ---- GGUF permutation -------------------------------------------------------------------------
 def test_unpermute_inverts_llama_cpp_permute():
     from engine.gguf_loader import unpermute_qk
 
