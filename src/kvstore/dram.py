@@ -54,6 +54,11 @@ class DramTier:
         self._heap.push(key, self.policy.priority(st))
         return self._slab[slot]
 
+    def peek(self, key: bytes) -> torch.Tensor | None:
+        """The slot holding ``key`` without counting an access, or None."""
+        slot = self._slot_of.get(key)
+        return None if slot is None else self._slab[slot]
+
     def insert(self, key: bytes, nbytes: int, clock: int) -> torch.Tensor:
         """A slot for ``key`` to be filled by the caller, evicting per policy if needed.
 

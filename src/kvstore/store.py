@@ -30,6 +30,7 @@ from kvstore.errors import (
     StoreClosed,
 )
 from kvstore.hashing import as_tokens, chain_seed, chunk_hash, common_prefix_len
+from kvstore.layerwise import LayerLoad
 from kvstore.layout import KVLayout
 from kvstore.lock import DirLock
 from kvstore.policy import AccessStats, PriorityHeap, make_policy
@@ -152,6 +153,9 @@ class Store:
         self.problems: list[str] = []  # integrity problems found at open (read-only mode)
         self._counters: dict[str, int] = defaultdict(int)
         self._io: ThreadPoolExecutor | None = None  # one IO worker, started on first use
+        self._pins: dict[int, int] = defaultdict(int)  # disk slot -> layer-wise loads reading it
+        self._deferred_free: set[int] = set()  # freed while pinned: reusable once unpinned
+        self._loads: set[LayerLoad] = set()
 
     def _io_pool(self) -> ThreadPoolExecutor:
         """The IO worker: disk reads/writes overlap checksums and DRAM copies on the caller's
@@ -435,7 +439,10 @@ class Store:
             if not kids:
                 del self._children[rec.parent]
         self._dram.discard(c)
-        heapq.heappush(self._free_slots, rec.slot)
+        if self._pins.get(rec.slot):
+            self._deferred_free.add(rec.slot)  # a layer-wise load still reads it
+        else:
+            heapq.heappush(self._free_slots, rec.slot)
 
     def _collect_orphans(self, candidates: frozenset[bytes]) -> None:
         """Durably delete chunks among ``candidates`` that no session holds any more."""
@@ -674,6 +681,102 @@ class Store:
             self._counters["served_tokens"] += n_tok
             return k_out, v_out
 
+    def load_layers(self, tokens: object, *, namespace: str | None = None,
+                    buffer_layers: int | None = None,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerLoad:
+        """Start loading the KV of ``tokens`` layer by layer; returns a :class:`LayerLoad`.
+
+        A loader thread fills layer 0, 1, ... of (keys, values) [L, H, T, D] (CPU, pre-RoPE;
+        ``out`` may give contiguous CPU tensors to fill); ``wait(l)`` blocks until layer l is
+        ready. With ``buffer_layers=B`` the loader stays at most B layers ahead of the layer
+        compute waits for (None: no bound). Layers read from disk are verified one by one and
+        are not copied into the DRAM tier. The chunks are pinned until the load ends, so
+        concurrent evictions cannot reuse their space under it. Raises KeyError if not every
+        token is stored. Thread-safe.
+        """
+        toks = as_tokens(tokens)
+        n_tok = len(toks)
+        if out is not None:
+            if not isinstance(out, tuple | list) or len(out) != 2:
+                raise TypeError("out must be a (keys, values) pair of tensors")
+            k_out = self._check_kv("out[0]", out[0], n_tok)
+            v_out = self._check_kv("out[1]", out[1], n_tok)
+            if k_out.device.type != "cpu" or not (k_out.is_contiguous()
+                                                  and v_out.is_contiguous()):
+                raise ValueError("out tensors of load_layers must be contiguous CPU tensors")
+        else:
+            shape = self.layout.kv_shape(n_tok)
+            k_out = torch.empty(shape, dtype=self.layout.torch_dtype)
+            v_out = torch.empty(shape, dtype=self.layout.torch_dtype)
+        with self._mutex:
+            self._check_open()
+            pieces = self._resolve(toks, namespace)
+            served = sum(p.use for p in pieces)
+            if served < n_tok:
+                self._counters["get_misses"] += 1
+                raise KeyError(f"only {served} of the {n_tok} tokens are stored")
+            slots = [p.rec.slot for p in pieces]
+            load = LayerLoad(
+                k_out, v_out,
+                lambda layer: self._load_layer(pieces, _raw(k_out), _raw(v_out), layer),
+                buffer_layers=buffer_layers, on_done=lambda: self._end_load(load, slots))
+            for s in slots:
+                self._pins[s] += 1
+            now = self._tick()
+            for p in pieces:
+                hit = self._dram.lookup(p.rec.key, now) is not None
+                self._counters["dram_hits" if hit else "disk_hits"] += 1
+            if not self.readonly:
+                self._touch_holders(pieces[-1].rec.key, now)
+            self._counters["gets"] += 1
+            self._counters["served_tokens"] += n_tok
+            self._loads.add(load)
+            return load.start()
+
+    def _load_layer(self, pieces: list[_Piece], kr: np.ndarray, vr: np.ndarray,
+                    layer: int) -> None:
+        """Fill layer ``layer`` of the raw outputs kr/vr [L, H, T, D] (loader thread)."""
+        lay = self.layout
+        with self._mutex:
+            self._check_open()
+            for p in pieces:
+                rec, n, a, b = p.rec, p.rec.n_tokens, p.start, p.start + p.use
+                slot = self._dram.peek(rec.key) if rec.key in self._chunks else None
+                if slot is not None:
+                    ext = self._extent_np(slot, n)  # [L, 2, H, n, D]
+                    np.copyto(kr[layer, :, a:b], ext[layer, 0, :, : p.use])  # [H, use, D]
+                    np.copyto(vr[layer, :, a:b], ext[layer, 1, :, : p.use])
+                    continue
+                lbytes = n * lay.layer_token_bytes
+                if p.use == n:  # straight into the output: K of each head, then V
+                    bufs = ([kr[layer, h, a:b] for h in range(lay.num_kv_heads)]
+                            + [vr[layer, h, a:b] for h in range(lay.num_kv_heads)])
+                else:
+                    bufs = [np.empty(lbytes, dtype=np.uint8)]
+                try:
+                    self._segments.read(rec.slot, bufs, layer * lbytes)
+                    if _piece_checksums(bufs, 1)[0] != rec.checksums[layer]:
+                        raise CorruptData(f"chunk {rec.key.hex()} (disk slot {rec.slot}) failed "
+                                          f"its checksum at layer {layer}")
+                except CorruptData as e:
+                    self._quarantine(rec.key, e)
+                    raise
+                if p.use != n:
+                    part = bufs[0].view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
+                    np.copyto(kr[layer, :, a:b], part[0, :, : p.use])
+                    np.copyto(vr[layer, :, a:b], part[1, :, : p.use])
+
+    def _end_load(self, load: LayerLoad, slots: list[int]) -> None:
+        with self._mutex:
+            self._loads.discard(load)
+            for s in slots:
+                self._pins[s] -= 1
+                if not self._pins[s]:
+                    del self._pins[s]
+                    if s in self._deferred_free:
+                        self._deferred_free.discard(s)
+                        heapq.heappush(self._free_slots, s)
+
     def delete(self, tokens: object, *, namespace: str | None = None) -> bool:
         """Remove the context stored for exactly ``tokens``; chunks other contexts share stay.
 
@@ -767,7 +870,15 @@ class Store:
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
-        """Persist access times and release files and the lock. Idempotent. Thread-safe."""
+        """Finish IO, persist access times, release files and the lock. Idempotent.
+
+        Layer-wise loads still running are cancelled (their waiters get an error) and their
+        threads joined; no thread of the store outlives close(). Thread-safe.
+        """
+        with self._mutex:
+            loads = list(self._loads)
+        for load in loads:
+            load.close()  # outside the lock: the loader needs it to finish its layer
         with self._mutex:
             if self._closed:
                 return

@@ -1,0 +1,106 @@
+"""Layer-wise loading: a loader thread fills layer l of a stored context, compute waits on l.
+
+AttentionStore §3.2.1: loading layer l+1 overlaps computing layer l, so the cost of reading a
+stored context hides behind the prefill of the new tokens. A read buffer of B layers lets the
+loader run up to B layers further ahead of compute (B=None: no bound). Each layer read from disk
+is verified against that layer's checksum; a failure reaches the waiting compute as the error
+itself (``CorruptData``), never as a hang or wrong data.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+
+class LayerLoad:
+    """Handle of one layer-wise load; obtained from :meth:`kvstore.Store.load_layers`.
+
+    ``wait(l)`` returns (keys, values) of layer l, [num_kv_heads, T, head_dim] each (views into
+    one output pair [L, H, T, D], keys pre-RoPE). Thread-safety: ``wait`` and ``close`` may be
+    called from any thread; the loader runs on its own thread, started by ``start``.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor,
+                 load_layer: Callable[[int], None], *, buffer_layers: int | None,
+                 on_done: Callable[[], None]) -> None:
+        assert keys.shape == values.shape
+        self.keys, self.values = keys, values  # [L, H, T, D]
+        self.num_layers = keys.shape[0]
+        if buffer_layers is not None and (isinstance(buffer_layers, bool)
+                                          or not isinstance(buffer_layers, int)
+                                          or buffer_layers < 0):
+            raise ValueError(f"buffer_layers must be None or an int >= 0, got {buffer_layers!r}")
+        self.buffer_layers = buffer_layers
+        self._load_layer = load_layer
+        self._on_done = on_done
+        self._ready = [threading.Event() for _ in range(self.num_layers)]
+        self._cond = threading.Condition()
+        self._consumed = -1  # highest layer compute has asked for
+        self._cancelled = False
+        self._error: BaseException | None = None
+        self._n_loaded = 0  # layers 0.._n_loaded-1 are complete
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> LayerLoad:
+        self._thread = threading.Thread(target=self._run, name="kvstore-layerload", daemon=True)
+        self._thread.start()
+        return self
+
+    def _may_load(self, layer: int) -> bool:
+        return self.buffer_layers is None or layer <= self._consumed + 1 + self.buffer_layers
+
+    def _run(self) -> None:
+        try:
+            for layer in range(self.num_layers):
+                with self._cond:
+                    self._cond.wait_for(lambda la=layer: self._cancelled or self._may_load(la))
+                    if self._cancelled:
+                        return
+                self._load_layer(layer)
+                self._n_loaded = layer + 1
+                self._ready[layer].set()
+        except BaseException as e:  # handed to the waiting compute thread in wait()
+            self._error = e
+        finally:
+            for ev in self._ready:
+                ev.set()  # nobody waits forever: wait() checks the error
+            self._on_done()
+
+    def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block until ``layer`` is loaded; layers below it are released from the read buffer.
+
+        Raises the loader's error (e.g. :class:`~kvstore.errors.CorruptData`) for the layer that
+        failed and every layer after it.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        with self._cond:
+            if layer > self._consumed:
+                self._consumed = layer
+                self._cond.notify_all()
+        self._ready[layer].wait()
+        if layer < self._n_loaded:
+            return self.keys[layer], self.values[layer]
+        if self._error is not None:
+            raise self._error
+        raise RuntimeError("the layer-wise load was closed before this layer was loaded")
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop loading (pending layers are abandoned) and wait for the loader thread."""
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> LayerLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

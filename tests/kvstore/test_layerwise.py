@@ -1,0 +1,129 @@
+"""Layer-wise loading: layers in order, each equal to get(); errors reach the waiter."""
+
+import threading
+
+import pytest
+import torch
+
+import kvstore
+from tests.kvstore.conftest import put_causal
+from tests.kvstore.kvgen import causal_kv
+
+LAYOUT = kvstore.KVLayout(num_layers=6, num_kv_heads=2, head_dim=8, model_id="lw")
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = kvstore.open(tmp_path / "st", layout=LAYOUT, chunk_tokens=4, dram_bytes=1 << 20,
+                     disk_bytes=1 << 20)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("source", ["dram", "disk"])
+@pytest.mark.parametrize("buffer_layers", [0, 2, None])
+def test_layers_in_order_equal_get(store, source, buffer_layers):
+    toks = list(range(30, 41))  # 2 full chunks + a partial
+    put_causal(store, toks + [7, 7, 7])  # a longer context: the last piece is used partially
+    if source == "disk":
+        store.drop_caches()
+    k, v = causal_kv(LAYOUT, toks)
+    with store.load_layers(toks, buffer_layers=buffer_layers) as load:
+        for layer in range(LAYOUT.num_layers):
+            lk, lv = load.wait(layer)
+            assert torch.equal(lk, k[layer]) and torch.equal(lv, v[layer])
+    assert load.done()
+    st = store.stats()["hits"]
+    assert st["disk" if source == "disk" else "dram"] == 3
+
+
+def test_buffer_bounds_how_far_the_loader_runs_ahead(store):
+    toks = list(range(12))
+    put_causal(store, toks)
+    with store.load_layers(toks, buffer_layers=0) as load:
+        load.wait(0)
+        assert not load._ready[2].is_set()  # layer 2 may only load once layer 1 is asked for
+        load.wait(1)
+        load.wait(LAYOUT.num_layers - 1)
+
+
+def test_corrupt_layer_reaches_the_waiter(store, tmp_path):
+    toks = list(range(8))
+    put_causal(store, toks)
+    rec = min(store.chunk_records(), key=lambda r: r.slot)
+    store.drop_caches()
+    layer_bytes = rec.n_tokens * LAYOUT.layer_token_bytes
+    with open(tmp_path / "st" / "segments" / "seg-000000.kv", "r+b") as f:
+        f.seek(rec.slot * 4096 + 3 * layer_bytes + 5)  # inside layer 3
+        b = f.read(1)
+        f.seek(rec.slot * 4096 + 3 * layer_bytes + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    k, _ = causal_kv(LAYOUT, toks)
+    with store.load_layers(toks) as load:
+        for layer in range(3):
+            assert torch.equal(load.wait(layer)[0], k[layer])
+        with pytest.raises(kvstore.CorruptData, match="at layer 3"):
+            load.wait(3)
+        with pytest.raises(kvstore.CorruptData):
+            load.wait(5)
+    assert store.match(toks) == 0  # the context holding it was dropped
+    assert store.stats()["corrupt"]["chunks"] == 1
+
+
+def test_close_abandons_pending_layers(store):
+    toks = list(range(12))
+    put_causal(store, toks)
+    before = threading.active_count()
+    load = store.load_layers(toks, buffer_layers=0)
+    load.wait(0)
+    load.close()
+    assert load.done()
+    with pytest.raises(RuntimeError, match="closed before"):
+        load.wait(LAYOUT.num_layers - 1)
+    assert threading.active_count() <= before
+
+
+def test_store_close_joins_running_loads(tmp_path):
+    s = kvstore.open(tmp_path / "st", layout=LAYOUT, chunk_tokens=4, disk_bytes=1 << 20)
+    toks = list(range(12))
+    put_causal(s, toks)
+    load = s.load_layers(toks, buffer_layers=0)
+    load.wait(0)
+    s.close()
+    assert load.done()
+    with pytest.raises((RuntimeError, kvstore.StoreClosed)):
+        load.wait(LAYOUT.num_layers - 1)
+
+
+def test_pinned_chunks_survive_eviction_during_load(tmp_path):
+    slot = 4096
+    s = kvstore.open(tmp_path / "st", layout=LAYOUT, chunk_tokens=4, disk_bytes=4 * slot,
+                     dram_bytes=0)
+    try:
+        a = [1] * 8  # 2 chunks
+        put_causal(s, a)
+        ka, va = causal_kv(LAYOUT, a)
+        with s.load_layers(a, buffer_layers=0) as load:
+            load.wait(0)
+            assert s.delete(a)  # A's slots are freed but pinned by the load
+            put_causal(s, [2] * 8)  # takes the two other slots
+            put_causal(s, [3] * 8)  # must evict [2]*8, not overwrite A's pinned slots
+            for layer in range(LAYOUT.num_layers):
+                lk, lv = load.wait(layer)
+                assert torch.equal(lk, ka[layer]) and torch.equal(lv, va[layer])
+        evictions = s.stats()["evictions"]["disk_sessions"]
+        put_causal(s, [4] * 8)  # A's slots are free again: no eviction needed
+        assert s.stats()["evictions"]["disk_sessions"] == evictions
+        assert s.match([3] * 8) == 8
+    finally:
+        s.close()
+
+
+def test_load_layers_bad_input(store):
+    put_causal(store, [1, 2, 3])
+    with pytest.raises(KeyError):
+        store.load_layers([9, 9])
+    with pytest.raises(ValueError, match="buffer_layers"):
+        store.load_layers([1, 2, 3], buffer_layers=-1)
+    with store.load_layers([1, 2, 3]) as load, pytest.raises(ValueError, match="layer must be"):
+        load.wait(LAYOUT.num_layers)
