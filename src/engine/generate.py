@@ -17,6 +17,7 @@ import torch
 
 import kvstore
 from engine.model import KV, Model, split_kv, stack_kv
+from kvstore.layerwise import LayerLoad
 from kvstore.rope import Truncation
 
 
@@ -59,19 +60,39 @@ def _sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | No
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+class LayerwisePast(Sequence[KV]):
+    """A stored prefix as the ``past`` of :meth:`Model.forward`, loaded layer by layer:
+    ``past[l]`` waits for layer l of a :class:`kvstore.layerwise.LayerLoad`, so loading layer
+    l+1 overlaps computing layer l."""
+
+    def __init__(self, load: LayerLoad) -> None:
+        self.load = load
+
+    def __len__(self) -> int:
+        return self.load.num_layers
+
+    def __getitem__(self, layer: int) -> KV:  # type: ignore[override]
+        return self.load.wait(layer)  # ([H, n, D], [H, n, D])
+
+
 class Generator:
     """Runs requests for ``model`` with KV reuse through ``store``.
 
+    With ``layerwise`` (the default) a reused prefix is loaded layer by layer alongside the
+    prefill of the new tokens (read buffer ``buffer_layers``); otherwise it is read whole first.
     Thread-safety: one request at a time per Generator (the store itself is thread-safe).
     """
 
-    def __init__(self, model: Model, store: kvstore.Store) -> None:
+    def __init__(self, model: Model, store: kvstore.Store, *, layerwise: bool = True,
+                 buffer_layers: int | None = None) -> None:
         if store.layout != model.layout:
             raise kvstore.LayoutMismatch(
                 f"store layout {store.layout} does not match the model's {model.layout}"
             )
         self.model = model
         self.store = store
+        self.layerwise = layerwise
+        self.buffer_layers = buffer_layers
         tok = model.tokenizer
         stops = {tok.token_to_id("<|im_end|>")}
         if model.config.eos_token_id is not None:
@@ -110,9 +131,24 @@ class Generator:
         cfg = sampling or SamplingConfig()
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         t0 = time.perf_counter()
-        n_reused, past = self.load_prefix(ids, namespace=namespace) if reuse else (0, None)
-        load_s = time.perf_counter() - t0
-        logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True)
+        load = None
+        if not reuse:
+            n_reused, past = 0, None
+        elif self.layerwise:
+            n_reused = min(self.store.match(ids, namespace=namespace), len(ids) - 1)
+            past = None
+            if n_reused > 0:
+                load = self.store.load_layers(ids[:n_reused], namespace=namespace,
+                                              buffer_layers=self.buffer_layers)
+                past = LayerwisePast(load)
+        else:
+            n_reused, past = self.load_prefix(ids, namespace=namespace)
+        load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
+        try:
+            logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True)
+        finally:
+            if load is not None:
+                load.close()
         out = [_sample(logits[-1], cfg, gen)]
         ttft = time.perf_counter() - t0
         stop_reason = "max_new_tokens"

@@ -244,29 +244,37 @@ class Model:
         return pos  # [n]
 
     def _check_past(self, past: Sequence[KV]) -> int:
+        """Checks the layer count and layer 0; returns P. Other layers are checked as the
+        forward reaches them (:meth:`_past_layer`), so a past that loads layer by layer
+        (e.g. from :meth:`kvstore.Store.load_layers`) overlaps with compute."""
         c = self.config
         if len(past) != c.num_layers:
             raise ValueError(
                 f"past must have one (k, v) per layer ({c.num_layers}), got {len(past)}"
             )
-        n_past = None
-        for i, kv in enumerate(past):
-            if len(kv) != 2:
-                raise ValueError(f"past[{i}] must be a (keys, values) pair")
-            k, v = kv
-            want = (c.num_kv_heads, k.shape[1] if k.dim() == 3 else -1, c.head_dim)
-            if k.dim() != 3 or tuple(k.shape) != want or tuple(v.shape) != want:
-                raise ValueError(
-                    f"past[{i}]: keys and values must be [{c.num_kv_heads}, P, {c.head_dim}], "
-                    f"got {tuple(k.shape)} and {tuple(v.shape)}"
-                )
-            if not (k.is_floating_point() and v.is_floating_point()):
-                raise TypeError(f"past[{i}]: keys/values must be floating point")
-            if n_past is None:
-                n_past = k.shape[1]
-            elif k.shape[1] != n_past:
-                raise ValueError(f"past[{i}]: length {k.shape[1]} differs from past[0] ({n_past})")
-        return int(n_past or 0)
+        kv0 = past[0]
+        if len(kv0) != 2 or kv0[0].dim() != 3:
+            raise ValueError(f"past[0] must be a (keys, values) pair of [{c.num_kv_heads}, P, "
+                             f"{c.head_dim}] tensors")
+        n_past = int(kv0[0].shape[1])
+        self._past_layer(past, 0, n_past)
+        return n_past
+
+    def _past_layer(self, past: Sequence[KV], i: int, n_past: int) -> KV:
+        kv = past[i]
+        c = self.config
+        if len(kv) != 2:
+            raise ValueError(f"past[{i}] must be a (keys, values) pair")
+        k, v = kv
+        want = (c.num_kv_heads, n_past, c.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(
+                f"past[{i}]: keys and values must be [{c.num_kv_heads}, P={n_past}, "
+                f"{c.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if not (k.is_floating_point() and v.is_floating_point()):
+            raise TypeError(f"past[{i}]: keys/values must be floating point")
+        return k, v
 
     # ---- forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -326,7 +334,7 @@ class Model:
             v = F.linear(h, lw.wv).view(T, Hkv, D).transpose(0, 1)  # [Hkv, T, D]
             k_c, v_c = k.to(kv_dtype), v.to(kv_dtype)  # [Hkv, T, D] cache dtype
             if P:
-                pk, pv = past[i]
+                pk, pv = self._past_layer(past, i, P)  # [Hkv, P, D] each
                 k_c = torch.cat([pk.to(device="cpu", dtype=kv_dtype), k_c], dim=1)  # [Hkv, P+T, D]
                 v_c = torch.cat([pv.to(device="cpu", dtype=kv_dtype), v_c], dim=1)  # [Hkv, P+T, D]
             assert k_c.shape == v_c.shape == (Hkv, P + T, D), (k_c.shape, v_c.shape)

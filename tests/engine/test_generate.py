@@ -152,3 +152,16 @@ def test_bad_input(model, tmp_path):
     with kvstore.open(tmp_path / "o", layout=other, disk_bytes=1 << 20) as store:
         with pytest.raises(kvstore.LayoutMismatch):
             Generator(model, store)
+
+
+def test_layerwise_and_bulk_loading_agree(model, tmp_path):
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28) as store:
+        ids = model.chat_template([{"role": "user", "content": "Count from one to five."}])
+        Generator(model, store).generate(ids, 6)  # stores prompt + output
+        follow = ids + model.tokenizer.encode(" and then six", allow_special=False)
+        store.drop_caches()  # layer-wise reads come from disk
+        a = Generator(model, store, layerwise=True, buffer_layers=2).generate(follow, 6,
+                                                                             store=False)
+        b = Generator(model, store, layerwise=False).generate(follow, 6, store=False)
+        assert a.reused_tokens == b.reused_tokens > len(ids) - 1
+        assert a.tokens == b.tokens
