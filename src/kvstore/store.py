@@ -188,12 +188,15 @@ class Store:
                 bad_chunks.add(k)
                 problems.append(f"chunk {k.hex()} lies in a missing or truncated segment file")
         drop = set(broken)
+        shrunk = set()  # contexts beyond a smaller disk budget: evicted, not corrupt
         for s in sessions.values():
-            if any(c in bad_chunks or c in lost_slots for c in s.chunks):
+            if any(c in bad_chunks for c in s.chunks):
                 drop.add(s.key)
+            elif any(c in lost_slots for c in s.chunks):
+                shrunk.add(s.key)
+        drop |= shrunk
         if self.readonly:
             self.problems = problems
-            self._counters["orphan_chunks"] = len(orphans)
             keep_sessions = {k: s for k, s in sessions.items() if k not in drop}
         else:
             keep_sessions = {k: s for k, s in sessions.items() if k not in drop}
@@ -206,7 +209,8 @@ class Store:
                     for k in dead:
                         txn.delete_chunk(k)
             self._counters["corrupt_chunks"] += len(bad_chunks)
-            self._counters["dropped_sessions"] += len(drop)
+            self._counters["dropped_sessions"] += len(drop - shrunk)
+            self._counters["evicted_sessions"] += len(shrunk)
             self._counters["collected_orphans"] += len(orphans)
             # Segment files are created lazily on first write; existing ones of the wrong size
             # (truncated, or the budget changed) are resized now; files beyond the budget go.

@@ -95,6 +95,7 @@ def test_shrinking_disk_budget_on_reopen(tmp_path):
     with kvstore.open(path, disk_bytes=8 * SLOT) as s:
         st = s.stats()
         assert st["disk"]["chunks"] <= 8
+        assert st["evictions"]["disk_sessions"] >= 6 and st["corrupt"]["dropped_sessions"] == 0
         for x in range(10):
             n = s.match([x] * 8)
             assert n in (0, 8)
