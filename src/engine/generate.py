@@ -188,7 +188,9 @@ class Conversation:
     name: str
     ids: list[int] = field(default_factory=list)
     namespace: str | None = None
-    truncation: Truncation = field(default_factory=Truncation)
+    # Keep the first 4 tokens: without these attention sinks, reused KV truncated on this
+    # model is ~70% worse in perplexity than recompute; with them it matches (docs/benchmarks.md).
+    truncation: Truncation = field(default_factory=lambda: Truncation(sink=4))
     window: int | None = None  # context window; default (and at most) the model's
     truncations: int = 0
 

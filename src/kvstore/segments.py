@@ -1,10 +1,11 @@
 """Segment files: the disk tier's payload. Fixed-size slots, each holding one chunk's extent.
 
 Slot ``s`` lives in file ``seg-{s // slots_per_segment:06d}.kv`` at offset
-``(s % slots_per_segment) * slot_stride``. Files are preallocated (``posix_fallocate``) and made
-durable before any catalog record points into them, so a later write cannot hit a full disk on a
-normal filesystem. Inside an extent layer l holds K [H, n, D] then V [H, n, D] contiguously, so a
-layer of a chunk is one read.
+``(s % slots_per_segment) * slot_stride``. Files are created (sparse, at full size) and made
+durable before any catalog record points into them; a full device surfaces as CapacityError from
+the write or the fdatasync, before the catalog commit, so nothing half-written becomes visible.
+Inside an extent layer l holds K [H, n, D] then V [H, n, D] contiguously, so a layer of a chunk
+is one read.
 """
 
 from __future__ import annotations
@@ -128,28 +129,18 @@ class SegmentFiles:
         return fd
 
     def prepare(self, seg: int) -> None:
-        """Create or resize segment ``seg`` to its full size, durably (file and directory)."""
+        """Create or resize segment ``seg`` to its full (sparse) size, durably."""
         size = self.geo.segment_size(seg)
         path = self.path(seg)
         created = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            cur = os.fstat(fd).st_size
-            if cur > size:
+            if os.fstat(fd).st_size != size:
+                # Sparse: blocks are allocated as extents are written. (posix_fallocate would
+                # report a full device earlier, but writing into its unwritten extents costs
+                # ~2x here; a full device still surfaces as CapacityError from write/sync,
+                # before anything that needs the bytes is committed.)
                 os.ftruncate(fd, size)
-            elif cur < size:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    if e.errno == errno.ENOSPC:
-                        os.ftruncate(fd, cur)
-                        raise CapacityError(
-                            f"no space on the device to preallocate {size} bytes for {path!r}; "
-                            f"lower disk_bytes or free disk space"
-                        ) from e
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                    os.ftruncate(fd, size)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -190,7 +181,7 @@ class SegmentFiles:
         try:
             n = _vector_io(os.pwritev, fd, buffers, off)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise CapacityError(f"disk full while writing {self.path(seg)!r}") from e
             raise
         if n != total:
@@ -200,7 +191,12 @@ class SegmentFiles:
     def sync(self) -> None:
         """Make every write so far durable."""
         for seg in sorted(self._dirty):
-            os.fdatasync(self._fds[seg])
+            try:
+                os.fdatasync(self._fds[seg])
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CapacityError(f"disk full while syncing {self.path(seg)!r}") from e
+                raise
         self._dirty.clear()
 
     def read(self, slot: int, buffers: list, offset: int = 0) -> None:
