@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, CorruptData
@@ -88,7 +89,11 @@ def _fsync_dir(path: str) -> None:
 
 
 class SegmentFiles:
-    """Open segment files of one store. Thread-safety: the store serializes all calls."""
+    """Open segment files of one store.
+
+    Thread-safety: the store calls it with its lock held, from its own thread and its IO
+    workers; concurrent ``read``/``write`` of different slots are safe (positional IO).
+    """
 
     def __init__(self, directory: str, geometry: SegmentGeometry, *, readonly: bool) -> None:
         self.dir = directory
@@ -97,6 +102,7 @@ class SegmentFiles:
         self._fds: dict[int, int] = {}
         self._dirty: set[int] = set()
         self._ready: set[int] = set()  # segments known to exist at full size, durably
+        self._fd_lock = threading.Lock()  # IO workers may open a segment concurrently
         if not readonly:
             os.makedirs(directory, exist_ok=True)
 
@@ -119,7 +125,12 @@ class SegmentFiles:
 
     def _fd(self, seg: int) -> int:
         fd = self._fds.get(seg)
-        if fd is None:
+        if fd is not None:
+            return fd
+        with self._fd_lock:
+            fd = self._fds.get(seg)
+            if fd is not None:
+                return fd
             flags = os.O_RDONLY if self.readonly else os.O_RDWR
             try:
                 fd = os.open(self.path(seg), flags | os.O_CLOEXEC)
@@ -151,6 +162,12 @@ class SegmentFiles:
             os.close(old)
         self._ready.add(seg)
 
+    def ensure_ready(self, slots: list[int]) -> None:
+        """Create the segment files holding ``slots`` if needed (before concurrent writes)."""
+        for seg in sorted({self.geo.locate(s)[0] for s in slots}):
+            if seg not in self._ready:
+                self.prepare(seg)
+
     def mark_ready(self, seg: int) -> None:
         """Record that ``seg`` already exists at its full size (checked by the caller)."""
         self._ready.add(seg)
@@ -175,8 +192,7 @@ class SegmentFiles:
         total = sum(len(v) for v in _views(buffers))
         assert total <= self.geo.slot_stride
         seg, off = self.geo.locate(slot)
-        if seg not in self._ready:
-            self.prepare(seg)  # created lazily, durably, before anything can reference it
+        assert seg in self._ready, "call ensure_ready() before writing into a new segment"
         fd = self._fd(seg)
         try:
             n = _vector_io(os.pwritev, fd, buffers, off)
@@ -186,7 +202,8 @@ class SegmentFiles:
             raise
         if n != total:
             raise OSError(errno.EIO, f"short write to {self.path(seg)!r}: {n} of {total} bytes")
-        self._dirty.add(seg)
+        with self._fd_lock:
+            self._dirty.add(seg)
 
     def sync(self) -> None:
         """Make every write so far durable."""
