@@ -1,7 +1,7 @@
 """The LMDB catalog: chunk records, session records and store metadata.
 
 The catalog is the only writer of metadata. Records are fixed binary layouts (``struct`` +
-raw arrays) — no pickle or other code-executing format, so an untrusted store is safe to open.
+raw arrays) — no code-executing serialization format, so an untrusted store is safe to open.
 Write transactions are context managers: they commit on success and abort on exception.
 """
 

@@ -427,16 +427,25 @@ class Store:
         """
         if not keys:
             return 0
-        dec: dict[bytes, int] = defaultdict(int)
-        for k in keys:
-            for c in self._sessions[k].chunks:
-                dec[c] += 1
-        freed = [c for c, d in dec.items() if len(self._holders[c]) == d and c not in protect]
+        freed = self._freed_by(keys, protect)
         with self._catalog.write() as txn:
             for k in keys:
                 txn.delete_session(k)
             for c in freed:
                 txn.delete_chunk(c)
+        self._unlink_sessions(keys, freed)
+        return len(freed)
+
+    def _freed_by(self, keys: list[bytes], keep: frozenset[bytes] | set[bytes]) -> list[bytes]:
+        """Chunks no session would hold once sessions ``keys`` are gone (except ``keep``)."""
+        dec: dict[bytes, int] = defaultdict(int)
+        for k in keys:
+            for c in self._sessions[k].chunks:
+                dec[c] += 1
+        return [c for c, d in dec.items() if len(self._holders[c]) == d and c not in keep]
+
+    def _unlink_sessions(self, keys: list[bytes], freed: list[bytes]) -> None:
+        """Apply a committed removal of sessions ``keys`` and chunks ``freed`` to memory."""
         for k in keys:
             s = self._sessions.pop(k)
             self._session_heap.remove(k)
@@ -445,7 +454,6 @@ class Store:
                 self._holders[c].discard(k)
         for c in freed:
             self._forget_chunk(c)
-        return len(freed)
 
     def _forget_chunk(self, c: bytes) -> None:
         rec = self._chunks.pop(c)
@@ -576,13 +584,7 @@ class Store:
             # Contexts this put supersedes: stored strict prefixes of it.
             superseded = self._prefix_sessions(toks, chain, namespace)
             session = SessionRecord(chain[-1], n_tok, now, now, tuple(chain))
-            dec: dict[bytes, int] = defaultdict(int)
-            for k in superseded:
-                for ch in self._sessions[k].chunks:
-                    dec[ch] += 1
-            chain_set = set(chain)
-            freed = [ch for ch, d in dec.items()
-                     if len(self._holders[ch]) == d and ch not in chain_set]
+            freed = self._freed_by(superseded, set(chain))
             with self._catalog.write() as txn:
                 for rec in new_recs:
                     txn.put_chunk(rec)
@@ -604,14 +606,7 @@ class Store:
         for rec in new_recs:
             self._chunks[rec.key] = rec
             self._children[rec.parent].add(rec.key)
-        for k in superseded:
-            s = self._sessions.pop(k)
-            self._session_heap.remove(k)
-            self._dirty_access.discard(k)
-            for ch in s.chunks:
-                self._holders[ch].discard(k)
-        for ch in freed:
-            self._forget_chunk(ch)
+        self._unlink_sessions(superseded, freed)
         self._sessions[session.key] = session
         for ch in chain:
             self._holders[ch].add(session.key)

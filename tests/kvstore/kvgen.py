@@ -40,3 +40,13 @@ def causal_kv(layout: KVLayout, tokens) -> tuple[torch.Tensor, torch.Tensor]:
     kv = torch.from_numpy(f.reshape(len(tokens), 2, L, H, D)).permute(1, 2, 3, 0, 4)  # [2,L,H,T,D]
     kv = kv.to(layout.torch_dtype).contiguous()
     return kv[0].clone(), kv[1].clone()
+
+
+def lcp(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (the oracle's match)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

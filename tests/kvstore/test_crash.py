@@ -18,7 +18,7 @@ import torch
 import kvstore
 from kvstore.verify import verify_path
 from tests.kvstore.crash_writer import context
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.kvstore.kvgen import SMALL, causal_kv, lcp
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 8  # per mode, two kills each; two modes -> 32 kills
@@ -44,15 +44,6 @@ def _exact(store, toks):
     k, v = store.get(toks)
     ek, ev = causal_kv(SMALL, toks)
     return torch.equal(k, ek) and torch.equal(v, ev)
-
-
-def _lcp(a, b):
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @pytest.mark.parametrize("mode", ["roomy", "churn"])
@@ -82,7 +73,7 @@ def test_sigkill_writer(tmp_path, mode):
                 for seed in (trial * 10, trial * 10 + 1):
                     nxt = max([i for sd, i in acked_all if sd == seed], default=-1) + 1
                     toks = context(seed, nxt, max_tokens)
-                    before = max((_lcp(toks, d) for d in done), default=0)
+                    before = max((lcp(toks, d) for d in done), default=0)
                     assert s.match(toks) in (before, len(toks))
             else:
                 assert s.stats()["disk"]["chunks"] <= slots

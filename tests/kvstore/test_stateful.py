@@ -24,20 +24,11 @@ from hypothesis.stateful import (
 
 import kvstore
 from kvstore.verify import verify_store
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.kvstore.kvgen import SMALL, causal_kv, lcp
 
 CHUNK = 4
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 ns_st = st.sampled_from([None, "t1"])
-
-
-def lcp(a, b):
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class _Base(RuleBasedStateMachine):
