@@ -24,15 +24,16 @@ def gguf_file() -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(gguf_file):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     d, name = gguf_file
     return transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
 
 
 @pytest.fixture(scope="session")
 def hf_model(gguf_file):
-    transformers = pytest.importorskip("transformers")
     import torch
+    import transformers
 
     d, name = gguf_file
     m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)

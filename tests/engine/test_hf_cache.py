@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import kvstore
-
-transformers = pytest.importorskip("transformers")
 
 REUSE_MAX = 0.05
 CROSS_MAX = 0.1

