@@ -45,8 +45,9 @@ class LayerLoad:
         self._thread: threading.Thread | None = None
 
     def start(self) -> LayerLoad:
-        self._thread = threading.Thread(target=self._run, name="kvstore-layerload", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="kvstore-layerload", daemon=True)
+        thread.start()
+        self._thread = thread  # only once it runs: close() joins started threads only
         return self
 
     def _may_load(self, layer: int) -> bool:

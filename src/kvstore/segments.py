@@ -105,6 +105,8 @@ class SegmentFiles:
         self._fd_lock = threading.Lock()  # IO workers may open a segment concurrently
         if not readonly:
             os.makedirs(directory, exist_ok=True)
+            _fsync_dir(directory)  # entries of files created before a crash become durable
+            _fsync_dir(os.path.dirname(os.path.abspath(directory)))
 
     def path(self, seg: int) -> str:
         return os.path.join(self.dir, f"seg-{seg:06d}.kv")
@@ -143,7 +145,6 @@ class SegmentFiles:
         """Create or resize segment ``seg`` to its full (sparse) size, durably."""
         size = self.geo.segment_size(seg)
         path = self.path(seg)
-        created = not os.path.exists(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             if os.fstat(fd).st_size != size:
@@ -155,8 +156,8 @@ class SegmentFiles:
             os.fsync(fd)
         finally:
             os.close(fd)
-        if created:
-            _fsync_dir(self.dir)
+        # Always: a file created by an earlier, killed prepare() may not have its entry durable.
+        _fsync_dir(self.dir)
         old = self._fds.pop(seg, None)
         if old is not None:
             os.close(old)

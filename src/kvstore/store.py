@@ -26,6 +26,7 @@ from kvstore.errors import (
     CapacityError,
     CorruptData,
     FormatError,
+    KVStoreError,
     LayoutMismatch,
     StoreClosed,
 )
@@ -156,6 +157,8 @@ class Store:
         self._pins: dict[int, int] = defaultdict(int)  # disk slot -> layer-wise loads reading it
         self._deferred_free: set[int] = set()  # freed while pinned: reusable once unpinned
         self._loads: set[LayerLoad] = set()
+        self._failed: BaseException | None = None  # a commit failed ambiguously: no more writes
+        self._closing = False
 
     def _io_pool(self) -> ThreadPoolExecutor:
         """Two IO workers: disk reads/writes (two at a time: queue depth 2) overlap checksums
@@ -243,6 +246,9 @@ class Store:
         self._check_open()
         if self.readonly:
             raise PermissionError(f"store {self.path!r} was opened read-only")
+        if self._failed is not None:
+            raise KVStoreError(f"a catalog commit of {self.path!r} failed ({self._failed!r}); "
+                               f"close and reopen the store before writing again")
 
     def _tick(self) -> int:
         self._clock += 1
@@ -539,13 +545,12 @@ class Store:
             new_specs.append((key, parent, i))
             chain.append(key)
             parent = key
-        if len(new_specs) > self._geo.total_slots:
+        if len(chain) > self._geo.total_slots:  # the reused prefix stays on disk too
             raise CapacityError(
-                f"a context of {n_tok} tokens needs {len(new_specs)} chunk slots; disk_bytes="
+                f"a context of {n_tok} tokens needs {len(chain)} chunk slots; disk_bytes="
                 f"{self.config.disk_bytes} holds {self._geo.total_slots}"
             )
         protect = frozenset(r.key for r in existing)
-        self._make_room(len(new_specs), protect)
         # Write extents into free slots and make them durable on the IO worker (one pwritev
         # per chunk straight from the caller's tensors, then fdatasync), while this thread
         # computes checksums and fills the DRAM slots from the same bytes.
@@ -554,13 +559,14 @@ class Store:
         taken: list[int] = []
         new_recs: list[ChunkRecord] = []
         jobs: list[tuple[int, list[np.ndarray]]] = []
-        for _, _, i in new_specs:
-            taken.append(heapq.heappop(self._free_slots))
-            jobs.append((taken[-1], _extent_pieces(kr, vr, i * c, len(parts[i]))))
-
         pool = self._io_pool()
         futs: list[Future[None]] = []
+        committing = False
         try:
+            self._make_room(len(new_specs), protect)
+            for _, _, i in new_specs:
+                taken.append(heapq.heappop(self._free_slots))
+                jobs.append((taken[-1], _extent_pieces(kr, vr, i * c, len(parts[i]))))
             # Segment files are created here, before writes run concurrently on the IO workers.
             self._segments.ensure_ready(taken)
 
@@ -585,6 +591,7 @@ class Store:
             superseded = self._prefix_sessions(toks, chain, namespace)
             session = SessionRecord(chain[-1], n_tok, now, now, tuple(chain))
             freed = self._freed_by(superseded, set(chain))
+            committing = True
             with self._catalog.write() as txn:
                 for rec in new_recs:
                     txn.put_chunk(rec)
@@ -594,10 +601,16 @@ class Store:
                 for ch in freed:
                     txn.delete_chunk(ch)
                 txn.put_meta("clock", self._clock)
-        except BaseException:
+        except BaseException as e:
             wait(futs)  # the workers must be done with the slots before they are reused
             for key, _, _ in new_specs:
                 self._dram.discard(key)
+            if committing:
+                # The commit failed in a way that may or may not have reached the disk (e.g. its
+                # fsync failed): recycling the slots could overwrite a committed extent. Refuse
+                # further writes; reopening rebuilds the state from what the catalog holds.
+                self._failed = e
+                raise
             for s in taken:
                 heapq.heappush(self._free_slots, s)
             self._collect_orphans(protect)
@@ -728,6 +741,8 @@ class Store:
             v_out = torch.empty(shape, dtype=self.layout.torch_dtype)
         with self._mutex:
             self._check_open()
+            if self._closing:
+                raise StoreClosed(f"store {self.path!r} is closing")
             pieces = self._resolve(toks, namespace)
             served = sum(p.use for p in pieces)
             if served < n_tok:
@@ -749,7 +764,11 @@ class Store:
             self._counters["gets"] += 1
             self._counters["served_tokens"] += n_tok
             self._loads.add(load)
-            return load.start()
+            try:
+                return load.start()
+            except BaseException:
+                self._end_load(load, slots)
+                raise
 
     def _load_layer(self, pieces: list[_Piece], kr: np.ndarray, vr: np.ndarray,
                     layer: int) -> None:
@@ -894,6 +913,7 @@ class Store:
         threads joined; no thread of the store outlives close(). Thread-safe.
         """
         with self._mutex:
+            self._closing = True  # no new layer-wise loads from here on
             loads = list(self._loads)
         for load in loads:
             load.close()  # outside the lock: the loader needs it to finish its layer

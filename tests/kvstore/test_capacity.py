@@ -123,3 +123,18 @@ def test_priority_heap_and_policies():
     st = AccessStats(inserted=1, last_access=1)
     st.touch(9)
     assert LRU().priority(st) == 9 and FIFO().priority(st) == 1
+
+
+def test_put_that_cannot_fit_with_its_prefix_changes_nothing(open_small):
+    """The reused prefix stays on disk too: 2 stored + 3 new chunks never fit in 4 slots."""
+    s = open_small(disk_bytes=4 * SLOT, dram_bytes=0)
+    a = list(range(8))
+    put_causal(s, a)
+    with pytest.raises(kvstore.CapacityError, match="needs 5 chunk slots"):
+        put_causal(s, a + list(range(100, 112)))
+    assert len(s.sessions()) == 1 and s.stats()["evictions"]["disk_sessions"] == 0
+    assert_get_exact(s, a)
+    put_causal(s, [7] * 12)  # 3 chunks: fits after evicting a, which frees both its slots
+    assert_get_exact(s, [7] * 12)
+    assert s.stats()["disk"]["chunks"] == 3
+
