@@ -317,6 +317,26 @@ class Store:
                 pieces.append(_Piece(best, pos, best_len))
         return pieces
 
+    def _resolve_all(self, toks: np.ndarray, namespace: str | None) -> list[_Piece]:
+        """Pieces serving every token of ``toks``; KeyError (counted as a miss) otherwise."""
+        pieces = self._resolve(toks, namespace)
+        served = sum(p.use for p in pieces)
+        if served < len(toks):
+            self._counters["get_misses"] += 1
+            raise KeyError(f"only {served} of the {len(toks)} tokens are stored")
+        return pieces
+
+    def _check_out(self, out: object, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate an ``out=(keys, values)`` pair for ``n_tokens`` tokens."""
+        if not isinstance(out, tuple | list) or len(out) != 2:
+            raise TypeError("out must be a (keys, values) pair of tensors")
+        k_out = self._check_kv("out[0]", out[0], n_tokens)
+        v_out = self._check_kv("out[1]", out[1], n_tokens)
+        if k_out.device != v_out.device:
+            raise ValueError(f"out tensors must be on one device, got {k_out.device} and "
+                             f"{v_out.device}")
+        return k_out, v_out
+
     # ------------------------------------------------------------------ chunk IO
     def _load_chunk(self, rec: ChunkRecord) -> torch.Tensor:
         """The chunk's slot in DRAM, reading and verifying it from disk on a DRAM miss."""
@@ -677,19 +697,12 @@ class Store:
         toks = as_tokens(tokens)
         n_tok = len(toks)
         if out is not None:
-            if not isinstance(out, tuple | list) or len(out) != 2:
-                raise TypeError("out must be a (keys, values) pair of tensors")
-            k_out = self._check_kv("out[0]", out[0], n_tok)
-            v_out = self._check_kv("out[1]", out[1], n_tok)
+            k_out, v_out = self._check_out(out, n_tok)
             if device is not None and torch.device(device) != k_out.device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
         with self._mutex:
             self._check_open()
-            pieces = self._resolve(toks, namespace)
-            served = sum(p.use for p in pieces)
-            if served < n_tok:
-                self._counters["get_misses"] += 1
-                raise KeyError(f"only {served} of the {n_tok} tokens are stored")
+            pieces = self._resolve_all(toks, namespace)
             if out is None:
                 shape = self.layout.kv_shape(n_tok)
                 k_out = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
@@ -728,10 +741,7 @@ class Store:
         toks = as_tokens(tokens)
         n_tok = len(toks)
         if out is not None:
-            if not isinstance(out, tuple | list) or len(out) != 2:
-                raise TypeError("out must be a (keys, values) pair of tensors")
-            k_out = self._check_kv("out[0]", out[0], n_tok)
-            v_out = self._check_kv("out[1]", out[1], n_tok)
+            k_out, v_out = self._check_out(out, n_tok)
             if k_out.device.type != "cpu" or not (k_out.is_contiguous()
                                                   and v_out.is_contiguous()):
                 raise ValueError("out tensors of load_layers must be contiguous CPU tensors")
@@ -743,11 +753,7 @@ class Store:
             self._check_open()
             if self._closing:
                 raise StoreClosed(f"store {self.path!r} is closing")
-            pieces = self._resolve(toks, namespace)
-            served = sum(p.use for p in pieces)
-            if served < n_tok:
-                self._counters["get_misses"] += 1
-                raise KeyError(f"only {served} of the {n_tok} tokens are stored")
+            pieces = self._resolve_all(toks, namespace)
             slots = [p.rec.slot for p in pieces]
             load = LayerLoad(
                 k_out, v_out,
