@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,7 @@ class GenerationResult:
     total_s: float
     stored_tokens: int  # tokens whose KV was stored for the next turn (0 if store=False)
     stop_reason: str  # "stop_token" or "max_new_tokens"
+    saved: Future[None] | None = None  # asynchronous save: done when the KV is durable
 
 
 def _sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
@@ -80,11 +82,15 @@ class Generator:
 
     With ``layerwise`` (the default) a reused prefix is loaded layer by layer alongside the
     prefill of the new tokens (read buffer ``buffer_layers``); otherwise it is read whole first.
-    Thread-safety: one request at a time per Generator (the store itself is thread-safe).
+    With ``async_save`` (the default) each layer's KV goes to the store's write buffer as soon
+    as the prefill produces it, decode KV follows in one batch, and a writer thread makes it
+    durable (``GenerationResult.saved``; :meth:`flush` waits for all); a later request that
+    shares the pending context's prefix waits for that save first. Thread-safety: one request
+    at a time per Generator (the store itself is thread-safe).
     """
 
     def __init__(self, model: Model, store: kvstore.Store, *, layerwise: bool = True,
-                 buffer_layers: int | None = None) -> None:
+                 buffer_layers: int | None = None, async_save: bool = True) -> None:
         if store.layout != model.layout:
             raise kvstore.LayoutMismatch(
                 f"store layout {store.layout} does not match the model's {model.layout}"
@@ -93,6 +99,7 @@ class Generator:
         self.store = store
         self.layerwise = layerwise
         self.buffer_layers = buffer_layers
+        self.async_save = async_save
         tok = model.tokenizer
         stops = {tok.token_to_id("<|im_end|>")}
         if model.config.eos_token_id is not None:
@@ -109,14 +116,20 @@ class Generator:
         k, v = self.store.get(ids[:n], namespace=namespace)  # [L, H, n, D] each
         return n, split_kv(k, v)
 
+    def flush(self) -> None:
+        """Wait until every asynchronous save is durable (raises a save's error)."""
+        self.store.flush()
+
     def generate(self, ids: Sequence[int], max_new_tokens: int = 64, *,
                  sampling: SamplingConfig | None = None, namespace: str | None = None,
-                 store: bool = True, reuse: bool = True) -> GenerationResult:
+                 store: bool = True, reuse: bool = True,
+                 queue: Sequence[object] | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` after ``ids``, reusing stored KV of its prefix.
 
         Stores the KV of ``ids`` + the generated tokens that were fed back (all but the last)
         for the next turn when ``store`` is true. ``reuse=False`` recomputes everything (the
-        baseline the reuse path must equal).
+        baseline the reuse path must equal). ``queue``: the jobs waiting after this one (their
+        prompts, next first), handed to the store as scheduler hints when this one starts.
         """
         ids = self.model._check_ids(ids).tolist()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
@@ -131,6 +144,11 @@ class Generator:
         cfg = sampling or SamplingConfig()
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         t0 = time.perf_counter()
+        if queue is not None:
+            self.store.set_queue(queue)
+        # A pending save that shares a prefix with ids must land before the store is asked
+        # what it can serve (it re-raises that save's IO error).
+        self.store.wait_saved(ids, namespace=namespace)
         load = None
         if not reuse:
             n_reused, past = 0, None
@@ -144,8 +162,17 @@ class Generator:
         else:
             n_reused, past = self.load_prefix(ids, namespace=namespace)
         load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
+        save = None
+        if store and self.async_save:
+            save = self.store.begin_save(ids, namespace=namespace,
+                                         max_new_tokens=max_new_tokens - 1)
         try:
-            logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True)
+            logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
+                                            on_layer=None if save is None else save.layer)
+        except BaseException:
+            if save is not None:
+                save.abort()
+            raise
         finally:
             if load is not None:
                 load.close()
@@ -161,8 +188,15 @@ class Generator:
             logits, kv = self.model.forward([out[-1]], past=kv, last_only=True)
             out.append(_sample(logits[-1], cfg, gen))
         fed = ids + out[:-1]  # tokens whose KV exists
-        stored = 0
-        if store:
+        stored, saved = 0, None
+        if save is not None:
+            if len(out) > 1:  # decode-step KV, batched: [L, H, t, D] each
+                k, v = stack_kv([(kk[:, len(ids):], vv[:, len(ids):]) for kk, vv in kv])
+                assert k.shape[2] == len(out) - 1
+                save.append(out[:-1], k, v)
+            saved = save.finish()
+            stored = len(fed)
+        elif store:
             k, v = stack_kv(kv)  # [L, H, T, D]
             assert k.shape[2] == len(fed)
             self.store.put(fed, k, v, namespace=namespace)
@@ -170,7 +204,7 @@ class Generator:
         return GenerationResult(
             tokens=out, reused_tokens=n_reused, prefilled_tokens=len(ids) - n_reused,
             ttft_s=ttft, load_s=load_s, total_s=time.perf_counter() - t0, stored_tokens=stored,
-            stop_reason=stop_reason,
+            stop_reason=stop_reason, saved=saved,
         )
 
 

@@ -177,6 +177,7 @@ def create_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *
     toks = _ids_list(ids)
     n, keys, values = 0, None, None
     for _ in range(2):  # a second try if the prefix was evicted or found corrupt meanwhile
+        store.wait_saved(toks, namespace=namespace)  # a pending asynchronous save may serve it
         n = min(store.match(toks, namespace=namespace), len(toks) - 1)
         if n <= 0:
             n = 0

@@ -13,7 +13,7 @@ same numbers. ``round_kv=False`` turns this off (for comparisons with references
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,6 +287,7 @@ class Model:
         past_positions: Any = None,
         last_only: bool = False,
         round_kv: bool = True,
+        on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, list[KV]]:
         """Run the model over ``ids`` (the new tokens) after the context ``past``.
 
@@ -297,7 +298,8 @@ class Model:
 
         Returns (logits [T, vocab] float32 — [1, vocab] with ``last_only`` — and the KV of past
         + new tokens per layer, keys pre-RoPE, [num_kv_heads, P+T, head_dim] in the cache dtype
-        (``layout.dtype``; float32 when ``round_kv`` is false)).
+        (``layout.dtype``; float32 when ``round_kv`` is false)). ``on_layer(i, k, v)`` is called
+        with each layer's KV as soon as it exists (asynchronous saving).
         """
         c = self.config
         ids_t = self._check_ids(ids)  # [T]
@@ -339,6 +341,8 @@ class Model:
                 v_c = torch.cat([pv.to(device="cpu", dtype=kv_dtype), v_c], dim=1)  # [Hkv, P+T, D]
             assert k_c.shape == v_c.shape == (Hkv, P + T, D), (k_c.shape, v_c.shape)
             new_kv.append((k_c, v_c))
+            if on_layer is not None:
+                on_layer(i, k_c, v_c)
             q = rope.rotate(q, cos_new, sin_new)  # [H, T, D]
             k_r = rope.rotate(k_c.to(torch.float32), cos_all, sin_all)  # [Hkv, P+T, D]
             v_f = v_c.to(torch.float32)  # [Hkv, P+T, D]

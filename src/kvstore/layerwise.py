@@ -2,7 +2,9 @@
 
 AttentionStore §3.2.1: loading layer l+1 overlaps computing layer l, so the cost of reading a
 stored context hides behind the prefill of the new tokens. A read buffer of B layers lets the
-loader run up to B layers further ahead of compute (B=None: no bound). Each layer read from disk
+loader start before compute does (while the previous job still holds the execution buffer) with
+up to B layers, and then run up to B layers further ahead of compute than the one layer the
+execution buffer allows (B=None: no bound). Each layer read from disk
 is verified against that layer's checksum; a failure reaches the waiting compute as the error
 itself (``CorruptData``), never as a hang or wrong data.
 """
@@ -19,13 +21,16 @@ class LayerLoad:
     """Handle of one layer-wise load; obtained from :meth:`kvstore.Store.load_layers`.
 
     ``wait(l)`` returns (keys, values) of layer l, [num_kv_heads, T, head_dim] each (views into
-    one output pair [L, H, T, D], keys pre-RoPE). Thread-safety: ``wait`` and ``close`` may be
-    called from any thread; the loader runs on its own thread, started by ``start``.
+    one output pair [L, H, T, D], keys pre-RoPE, valid until :meth:`close`). On CUDA,
+    ``load_layer`` returns the copy event of the layer and ``wait`` makes the current stream
+    wait for it. Thread-safety: ``wait`` and ``close`` may be called from any thread; the loader
+    runs on its own thread, started by ``start``.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor,
-                 load_layer: Callable[[int], None], *, buffer_layers: int | None,
-                 on_done: Callable[[], None]) -> None:
+                 load_layer: Callable[[int], torch.cuda.Event | None], *,
+                 buffer_layers: int | None, on_done: Callable[[], None],
+                 on_close: Callable[[], None] | None = None) -> None:
         assert keys.shape == values.shape
         self.keys, self.values = keys, values  # [L, H, T, D]
         self.num_layers = keys.shape[0]
@@ -36,9 +41,11 @@ class LayerLoad:
         self.buffer_layers = buffer_layers
         self._load_layer = load_layer
         self._on_done = on_done
+        self._on_close = on_close
         self._ready = [threading.Event() for _ in range(self.num_layers)]
+        self._copied: list[torch.cuda.Event | None] = [None] * self.num_layers
         self._cond = threading.Condition()
-        self._consumed = -1  # highest layer compute has asked for
+        self._consumed: int | None = None  # highest layer compute has asked for
         self._cancelled = False
         self._error: BaseException | None = None
         self._n_loaded = 0  # layers 0.._n_loaded-1 are complete
@@ -51,7 +58,11 @@ class LayerLoad:
         return self
 
     def _may_load(self, layer: int) -> bool:
-        return self.buffer_layers is None or layer <= self._consumed + 1 + self.buffer_layers
+        if self.buffer_layers is None:
+            return True
+        if self._consumed is None:  # compute has not started: the read buffer only
+            return layer < self.buffer_layers
+        return layer <= self._consumed + 1 + self.buffer_layers
 
     def _run(self) -> None:
         try:
@@ -60,7 +71,7 @@ class LayerLoad:
                     self._cond.wait_for(lambda la=layer: self._cancelled or self._may_load(la))
                     if self._cancelled:
                         return
-                self._load_layer(layer)
+                self._copied[layer] = self._load_layer(layer)
                 self._n_loaded = layer + 1
                 self._ready[layer].set()
         except BaseException as e:  # handed to the waiting compute thread in wait()
@@ -79,11 +90,14 @@ class LayerLoad:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         with self._cond:
-            if layer > self._consumed:
+            if self._consumed is None or layer > self._consumed:
                 self._consumed = layer
                 self._cond.notify_all()
         self._ready[layer].wait()
         if layer < self._n_loaded:
+            copied = self._copied[layer]
+            if copied is not None:
+                torch.cuda.current_stream(self.keys.device).wait_event(copied)
             return self.keys[layer], self.values[layer]
         if self._error is not None:
             raise self._error
@@ -93,12 +107,18 @@ class LayerLoad:
         return self._thread is not None and not self._thread.is_alive()
 
     def close(self) -> None:
-        """Stop loading (pending layers are abandoned) and wait for the loader thread."""
+        """Stop loading (pending layers are abandoned), wait for the loader thread, and give
+        the execution buffer back. Idempotent."""
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            if self.keys.device.type == "cuda":
+                torch.cuda.current_stream(self.keys.device).synchronize()  # compute is done
+            on_close()
 
     def __enter__(self) -> LayerLoad:
         return self

@@ -100,7 +100,6 @@ class SegmentFiles:
         self.geo = geometry
         self.readonly = readonly
         self._fds: dict[int, int] = {}
-        self._dirty: set[int] = set()
         self._ready: set[int] = set()  # segments known to exist at full size, durably
         self._fd_lock = threading.Lock()  # IO workers may open a segment concurrently
         if not readonly:
@@ -187,8 +186,8 @@ class SegmentFiles:
     def write(self, slot: int, buffers: list) -> None:
         """Write an extent given as buffers in extent order into ``slot`` (one ``pwritev``).
 
-        Not durable until :meth:`sync`. Thread-safety: the store calls it from its IO worker
-        while holding the store lock, so no other call runs concurrently.
+        Not durable until :meth:`sync`. Thread-safe (writes to distinct slots may run
+        concurrently).
         """
         total = sum(len(v) for v in _views(buffers))
         assert total <= self.geo.slot_stride
@@ -203,19 +202,19 @@ class SegmentFiles:
             raise
         if n != total:
             raise OSError(errno.EIO, f"short write to {self.path(seg)!r}: {n} of {total} bytes")
-        with self._fd_lock:
-            self._dirty.add(seg)
 
-    def sync(self) -> None:
-        """Make every write so far durable."""
-        for seg in sorted(self._dirty):
+    def sync(self, slots: list[int]) -> None:
+        """Make every completed write into ``slots`` durable (one fdatasync per segment file).
+
+        Thread-safe; each writer syncs the files it wrote, so concurrent writers never rely on
+        one another's syncs."""
+        for seg in sorted({self.geo.locate(s)[0] for s in slots}):
             try:
-                os.fdatasync(self._fds[seg])
+                os.fdatasync(self._fd(seg))
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise CapacityError(f"disk full while syncing {self.path(seg)!r}") from e
                 raise
-        self._dirty.clear()
 
     def read(self, slot: int, buffers: list, offset: int = 0) -> None:
         """Fill ``buffers`` (in extent order) from ``slot`` at byte ``offset`` with one

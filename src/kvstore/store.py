@@ -13,8 +13,8 @@ import heapq
 import os
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
-from threading import RLock
+from dataclasses import dataclass, field, replace
+from threading import Condition, RLock
 
 import numpy as np
 import torch
@@ -31,15 +31,20 @@ from kvstore.errors import (
     StoreClosed,
 )
 from kvstore.hashing import as_tokens, chain_seed, chunk_hash, common_prefix_len
+from kvstore.hbm import HbmTier
 from kvstore.layerwise import LayerLoad
 from kvstore.layout import KVLayout
 from kvstore.lock import DirLock
-from kvstore.policy import AccessStats, PriorityHeap, make_policy
+from kvstore.policy import AccessStats, Priority, PriorityHeap, Queued, make_policy
+from kvstore.saving import SaveHandle, Saver
+from kvstore.schedule import Job, Prefetcher, Windows, as_jobs
 from kvstore.segments import SegmentFiles, SegmentGeometry
 
 DEFAULT_DRAM_BYTES = 1 << 30  # 1 GiB
 DEFAULT_DISK_BYTES = 16 << 30  # 16 GiB
 DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_WRITE_BUFFER_BYTES = 256 << 20  # 256 MiB
+DEFAULT_HBM_BYTES = 1 << 30  # 1 GiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,10 +54,13 @@ class StoreConfig:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     dram_bytes: int = DEFAULT_DRAM_BYTES
     disk_bytes: int = DEFAULT_DISK_BYTES
-    policy: str = "lru"
+    hbm_bytes: int = DEFAULT_HBM_BYTES
+    write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES
+    policy: str = "scheduler"
 
     def __post_init__(self) -> None:
-        for name in ("chunk_tokens", "dram_bytes", "disk_bytes"):
+        for name in ("chunk_tokens", "dram_bytes", "disk_bytes", "hbm_bytes",
+                     "write_buffer_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
@@ -63,7 +71,25 @@ class StoreConfig:
 
     def to_dict(self) -> dict[str, object]:
         return {"chunk_tokens": self.chunk_tokens, "dram_bytes": self.dram_bytes,
-                "disk_bytes": self.disk_bytes, "policy": self.policy}
+                "disk_bytes": self.disk_bytes, "hbm_bytes": self.hbm_bytes,
+                "write_buffer_bytes": self.write_buffer_bytes, "policy": self.policy}
+
+
+@dataclass(slots=True, kw_only=True)
+class _PutPlan:
+    """A put between planning and commit: its new chunks, the slots taken for them, the DRAM
+    slots staging them, and the reused prefix chunks it holds."""
+
+    toks: np.ndarray
+    namespace: str | None
+    now: int
+    parts: list[np.ndarray]
+    chain: list[bytes]
+    specs: list[tuple[bytes, bytes, int]]  # (key, parent, chunk index) of each new chunk
+    slots: list[int]
+    held: list[bytes]
+    staged: dict[bytes, torch.Tensor]
+    records: list[ChunkRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +142,25 @@ def _extent_pieces(k: np.ndarray, v: np.ndarray, t0: int, n: int) -> list[np.nda
     return out
 
 
+class _CudaCopy:
+    """Host-to-device copies of a layer-wise load: each layer is read into pinned host memory,
+    then copied on a side stream; the layer's event tells compute when it has arrived."""
+
+    def __init__(self, k_dev: torch.Tensor, v_dev: torch.Tensor) -> None:
+        self.k_dev, self.v_dev = k_dev, v_dev  # [L, H, T, D] on the GPU
+        self.host_k = torch.empty(k_dev.shape, dtype=k_dev.dtype, pin_memory=True)
+        self.host_v = torch.empty(v_dev.shape, dtype=v_dev.dtype, pin_memory=True)
+        self.stream = torch.cuda.Stream(device=k_dev.device)
+
+    def layer(self, layer: int) -> torch.cuda.Event:
+        with torch.cuda.stream(self.stream):
+            self.k_dev[layer].copy_(self.host_k[layer], non_blocking=True)
+            self.v_dev[layer].copy_(self.host_v[layer], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+
 class Store:
     """An open store directory. Use :func:`kvstore.open`; close with :meth:`close` or ``with``.
 
@@ -157,8 +202,26 @@ class Store:
         self._pins: dict[int, int] = defaultdict(int)  # disk slot -> layer-wise loads reading it
         self._deferred_free: set[int] = set()  # freed while pinned: reusable once unpinned
         self._loads: set[LayerLoad] = set()
+        self._hbm_tiers: dict[str, HbmTier] = {}
         self._failed: BaseException | None = None  # a commit failed ambiguously: no more writes
         self._closing = False
+        self._cond = Condition(self._mutex)  # signals the end of unlocked writes
+        self._writers = 0  # puts writing extents without the lock
+        self._inflight: set[bytes] = set()  # chunk keys being written by a put
+        self._held: dict[bytes, int] = defaultdict(int)  # chunk -> puts/saves that need it
+        # Scheduler hints (AttentionStore §3.3): the job queue and where chunks/sessions are
+        # next needed in it.
+        self._jobs: list[Job] = []
+        self._queue_dirty = False
+        self._windows = Windows(prefetch=0, eviction=0)
+        self._job_pieces: list[list[_Piece]] = []
+        self._chunk_pos: dict[bytes, int] = {}
+        self._session_pos: dict[bytes, int] = {}
+        self._prefetcher = Prefetcher(self._prefetch_step)  # its thread starts on first use
+        self._saver = Saver(  # asynchronous saving; its thread starts on the first save
+            capacity_bytes=config.write_buffer_bytes,
+            write=lambda toks, k, v, ns, base: self._write(toks, _raw(k), _raw(v), ns, base),
+            release=self._release_locked)
 
     def _io_pool(self) -> ThreadPoolExecutor:
         """Two IO workers: disk reads/writes (two at a time: queue depth 2) overlap checksums
@@ -254,8 +317,17 @@ class Store:
         self._clock += 1
         return self._clock
 
-    def _session_priority(self, s: SessionRecord) -> float:
-        return self._policy.priority(AccessStats(inserted=s.created, last_access=s.last_access))
+    def _queued(self, pos: int | None) -> Queued | None:
+        if pos is None:
+            return None
+        return Queued(position=pos, in_window=pos < self._windows.eviction)
+
+    def _chunk_queued(self, key: bytes) -> Queued | None:
+        return self._queued(self._chunk_pos.get(key))
+
+    def _session_priority(self, s: SessionRecord) -> Priority:
+        return self._policy.priority(AccessStats(inserted=s.created, last_access=s.last_access),
+                                     self._queued(self._session_pos.get(s.key)))
 
     def _extent_bytes(self, n_tokens: int) -> int:
         return n_tokens * self.layout.token_bytes
@@ -345,7 +417,12 @@ class Store:
             self._counters["dram_hits"] += 1
             return slot
         self._counters["disk_hits"] += 1
-        slot = self._dram.insert(rec.key, self._extent_bytes(rec.n_tokens), self._clock)
+        return self._fetch_chunk(rec)
+
+    def _fetch_chunk(self, rec: ChunkRecord) -> torch.Tensor:
+        """Read and verify a chunk from disk into a new DRAM slot."""
+        slot = self._dram.insert(rec.key, self._extent_bytes(rec.n_tokens), self._clock,
+                                 self._chunk_queued(rec.key))
         try:
             buf = slot[: self._extent_bytes(rec.n_tokens)].numpy()
             self._segments.read(rec.slot, [buf])
@@ -411,7 +488,8 @@ class Store:
                     ext = None
                     if self._dram.num_slots:
                         ext = self._extent_np(
-                            self._dram.insert(p.rec.key, self._extent_bytes(n), self._clock), n)
+                            self._dram.insert(p.rec.key, self._extent_bytes(n), self._clock,
+                                              self._chunk_queued(p.rec.key)), n)
                 if ext is not None:
                     np.copyto(ext[l0:l1, 0], kr[l0:l1, :, a : a + n])  # [l1-l0, H, n, D]
                     np.copyto(ext[l0:l1, 1], vr[l0:l1, :, a : a + n])
@@ -446,14 +524,14 @@ class Store:
         self._drop_sessions(victims)
         err.add_note(f"dropped {len(victims)} stored context(s) that included this chunk")
 
-    def _drop_sessions(self, keys: list[bytes], protect: frozenset[bytes] = frozenset()) -> int:
-        """Delete sessions durably; free chunks no remaining session holds (except ``protect``).
+    def _drop_sessions(self, keys: list[bytes]) -> int:
+        """Delete sessions durably; free chunks no remaining session (or put) holds.
 
         Returns the number of chunks freed. Slots become reusable only after the commit.
         """
         if not keys:
             return 0
-        freed = self._freed_by(keys, protect)
+        freed = self._freed_by(keys, frozenset())
         with self._catalog.write() as txn:
             for k in keys:
                 txn.delete_session(k)
@@ -463,12 +541,14 @@ class Store:
         return len(freed)
 
     def _freed_by(self, keys: list[bytes], keep: frozenset[bytes] | set[bytes]) -> list[bytes]:
-        """Chunks no session would hold once sessions ``keys`` are gone (except ``keep``)."""
+        """Chunks no session would hold once sessions ``keys`` are gone (except ``keep`` and
+        chunks a put or save in progress holds)."""
         dec: dict[bytes, int] = defaultdict(int)
         for k in keys:
             for c in self._sessions[k].chunks:
                 dec[c] += 1
-        return [c for c, d in dec.items() if len(self._holders[c]) == d and c not in keep]
+        return [c for c, d in dec.items()
+                if len(self._holders[c]) == d and c not in keep and c not in self._held]
 
     def _unlink_sessions(self, keys: list[bytes], freed: list[bytes]) -> None:
         """Apply a committed removal of sessions ``keys`` and chunks ``freed`` to memory."""
@@ -480,6 +560,8 @@ class Store:
                 self._holders[c].discard(k)
         for c in freed:
             self._forget_chunk(c)
+        if self._jobs:
+            self._queue_dirty = True
 
     def _forget_chunk(self, c: bytes) -> None:
         rec = self._chunks.pop(c)
@@ -497,7 +579,8 @@ class Store:
 
     def _collect_orphans(self, candidates: frozenset[bytes]) -> None:
         """Durably delete chunks among ``candidates`` that no session holds any more."""
-        dead = [c for c in candidates if c in self._chunks and not self._holders.get(c)]
+        dead = [c for c in candidates
+                if c in self._chunks and not self._holders.get(c) and c not in self._held]
         if dead:
             with self._catalog.write() as txn:
                 for c in dead:
@@ -505,16 +588,24 @@ class Store:
             for c in dead:
                 self._forget_chunk(c)
 
-    def _make_room(self, need: int, protect: frozenset[bytes]) -> None:
-        """Evict whole sessions (least valuable first) until ``need`` slots are free."""
+    def _make_room(self, need: int) -> None:
+        """Evict whole sessions (least valuable first) until ``need`` slots are free.
+
+        With a queue-aware policy, sessions inside the look-ahead eviction window are exempt
+        while any other session can leave; when only they remain, the one at the window's tail
+        leaves (a put is not refused because of hints)."""
+        if len(self._free_slots) < need:
+            self._refresh_queue()
         while len(self._free_slots) < need:
             victim = self._session_heap.peek()
             if victim is None:
                 raise CapacityError(
                     f"need {need} free disk slots but only {len(self._free_slots)} can be freed"
                 )
+            if self._policy.exempt(self._queued(self._session_pos.get(victim))):
+                self._counters["evicted_in_window"] += 1
             self._counters["evicted_sessions"] += 1
-            self._counters["evicted_chunks"] += self._drop_sessions([victim], protect)
+            self._counters["evicted_chunks"] += self._drop_sessions([victim])
             if len(self._free_slots) < need and not self._sessions:
                 raise CapacityError(
                     f"need {need} free disk slots, store holds only {self._geo.total_slots}"
@@ -528,92 +619,164 @@ class Store:
         ``keys``/``values``: [num_layers, num_kv_heads, T, head_dim] in the layout dtype, keys
         without rotary encoding. Chunks already stored (a shared prefix) are not written again.
         A stored context that is a strict prefix of ``tokens`` is superseded (its KV stays
-        servable through this one). Thread-safe.
+        servable through this one). Thread-safe; the store lock is not held while the extents
+        are written and synced, so gets and other puts proceed meanwhile.
         """
         toks = as_tokens(tokens)
         keys = self._check_kv("keys", keys, len(toks))
         values = self._check_kv("values", values, len(toks))
+        kr = _raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
+        vr = _raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
+        self._write(toks, kr, vr, namespace)
+
+    def _write(self, toks: np.ndarray, kr: np.ndarray, vr: np.ndarray, namespace: str | None,
+               base: int = 0) -> None:
+        """Store ``toks`` given raw KV kr/vr [L, H, T - base, D] of tokens [base, T).
+
+        Plan under the lock (slots, evictions), write and sync without it, commit under it.
+        """
         with self._mutex:
             self._check_writable()
-            self._put(toks, keys, values, namespace)
+            plan = self._plan_put(toks, namespace, base)
+            if plan is None:
+                return
+            self._writers += 1
+            pool = self._io_pool()
+        try:
+            try:
+                self._write_extents(plan, kr, vr, base, pool)
+            except BaseException:
+                with self._mutex:
+                    self._abort_put(plan)
+                raise
+            with self._mutex:
+                self._commit_put(plan)
+        finally:
+            with self._mutex:
+                self._writers -= 1
+                self._cond.notify_all()
 
-    def _put(self, toks: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
-             namespace: str | None) -> None:
+    def _plan_put(self, toks: np.ndarray, namespace: str | None, base: int) -> _PutPlan | None:
+        """Under the lock: what a put must write, with slots taken and its prefix held."""
         lay, c = self.layout, self.config.chunk_tokens
         n_tok = len(toks)
-        now = self._tick()
+        while True:
+            now = self._tick()
+            pieces = self._resolve(toks, namespace)
+            if sum(p.use for p in pieces) == n_tok:
+                # Already servable (possibly through a longer context): only refresh recency.
+                self._counters["put_tokens"] += n_tok
+                self._touch_holders(pieces[-1].rec.key, now)
+                return None
+            parts = self._split(toks)
+            seed = chain_seed(lay.fingerprint, namespace)
+            existing = [p.rec for p in pieces if p.use == p.rec.n_tokens and p.use == c]
+            chain: list[bytes] = [r.key for r in existing]
+            parent = chain[-1] if chain else seed
+            specs: list[tuple[bytes, bytes, int]] = []  # (key, parent, chunk index)
+            for i in range(len(existing), len(parts)):
+                key = chunk_hash(parent, parts[i])
+                specs.append((key, parent, i))
+                chain.append(key)
+                parent = key
+            if not any(k in self._inflight for k, _, _ in specs):
+                break
+            self._cond.wait()  # another put is writing the same chunks: wait, then re-plan
+            self._check_writable()
         self._counters["put_tokens"] += n_tok
-        pieces = self._resolve(toks, namespace)
-        served = sum(p.use for p in pieces)
-        if served == n_tok:
-            # Already servable (possibly through a longer context): only refresh recency.
-            self._touch_holders(pieces[-1].rec.key, now)
-            return
-        # The chain of this put: existing full chunks, then new ones.
-        parts = self._split(toks)
-        seed = chain_seed(lay.fingerprint, namespace)
-        existing = [p.rec for p in pieces if p.use == p.rec.n_tokens and p.use == c]
-        chain: list[bytes] = [r.key for r in existing]
-        parent = chain[-1] if chain else seed
-        new_specs: list[tuple[bytes, bytes, int]] = []  # (key, parent, index)
-        for i in range(len(existing), len(parts)):
-            key = chunk_hash(parent, parts[i])
+        for key, _, _ in specs:
             if key in self._chunks:
                 # Same address but different tokens (a hash collision) or a full chunk that the
                 # walk did not take: refuse rather than alias.
                 raise CorruptData(f"chunk address collision at {key.hex()}")
-            new_specs.append((key, parent, i))
-            chain.append(key)
-            parent = key
+        if specs[0][2] * c < base:
+            raise KVStoreError(f"the stored prefix of this context (first {base} tokens, whose "
+                               f"KV was not kept for saving) is no longer stored")
         if len(chain) > self._geo.total_slots:  # the reused prefix stays on disk too
             raise CapacityError(
                 f"a context of {n_tok} tokens needs {len(chain)} chunk slots; disk_bytes="
                 f"{self.config.disk_bytes} holds {self._geo.total_slots}"
             )
-        protect = frozenset(r.key for r in existing)
-        # Write extents into free slots and make them durable on the IO worker (one pwritev
-        # per chunk straight from the caller's tensors, then fdatasync), while this thread
-        # computes checksums and fills the DRAM slots from the same bytes.
-        kr = _raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
-        vr = _raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
+        held = [r.key for r in existing]
+        self._hold(held)
         taken: list[int] = []
-        new_recs: list[ChunkRecord] = []
-        jobs: list[tuple[int, list[np.ndarray]]] = []
-        pool = self._io_pool()
-        futs: list[Future[None]] = []
-        committing = False
         try:
-            self._make_room(len(new_specs), protect)
-            for _, _, i in new_specs:
+            self._make_room(len(specs))
+            for _ in specs:
                 taken.append(heapq.heappop(self._free_slots))
-                jobs.append((taken[-1], _extent_pieces(kr, vr, i * c, len(parts[i]))))
             # Segment files are created here, before writes run concurrently on the IO workers.
             self._segments.ensure_ready(taken)
+        except BaseException:
+            for s in taken:
+                heapq.heappush(self._free_slots, s)
+            self._release(held)
+            raise
+        # DRAM staging slots (pending: invisible, not evictable) while a free or evictable slot
+        # exists; the chunks not staged are simply not cached.
+        staged: dict[bytes, torch.Tensor] = {}
+        for key, _, i in specs:
+            if self._dram.num_slots and self._dram.evictable:
+                staged[key] = self._dram.insert(key, self._extent_bytes(len(parts[i])), now,
+                                                self._chunk_queued(key), pending=True)
+        self._inflight.update(k for k, _, _ in specs)
+        return _PutPlan(toks=toks, namespace=namespace, now=now, parts=parts, chain=chain,
+                        specs=specs, slots=taken, held=held, staged=staged)
 
-            def write_all() -> None:
-                # One task: buffered writes to one file serialize in the kernel anyway, and two
-                # concurrent writers measured slower here.
-                for slot_no, pieces in jobs:
-                    self._segments.write(slot_no, pieces)
-                self._segments.sync()
+    def _write_extents(self, plan: _PutPlan, kr: np.ndarray, vr: np.ndarray, base: int,
+                       pool: ThreadPoolExecutor) -> None:
+        """Without the lock: write the new extents into the plan's slots and make them durable
+        on the IO worker (one pwritev per chunk straight from the caller's arrays, then
+        fdatasync), while this thread computes checksums and fills the DRAM staging slots from
+        the same bytes. Fills ``plan.records``."""
+        lay, c = self.layout, self.config.chunk_tokens
+        jobs = [(slot_no, _extent_pieces(kr, vr, i * c - base, len(plan.parts[i])))
+                for slot_no, (_, _, i) in zip(plan.slots, plan.specs, strict=True)]
 
-            fut = pool.submit(write_all)
-            futs = [fut]
-            for (key, par, i), (slot_no, pieces) in zip(new_specs, jobs, strict=True):
-                n, t0 = len(parts[i]), i * c
+        def write_all() -> None:
+            # One task: buffered writes to one file serialize in the kernel anyway, and two
+            # concurrent writers measured slower here.
+            for slot_no, pieces in jobs:
+                self._segments.write(slot_no, pieces)
+            self._segments.sync(plan.slots)
+
+        fut = pool.submit(write_all)
+        try:
+            for (key, par, i), (slot_no, pieces) in zip(plan.specs, jobs, strict=True):
+                n, t0 = len(plan.parts[i]), i * c - base
                 sums = _piece_checksums(pieces, lay.num_layers)
-                ext = self._extent_np(self._dram.insert(key, self._extent_bytes(n), now), n)
-                np.copyto(ext[:, 0], kr[:, :, t0 : t0 + n])  # [L, H, n, D]
-                np.copyto(ext[:, 1], vr[:, :, t0 : t0 + n])
-                new_recs.append(ChunkRecord(key, par, n, slot_no, sums, parts[i].copy()))
-            fut.result()  # durable (or the IO error, re-raised here)
-            # Contexts this put supersedes: stored strict prefixes of it.
-            superseded = self._prefix_sessions(toks, chain, namespace)
-            session = SessionRecord(chain[-1], n_tok, now, now, tuple(chain))
-            freed = self._freed_by(superseded, set(chain))
-            committing = True
+                slot = plan.staged.get(key)
+                if slot is not None:
+                    ext = self._extent_np(slot, n)
+                    np.copyto(ext[:, 0], kr[:, :, t0 : t0 + n])  # [L, H, n, D]
+                    np.copyto(ext[:, 1], vr[:, :, t0 : t0 + n])
+                plan.records.append(ChunkRecord(key, par, n, slot_no, sums, plan.parts[i].copy()))
+        finally:
+            wait([fut])  # the worker must be done with the slots before anything reuses them
+        fut.result()  # durable (or the IO error, re-raised here)
+
+    def _abort_put(self, plan: _PutPlan) -> None:
+        """Under the lock: undo a plan whose extents were not (all) written."""
+        for key in plan.staged:
+            self._dram.discard(key)
+        for s in plan.slots:
+            heapq.heappush(self._free_slots, s)
+        self._inflight.difference_update(k for k, _, _ in plan.specs)
+        self._release(plan.held)
+
+    def _commit_put(self, plan: _PutPlan) -> None:
+        """Under the lock: make a written plan visible in one catalog transaction."""
+        if self._failed is not None or self._closed:
+            self._abort_put(plan)
+            self._check_writable()
+        chain, now = plan.chain, plan.now
+        # Contexts this put supersedes: stored strict prefixes of it (computed now: other puts
+        # may have committed while this one wrote).
+        superseded = self._prefix_sessions(plan.toks, chain, plan.namespace)
+        session = SessionRecord(chain[-1], len(plan.toks), now, now, tuple(chain))
+        freed = self._freed_by(superseded, set(chain))
+        try:
             with self._catalog.write() as txn:
-                for rec in new_recs:
+                for rec in plan.records:
                     txn.put_chunk(rec)
                 txn.put_session(session)
                 for k in superseded:
@@ -622,29 +785,44 @@ class Store:
                     txn.delete_chunk(ch)
                 txn.put_meta("clock", self._clock)
         except BaseException as e:
-            wait(futs)  # the workers must be done with the slots before they are reused
-            for key, _, _ in new_specs:
+            # The commit failed in a way that may or may not have reached the disk (e.g. its
+            # fsync failed): recycling the slots could overwrite a committed extent. Refuse
+            # further writes; reopening rebuilds the state from what the catalog holds.
+            self._failed = e
+            for key in plan.staged:
                 self._dram.discard(key)
-            if committing:
-                # The commit failed in a way that may or may not have reached the disk (e.g. its
-                # fsync failed): recycling the slots could overwrite a committed extent. Refuse
-                # further writes; reopening rebuilds the state from what the catalog holds.
-                self._failed = e
-                raise
-            for s in taken:
-                heapq.heappush(self._free_slots, s)
-            self._collect_orphans(protect)
+            self._inflight.difference_update(k for k, _, _ in plan.specs)
+            self._release(plan.held)
             raise
         # Committed: apply to the in-memory mirror.
-        for rec in new_recs:
+        for rec in plan.records:
             self._chunks[rec.key] = rec
             self._children[rec.parent].add(rec.key)
+            self._inflight.discard(rec.key)
+        for key in plan.staged:
+            self._dram.publish(key)
         self._unlink_sessions(superseded, freed)
         self._sessions[session.key] = session
         for ch in chain:
             self._holders[ch].add(session.key)
         self._session_heap.push(session.key, self._session_priority(session))
-        self._counters["put_chunks_written"] += len(new_recs)
+        self._release(plan.held)
+        self._counters["put_chunks_written"] += len(plan.records)
+        if self._jobs:
+            self._queue_dirty = True
+            self._prefetcher.kick()
+
+    def _hold(self, keys: list[bytes]) -> None:
+        """Keep chunks stored (not freed by evictions) while a put or save still needs them."""
+        for k in keys:
+            self._held[k] += 1
+
+    def _release(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self._held[k] -= 1
+            if not self._held[k]:
+                del self._held[k]
+        self._collect_orphans(frozenset(keys))
 
     def _prefix_sessions(self, toks: np.ndarray, chain: list[bytes],
                          namespace: str | None) -> list[bytes]:
@@ -727,38 +905,59 @@ class Store:
 
     def load_layers(self, tokens: object, *, namespace: str | None = None,
                     buffer_layers: int | None = None,
-                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerLoad:
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    device: str | torch.device | None = None) -> LayerLoad:
         """Start loading the KV of ``tokens`` layer by layer; returns a :class:`LayerLoad`.
 
-        A loader thread fills layer 0, 1, ... of (keys, values) [L, H, T, D] (CPU, pre-RoPE;
-        ``out`` may give contiguous CPU tensors to fill); ``wait(l)`` blocks until layer l is
-        ready. With ``buffer_layers=B`` the loader stays at most B layers ahead of the layer
-        compute waits for (None: no bound). Layers read from disk are verified one by one and
-        are not copied into the DRAM tier. The chunks are pinned until the load ends, so
-        concurrent evictions cannot reuse their space under it. Raises KeyError if not every
-        token is stored. Thread-safe.
+        A loader thread fills layer 0, 1, ... of (keys, values) [L, H, T, D] (pre-RoPE) in an
+        execution buffer of the hbm tier on ``device`` (default CPU; on CUDA each layer goes
+        through pinned host memory and a copy stream), or in ``out`` (contiguous CPU tensors);
+        ``wait(l)`` blocks until layer l is ready. With ``buffer_layers=B`` the loader loads at
+        most B layers before compute first waits, then stays at most B + 1 layers ahead of the
+        layer compute waits for (None: no bound). Layers read from disk are verified one by one
+        and are not copied into the DRAM tier. The chunks are pinned until the load ends, so
+        concurrent evictions cannot reuse their space under it. :meth:`LayerLoad.close` gives
+        the execution buffer back. Raises KeyError if not every token is stored, CapacityError
+        if the execution buffer does not fit ``hbm_bytes``. Thread-safe.
         """
         toks = as_tokens(tokens)
         n_tok = len(toks)
+        shape = self.layout.kv_shape(n_tok)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
         if out is not None:
             k_out, v_out = self._check_out(out, n_tok)
             if k_out.device.type != "cpu" or not (k_out.is_contiguous()
                                                   and v_out.is_contiguous()):
                 raise ValueError("out tensors of load_layers must be contiguous CPU tensors")
-        else:
-            shape = self.layout.kv_shape(n_tok)
-            k_out = torch.empty(shape, dtype=self.layout.torch_dtype)
-            v_out = torch.empty(shape, dtype=self.layout.torch_dtype)
+            if device is not None and dev != k_out.device:
+                raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
         with self._mutex:
             self._check_open()
             if self._closing:
                 raise StoreClosed(f"store {self.path!r} is closing")
             pieces = self._resolve_all(toks, namespace)
+            buf = None
+            if out is None:
+                buf = self._hbm(dev).acquire(self._extent_bytes(n_tok))  # K and V
+                kv = buf.view(self.layout.torch_dtype).view(2, *shape)  # [2, L, H, T, D]
+                k_out, v_out = kv[0], kv[1]
+            copy = None
+            if k_out.device.type == "cuda":
+                copy = _CudaCopy(k_out, v_out)
+                kr, vr = _raw(copy.host_k), _raw(copy.host_v)
+            else:
+                kr, vr = _raw(k_out), _raw(v_out)
+
+            def load_layer(layer: int) -> torch.cuda.Event | None:
+                self._load_layer(pieces, kr, vr, layer)
+                return None if copy is None else copy.layer(layer)
+
             slots = [p.rec.slot for p in pieces]
+            hbm = self._hbm(dev) if buf is not None else None
             load = LayerLoad(
-                k_out, v_out,
-                lambda layer: self._load_layer(pieces, _raw(k_out), _raw(v_out), layer),
-                buffer_layers=buffer_layers, on_done=lambda: self._end_load(load, slots))
+                k_out, v_out, load_layer, buffer_layers=buffer_layers,
+                on_done=lambda: self._end_load(load, slots),
+                on_close=None if buf is None else lambda: hbm.release(buf))  # type: ignore[union-attr]
             for s in slots:
                 self._pins[s] += 1
             now = self._tick()
@@ -774,7 +973,17 @@ class Store:
                 return load.start()
             except BaseException:
                 self._end_load(load, slots)
+                load.close()
                 raise
+
+    def _hbm(self, device: torch.device) -> HbmTier:
+        """The hbm tier (execution buffers) on ``device``; created on first use."""
+        key = str(device)
+        tier = self._hbm_tiers.get(key)
+        if tier is None:
+            tier = HbmTier(capacity_bytes=self.config.hbm_bytes, device=device)
+            self._hbm_tiers[key] = tier
+        return tier
 
     def _load_layer(self, pieces: list[_Piece], kr: np.ndarray, vr: np.ndarray,
                     layer: int) -> None:
@@ -820,6 +1029,168 @@ class Store:
                         self._deferred_free.discard(s)
                         heapq.heappush(self._free_slots, s)
 
+    # ------------------------------------------------------------------ asynchronous saving
+    def begin_save(self, tokens: object, *, namespace: str | None = None,
+                   max_new_tokens: int = 0) -> SaveHandle:
+        """Start saving the context ``tokens`` asynchronously (AttentionStore §3.2.2).
+
+        Give each layer's KV to :meth:`SaveHandle.layer` as soon as it exists (during prefill),
+        decode-step KV of up to ``max_new_tokens`` more tokens to :meth:`SaveHandle.append`, then
+        :meth:`SaveHandle.finish`: a writer thread stores the context (crash-safe, all or
+        nothing) and the returned future completes when it is durable. Only tokens after the
+        already stored full chunks are copied; those chunks are held until the save ends.
+        Waits while the write buffer (``write_buffer_bytes``) is full. Thread-safe.
+        """
+        toks = as_tokens(tokens)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        c = self.config.chunk_tokens
+        with self._mutex:
+            self._check_writable()
+            if self._closing:
+                raise StoreClosed(f"store {self.path!r} is closing")
+            pieces = self._resolve(toks, namespace)
+            held = [p.rec.key for p in pieces if p.use == p.rec.n_tokens == c]
+            self._hold(held)
+        base = len(held) * c
+        capacity = len(toks) + max_new_tokens - base
+        nbytes = capacity * self.layout.token_bytes
+        try:
+            self._saver.reserve(nbytes)
+        except BaseException:
+            self._release_locked(held)
+            raise
+        return SaveHandle(self._saver, self.layout, toks, namespace, base, capacity, held,
+                          nbytes)
+
+    def save_async(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
+                   namespace: str | None = None) -> Future[None]:
+        """:meth:`put` on the writer thread: returns once the KV is copied into the write
+        buffer; the future completes when it is durable. Thread-safe."""
+        toks = as_tokens(tokens)
+        keys = self._check_kv("keys", keys, len(toks))
+        values = self._check_kv("values", values, len(toks))
+        with self.begin_save(toks, namespace=namespace) as save:
+            for layer in range(self.layout.num_layers):
+                save.layer(layer, keys[layer], values[layer])
+            return save.finish()
+
+    def wait_saved(self, tokens: object, *, namespace: str | None = None) -> None:
+        """Block until asynchronous saves that may extend what the store serves for
+        ``tokens`` are written (so :meth:`match` sees them); raises such a save's error.
+        Thread-safe."""
+        self._check_open()
+        self._saver.wait_for(as_tokens(tokens), namespace)
+
+    def flush(self) -> None:
+        """The durability point of asynchronous saves: block until every finished save is
+        durable; raise the first error a save met since the last flush. Thread-safe."""
+        self._check_open()
+        self._saver.flush()
+
+    def _release_locked(self, keys: list[bytes]) -> None:
+        with self._mutex:
+            if not self._closed:
+                self._release(keys)
+
+    # ------------------------------------------------------------------ scheduler hints
+    def set_queue(self, jobs: object) -> None:
+        """Hand the store the scheduler's waiting jobs, the next to run first (AttentionStore
+        §3.3). Each job is its prompt's token ids (or ``(tokens, namespace)``, or a
+        :class:`kvstore.Job`); the job running now is not in the queue. Replaces the previous
+        queue; call it whenever the queue changes.
+
+        With the ``scheduler`` (or ``belady``) policy, a background thread then fetches from
+        disk into DRAM the stored contexts of the next ``prefetch_window`` jobs, and eviction
+        looks ahead ``eviction_window`` jobs (see :mod:`kvstore.schedule`; both windows are in
+        ``stats()["queue"]``). With ``lru``/``fifo`` the queue is recorded but not used.
+        Thread-safe.
+        """
+        parsed = as_jobs(jobs)
+        with self._mutex:
+            self._check_open()
+            self._jobs = parsed
+            self._queue_dirty = True
+            if self._policy.uses_queue:
+                self._refresh_queue()
+                self._prefetcher.kick()
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        """Block until the prefetcher has acted on the latest queue and store changes (False
+        on timeout). Re-raises an IO error the prefetcher met. Thread-safe."""
+        return self._prefetcher.wait_idle(timeout)
+
+    def _refresh_queue(self) -> None:
+        """Under the lock: recompute where chunks and sessions are next needed in the queue,
+        the windows, and the priorities that depend on them."""
+        if not self._queue_dirty or not self._policy.uses_queue:
+            return
+        self._queue_dirty = False
+        old_chunks, old_sessions = self._chunk_pos, self._session_pos
+        chunk_pos: dict[bytes, int] = {}
+        session_pos: dict[bytes, int] = {}
+        job_pieces = []
+        for i, job in enumerate(self._jobs):
+            pieces = self._resolve(job.tokens, job.namespace)
+            job_pieces.append(pieces)
+            for p in pieces:
+                chunk_pos.setdefault(p.rec.key, i)
+                if p.rec.key in self._sessions:  # the job's prompt extends this context
+                    session_pos.setdefault(p.rec.key, i)
+        n = len(self._sessions)
+        avg = sum(len(x.chunks) for x in self._sessions.values()) / n if n else 1.0
+        self._windows = Windows.derive(dram_slots=self._dram.num_slots,
+                                       disk_slots=self._geo.total_slots, avg_session_slots=avg)
+        self._chunk_pos, self._session_pos, self._job_pieces = chunk_pos, session_pos, job_pieces
+        for k in old_sessions.keys() | session_pos.keys():
+            if k in self._sessions:
+                self._session_heap.push(k, self._session_priority(self._sessions[k]))
+        for k in old_chunks.keys() | chunk_pos.keys():
+            self._dram.requeue(k, self._chunk_queued(k))
+
+    def _prefetch_step(self) -> bool:
+        """Prefetcher thread: fetch one chunk of a job in the prefetch window into DRAM, if one
+        is missing and DRAM can take it without evicting something needed sooner. Returns
+        whether there may be more to do. Holds the store lock for one chunk's read."""
+        with self._mutex:
+            if self._closed or self._closing:
+                return False
+            self._refresh_queue()
+            for pieces in self._job_pieces[: self._windows.prefetch]:
+                for p in pieces:
+                    rec = self._chunks.get(p.rec.key)
+                    if rec is None or rec.key in self._dram:
+                        continue
+                    if not self._dram.evictable:
+                        return False
+                    now = self._clock
+                    mine = self._policy.priority(AccessStats(inserted=now, last_access=now),
+                                                 self._chunk_queued(rec.key))
+                    victim = self._dram.victim_priority()
+                    if victim is not None and not victim < mine:  # type: ignore[operator]
+                        return False  # DRAM holds only what is needed sooner
+                    try:
+                        self._fetch_chunk(rec)
+                    except CorruptData:
+                        self._queue_dirty = True  # its contexts were dropped; look again
+                        return True
+                    self._counters["prefetched_chunks"] += 1
+                    return True
+            return False
+
+    def residency(self, tokens: object, *, namespace: str | None = None) -> dict[str, int]:
+        """Where the KV of ``tokens`` is: tokens served from DRAM, from disk only, and not
+        stored. Counts no access. Thread-safe."""
+        toks = as_tokens(tokens)
+        with self._mutex:
+            self._check_open()
+            out = {"dram": 0, "disk": 0, "missing": len(toks)}
+            for p in self._resolve(toks, namespace):
+                out["dram" if p.rec.key in self._dram else "disk"] += p.use
+                out["missing"] -= p.use
+            return out
+
     def delete(self, tokens: object, *, namespace: str | None = None) -> bool:
         """Remove the context stored for exactly ``tokens``; chunks other contexts share stay.
 
@@ -844,6 +1215,12 @@ class Store:
             cnt = self._counters
             disk_payload = sum(self._extent_bytes(r.n_tokens) for r in self._chunks.values())
             return {
+                "hbm": {
+                    "capacity_bytes": self.config.hbm_bytes,
+                    "bytes": sum(t.used_bytes for t in self._hbm_tiers.values()),
+                    "idle_bytes": sum(t.idle_bytes for t in self._hbm_tiers.values()),
+                    "devices": sorted(self._hbm_tiers),
+                },
                 "dram": {
                     "capacity_bytes": self.config.dram_bytes,
                     "bytes": self._dram.bytes_used,
@@ -865,6 +1242,19 @@ class Store:
                     "dram_chunks": self._dram.evictions,
                     "disk_sessions": cnt["evicted_sessions"],
                     "disk_chunks": cnt["evicted_chunks"],
+                },
+                "queue": {
+                    "jobs": len(self._jobs),
+                    "prefetch_window": self._windows.prefetch,
+                    "eviction_window": self._windows.eviction,
+                    "prefetched_chunks": cnt["prefetched_chunks"],
+                    "evicted_in_window": cnt["evicted_in_window"],
+                },
+                "saves": {
+                    "write_buffer_bytes": self.config.write_buffer_bytes,
+                    "write_buffer_used": self._saver.used_bytes,
+                    "saved": self._saver.saved,
+                    "failed": self._saver.failed,
                 },
                 "corrupt": {
                     "chunks": cnt["corrupt_chunks"],
@@ -912,18 +1302,23 @@ class Store:
             self._segments.drop_cache()
 
     # ------------------------------------------------------------------ closing
-    def close(self) -> None:
+    def close(self, *, abandon_pending: bool = False) -> None:
         """Finish IO, persist access times, release files and the lock. Idempotent.
 
-        Layer-wise loads still running are cancelled (their waiters get an error) and their
-        threads joined; no thread of the store outlives close(). Thread-safe.
+        Finished asynchronous saves are written first (with ``abandon_pending``, those not yet
+        started are dropped: their futures get :class:`StoreClosed`); either way each context is
+        stored whole or not at all. Layer-wise loads still running are cancelled (their waiters
+        get an error). No thread of the store outlives close(). Thread-safe.
         """
         with self._mutex:
-            self._closing = True  # no new layer-wise loads from here on
+            self._closing = True  # no new layer-wise loads, saves or prefetches from here on
             loads = list(self._loads)
+        self._prefetcher.close()
+        self._saver.close(abandon=abandon_pending)
         for load in loads:
             load.close()  # outside the lock: the loader needs it to finish its layer
         with self._mutex:
+            self._cond.wait_for(lambda: self._writers == 0)  # puts writing without the lock
             if self._closed:
                 return
             self._closed = True
@@ -965,12 +1360,14 @@ def _size_arg(name: str, v: object) -> int | None:
 
 def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
                dram_bytes: int | None = None, disk_bytes: int | None = None,
+               hbm_bytes: int | None = None, write_buffer_bytes: int | None = None,
                chunk_tokens: int | None = None, policy: str | None = None,
                readonly: bool = False) -> Store:
     """Open (or create) the store directory ``path``.
 
     On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
-    chunk_tokens 256, policy "lru"). On reopen, ``layout`` and ``chunk_tokens`` may be omitted
+    hbm 1 GiB of execution buffers, write buffer 256 MiB, chunk_tokens 256, policy
+    "scheduler"). On reopen, ``layout`` and ``chunk_tokens`` may be omitted
     (stored values are used) but must match if given (:class:`LayoutMismatch`); sizes and policy
     given replace the stored ones. ``readonly`` opens a store that must exist, shares it with
     other readers, and never writes. Raises :class:`StoreLocked` if another process has it open
@@ -982,6 +1379,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     if layout is not None and not isinstance(layout, KVLayout):
         raise TypeError(f"layout must be a kvstore.KVLayout, got {type(layout).__name__}")
     dram_bytes = _size_arg("dram_bytes", dram_bytes)
+    hbm_bytes = _size_arg("hbm_bytes", hbm_bytes)
+    write_buffer_bytes = _size_arg("write_buffer_bytes", write_buffer_bytes)
     disk_bytes = _size_arg("disk_bytes", disk_bytes)
     if chunk_tokens is not None:
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
@@ -999,8 +1398,9 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     try:
         catalog = Catalog(os.path.join(path, "catalog"), readonly=readonly)
         try:
-            store = _settle(path, catalog, lock, layout, dram_bytes, disk_bytes, chunk_tokens,
-                            policy, readonly)
+            sizes = {"dram_bytes": dram_bytes, "disk_bytes": disk_bytes, "hbm_bytes": hbm_bytes,
+                     "write_buffer_bytes": write_buffer_bytes}
+            store = _settle(path, catalog, lock, layout, sizes, chunk_tokens, policy, readonly)
         except BaseException:
             catalog.close()
             raise
@@ -1011,11 +1411,10 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
 
 
 def _settle(path: str, catalog: Catalog, lock: DirLock, layout: KVLayout | None,
-            dram_bytes: int | None, disk_bytes: int | None, chunk_tokens: int | None,
+            sizes: dict[str, int | None], chunk_tokens: int | None,
             policy: str | None, readonly: bool) -> Store:
     fmt = catalog.get_meta("format")
-    given = {k: v for k, v in {"dram_bytes": dram_bytes, "disk_bytes": disk_bytes,
-                               "chunk_tokens": chunk_tokens, "policy": policy}.items()
+    given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy}.items()
              if v is not None}
     if fmt is None:
         if readonly:

@@ -1,3 +1,5 @@
+import subprocess
+
 import pytest
 
 import kvstore
@@ -40,3 +42,18 @@ def assert_get_exact(store, tokens, namespace=None):
     k, v = store.get(tokens, namespace=namespace)
     ek, ev = causal_kv(store.layout, tokens)
     assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 1.5 MiB tmpfs mounted under tmp_path (needs root, else the test is skipped)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -4,7 +4,6 @@ Uses a real size-limited filesystem (a tmpfs mounted under tmp_path; needs root,
 """
 
 import os
-import subprocess
 
 import pytest
 
@@ -13,20 +12,6 @@ from kvstore.verify import verify_path
 from tests.kvstore.conftest import assert_get_exact, put_causal
 
 LAYOUT = kvstore.KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, model_id="full")
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_full_device_fails_cleanly(small_fs):

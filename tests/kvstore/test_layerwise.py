@@ -47,6 +47,43 @@ def test_buffer_bounds_how_far_the_loader_runs_ahead(store):
         load.wait(LAYOUT.num_layers - 1)
 
 
+def test_read_buffer_before_compute_starts(store):
+    """Before compute first waits (the previous job still holds the execution buffer) the
+    loader fills only the B-layer read buffer; then it runs B + 1 layers ahead."""
+    toks = list(range(12))
+    put_causal(store, toks)
+    with store.load_layers(toks, buffer_layers=2) as load:
+        load._ready[1].wait()
+        assert not load._ready[2].is_set()
+        load.wait(0)  # compute starts: layers up to 0 + 1 + 2 may load
+        load._ready[3].wait()
+        assert not load._ready[4].is_set()
+        load.wait(LAYOUT.num_layers - 1)
+    with store.load_layers(toks, buffer_layers=0) as load:  # no read buffer: nothing early
+        load.wait(0)
+        assert not load._ready[2].is_set()
+
+
+def test_execution_buffers_are_bounded_and_reused(tmp_path):
+    toks = list(range(8))
+    need = len(toks) * LAYOUT.token_bytes  # K and V of 8 tokens, all layers
+    with kvstore.open(tmp_path / "h", layout=LAYOUT, chunk_tokens=4, hbm_bytes=need) as s:
+        put_causal(s, toks)
+        k, v = causal_kv(LAYOUT, toks)
+        first = s.load_layers(toks)
+        assert s.stats()["hbm"]["bytes"] == need
+        with pytest.raises(kvstore.CapacityError, match="hbm_bytes"):
+            s.load_layers(toks)  # a second buffer does not fit while the first is in use
+        ptr = first.keys.data_ptr()
+        first.close()
+        assert s.stats()["hbm"]["bytes"] == 0 and s.stats()["hbm"]["idle_bytes"] == need
+        with s.load_layers(toks) as again:
+            assert again.keys.data_ptr() == ptr  # the buffer is reused, not reallocated
+            for layer in range(LAYOUT.num_layers):
+                kl, vl = again.wait(layer)
+                assert torch.equal(kl, k[layer]) and torch.equal(vl, v[layer])
+
+
 def test_corrupt_layer_reaches_the_waiter(store, tmp_path):
     toks = list(range(8))
     put_causal(store, toks)

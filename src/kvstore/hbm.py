@@ -1,0 +1,80 @@
+"""The hbm tier: execution buffers that layer-wise loads fill and compute reads.
+
+On CUDA the buffers are device memory; a load reads each layer into pinned host memory (from a
+DRAM slot or from disk) and copies it to the device on a copy stream, so compute on the default
+stream only waits for that layer's copy event (AttentionStore §3.2.1, Fig. 6). Without a GPU the
+execution buffer is host memory that the loader fills straight from the DRAM slot or the disk
+read: no second copy through a staging buffer. Either way the tier is bounded by ``hbm_bytes``
+and keeps released buffers for reuse (a fresh allocation costs page faults on every load).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+
+from kvstore.errors import CapacityError
+
+
+class HbmTier:
+    """A bounded pool of execution buffers on one device.
+
+    Thread-safety: all methods may be called from any thread.
+    """
+
+    def __init__(self, *, capacity_bytes: int, device: torch.device) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.device = device
+        self._lock = threading.Lock()
+        self._used = 0  # bytes handed out
+        self._idle: dict[int, list[torch.Tensor]] = defaultdict(list)  # nbytes -> buffers
+        self._idle_bytes = 0
+        self.reused = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` on the tier's device (contents undefined)."""
+        with self._lock:
+            if self._used + nbytes > self.capacity_bytes:
+                raise CapacityError(
+                    f"an execution buffer of {nbytes} bytes does not fit hbm_bytes="
+                    f"{self.capacity_bytes} ({self._used} bytes in use by other loads)")
+            self._used += nbytes
+            idle = self._idle.get(nbytes)
+            if idle:
+                self._idle_bytes -= nbytes
+                self.reused += 1
+                return idle.pop()
+            # Make room for a new allocation by dropping idle buffers of other sizes.
+            for size in sorted(self._idle):
+                while self._idle[size] and self._used + self._idle_bytes > self.capacity_bytes:
+                    self._idle[size].pop()
+                    self._idle_bytes -= size
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except BaseException:
+            with self._lock:
+                self._used -= nbytes
+            raise
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Return a buffer from :meth:`acquire`; it is kept for reuse."""
+        n = buf.numel()
+        with self._lock:
+            self._used -= n
+            self._idle[n].append(buf)
+            self._idle_bytes += n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
