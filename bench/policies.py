@@ -53,7 +53,8 @@ def run(policy: str, trace, args, root: str) -> dict[str, float]:
             # as they will be when they run are unknown; the current histories identify them).
             horizon = len(trace) if policy == "belady" else i + 1 + args.lookahead
             s.set_queue([hist.get(cj, [cj + 10**6]) + new for cj, new in
-                         (prompts[j] for j in range(i + 1, min(horizon, len(trace))))])
+                         (prompts[j] for j in range(i + 1, min(horizon, len(trace))))],
+                        running=[hist.get(c, [c + 10**6]) + prompts[i][1]])
             s.wait_prefetched()
             h = hist.get(c, [])
             if not h:
@@ -78,8 +79,8 @@ def run(policy: str, trace, args, root: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--conversations", type=int, default=200)
-    p.add_argument("--jobs", type=int, default=2000)
+    p.add_argument("--conversations", type=int, default=100)
+    p.add_argument("--jobs", type=int, default=600)
     p.add_argument("--lookahead", type=int, default=64, help="waiting jobs the scheduler shows")
     p.add_argument("--dram-chunks", type=int, default=256)
     p.add_argument("--disk-chunks", type=int, default=2048)

@@ -145,7 +145,7 @@ class Generator:
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         t0 = time.perf_counter()
         if queue is not None:
-            self.store.set_queue(queue)
+            self.store.set_queue(queue, running=[(ids, namespace)])
         # A pending save that shares a prefix with ids must land before the store is asked
         # what it can serve (it re-raises that save's IO error).
         self.store.wait_saved(ids, namespace=namespace)

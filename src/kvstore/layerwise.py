@@ -34,6 +34,7 @@ class LayerLoad:
         assert keys.shape == values.shape
         self.keys, self.values = keys, values  # [L, H, T, D]
         self.num_layers = keys.shape[0]
+        self._layer_views = [(keys[i], values[i]) for i in range(self.num_layers)]  # [H, T, D]
         if buffer_layers is not None and (isinstance(buffer_layers, bool)
                                           or not isinstance(buffer_layers, int)
                                           or buffer_layers < 0):
@@ -46,6 +47,7 @@ class LayerLoad:
         self._copied: list[torch.cuda.Event | None] = [None] * self.num_layers
         self._cond = threading.Condition()
         self._consumed: int | None = None  # highest layer compute has asked for
+        self._loader_waiting = False  # the loader is (about to be) blocked by the bound
         self._cancelled = False
         self._error: BaseException | None = None
         self._n_loaded = 0  # layers 0.._n_loaded-1 are complete
@@ -68,7 +70,14 @@ class LayerLoad:
         try:
             for layer in range(self.num_layers):
                 with self._cond:
-                    self._cond.wait_for(lambda la=layer: self._cancelled or self._may_load(la))
+                    while True:
+                        # Set before checking: wait() reads it after updating _consumed, so
+                        # either it notifies or this check sees the update (no lost wakeup).
+                        self._loader_waiting = True
+                        if self._cancelled or self._may_load(layer):
+                            break
+                        self._cond.wait()
+                    self._loader_waiting = False
                     if self._cancelled:
                         return
                 self._copied[layer] = self._load_layer(layer)
@@ -89,16 +98,20 @@ class LayerLoad:
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        with self._cond:
-            if self._consumed is None or layer > self._consumed:
-                self._consumed = layer
-                self._cond.notify_all()
-        self._ready[layer].wait()
+        # No lock on the fast path: a blocking acquire would hand the GIL to the loader thread
+        # and cost compute tens of microseconds per layer.
+        if self._consumed is None or layer > self._consumed:
+            self._consumed = layer
+            if self._loader_waiting:
+                with self._cond:
+                    self._cond.notify_all()
+        if layer >= self._n_loaded:
+            self._ready[layer].wait()
         if layer < self._n_loaded:
             copied = self._copied[layer]
             if copied is not None:
                 torch.cuda.current_stream(self.keys.device).wait_event(copied)
-            return self.keys[layer], self.values[layer]
+            return self._layer_views[layer]
         if self._error is not None:
             raise self._error
         raise RuntimeError("the layer-wise load was closed before this layer was loaded")

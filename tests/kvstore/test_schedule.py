@@ -155,3 +155,19 @@ def test_policy_priorities():
         Windows(prefetch=2, eviction=6)
     assert Windows.derive(dram_slots=8, disk_slots=40, avg_session_slots=3.0) == \
         Windows(prefetch=2, eviction=16)
+
+
+@pytest.mark.parametrize("declare_running", [True, False])
+def test_running_job_keeps_its_dram_copy(open_small, declare_running):
+    """The job being executed reads its context now: prefetching for waiting jobs must not push
+    it out of DRAM (it is no longer in the waiting queue)."""
+    s = open_small(dram_bytes=2 * SLOT, disk_bytes=32 * SLOT)
+    for j in (1, 2, 0):
+        put_causal(s, session(j))
+    s.drop_caches()
+    s.get(session(0))  # job 0's context is in DRAM; it starts now
+    s.set_queue([job(1), job(2)], running=[job(0)] if declare_running else [])
+    s.wait_prefetched()
+    assert in_dram(s, session(1))
+    assert in_dram(s, session(0)) == declare_running
+    assert s.stats()["queue"]["prefetch_window"] == 2
