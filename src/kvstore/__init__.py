@@ -22,8 +22,11 @@ __all__ = [
     "FormatError",
 ]
 
+from kvstore.layerwise import LayerLoad  # noqa: E402
+from kvstore.saving import SaveHandle  # noqa: E402
+from kvstore.schedule import Job  # noqa: E402
 from kvstore.store import Store, StoreConfig, open_store  # noqa: E402
 
 open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sqlite3.connect)
 
-__all__ += ["Store", "StoreConfig", "open", "open_store"]
+__all__ += ["Job", "LayerLoad", "SaveHandle", "Store", "StoreConfig", "open", "open_store"]

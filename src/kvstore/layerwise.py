@@ -98,14 +98,14 @@ class LayerLoad:
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        # No lock on the fast path: a blocking acquire would hand the GIL to the loader thread
-        # and cost compute tens of microseconds per layer.
-        if self._consumed is None or layer > self._consumed:
-            self._consumed = layer
-            if self._loader_waiting:
-                with self._cond:
-                    self._cond.notify_all()
-        if layer >= self._n_loaded:
+        consumed = self._consumed
+        if consumed is None or layer > consumed:  # once per layer: raise the bound
+            with self._cond:
+                if self._consumed is None or layer > self._consumed:
+                    self._consumed = layer
+                    if self._loader_waiting:
+                        self._cond.notify_all()
+        if layer >= self._n_loaded:  # no lock or event on the fast path (a loaded layer)
             self._ready[layer].wait()
         if layer < self._n_loaded:
             copied = self._copied[layer]
@@ -127,10 +127,12 @@ class LayerLoad:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
-        on_close, self._on_close = self._on_close, None
+        with self._cond:
+            on_close, self._on_close = self._on_close, None
         if on_close is not None:
             if self.keys.device.type == "cuda":
-                torch.cuda.current_stream(self.keys.device).synchronize()  # compute is done
+                # compute and the copy stream are done with the buffer before it is reused
+                torch.cuda.synchronize(self.keys.device)
             on_close()
 
     def __enter__(self) -> LayerLoad:

@@ -201,16 +201,19 @@ class Saver:
                 self._thread = threading.Thread(target=self._run, name="kvstore-saver",
                                                 daemon=True)
                 self._thread.start()
-        self._queue.put(job)
+            # Under the lock: close() cannot slip its stop sentinel in ahead of this job.
+            self._queue.put(job)
 
     def _done_locked(self, nbytes: int) -> None:
         self._used -= nbytes
         self._cond.notify_all()
 
     def _done(self, nbytes: int, held: list[bytes]) -> None:
-        self._release(held)
-        with self._cond:
-            self._done_locked(nbytes)
+        try:
+            self._release(held)
+        finally:  # the accounting happens even if collecting orphans fails
+            with self._cond:
+                self._done_locked(nbytes)
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -227,11 +230,16 @@ class Saver:
                 job.future.set_result(None)
                 self.saved += 1
             finally:
-                self._done(job.nbytes, job.held)
-                with self._cond:
-                    self._pending -= 1
-                    self._queued.pop(id(job), None)
-                    self._cond.notify_all()
+                try:
+                    self._done(job.nbytes, job.held)
+                except BaseException as e:  # reported by flush(); the writer keeps going
+                    with self._cond:
+                        self._errors.append(e)
+                finally:
+                    with self._cond:
+                        self._pending -= 1
+                        self._queued.pop(id(job), None)
+                        self._cond.notify_all()
 
     def wait_for(self, tokens: np.ndarray, namespace: str | None) -> None:
         """Block until no finished-but-unwritten save shares a prefix with ``tokens`` (in

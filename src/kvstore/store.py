@@ -209,6 +209,7 @@ class Store:
         self._writers = 0  # puts writing extents without the lock
         self._inflight: set[bytes] = set()  # chunk keys being written by a put
         self._held: dict[bytes, int] = defaultdict(int)  # chunk -> puts/saves that need it
+        self._corrupt: set[bytes] = set()  # failed a checksum, kept only while held
         # Scheduler hints (AttentionStore §3.3): the job queue and where chunks/sessions are
         # next needed in it.
         self._jobs: list[Job] = []
@@ -373,7 +374,8 @@ class Store:
         while len(toks) - pos >= c:
             part = toks[pos : pos + c]
             rec = self._chunks.get(chunk_hash(parent, part))
-            if rec is None or rec.n_tokens != c or not np.array_equal(rec.tokens, part):
+            if (rec is None or rec.n_tokens != c or rec.key in self._corrupt
+                    or not np.array_equal(rec.tokens, part)):
                 break
             pieces.append(_Piece(rec, pos, c))
             parent = rec.key
@@ -383,6 +385,8 @@ class Store:
             best, best_len = None, 0
             for child in self._children.get(parent, ()):
                 rec = self._chunks[child]
+                if child in self._corrupt:
+                    continue
                 n = common_prefix_len(rec.tokens, rest)
                 if n > best_len:
                     best, best_len = rec, n
@@ -518,6 +522,7 @@ class Store:
     def _quarantine(self, key: bytes, err: CorruptData) -> None:
         """Drop every session holding a corrupt chunk, so the store stops claiming it."""
         self._counters["corrupt_chunks"] += 1
+        self._corrupt.add(key)  # never served again (a put or save may still hold it)
         if self.readonly:
             return
         victims = sorted(self._holders.get(key, ()))
@@ -565,6 +570,7 @@ class Store:
             self._queue_dirty = True
 
     def _forget_chunk(self, c: bytes) -> None:
+        self._corrupt.discard(c)
         rec = self._chunks.pop(c)
         self._holders.pop(c, None)
         kids = self._children.get(rec.parent)
@@ -597,6 +603,13 @@ class Store:
         leaves (a put is not refused because of hints)."""
         if len(self._free_slots) < need:
             self._refresh_queue()
+            reclaimable = len(self._free_slots) + sum(
+                1 for c, r in self._chunks.items()
+                if c not in self._held and not self._pins.get(r.slot))
+            if reclaimable < need:  # refuse before evicting anything
+                raise CapacityError(
+                    f"need {need} free disk slots but at most {reclaimable} can be freed now "
+                    f"(the rest hold chunks that puts, saves or layer-wise loads in progress use)")
         while len(self._free_slots) < need:
             victim = self._session_heap.peek()
             if victim is None:
@@ -686,6 +699,9 @@ class Store:
             self._check_writable()
         self._counters["put_tokens"] += n_tok
         for key, _, _ in specs:
+            if key in self._corrupt:  # held by another put or save until it ends
+                raise CorruptData(f"chunk {key.hex()} of this context's stored prefix failed its "
+                                  f"checksum; nothing was stored")
             if key in self._chunks:
                 # Same address but different tokens (a hash collision) or a full chunk that the
                 # walk did not take: refuse rather than alias.
@@ -769,6 +785,11 @@ class Store:
         if self._failed is not None or self._closed:
             self._abort_put(plan)
             self._check_writable()
+        bad = [k for k in plan.held if k in self._corrupt]
+        if bad:  # the reused prefix failed a checksum while this put wrote
+            self._abort_put(plan)
+            raise CorruptData(f"chunk {bad[0].hex()} of this context's stored prefix failed its "
+                              f"checksum while the put was written; nothing was stored")
         chain, now = plan.chain, plan.now
         # Contexts this put supersedes: stored strict prefixes of it (computed now: other puts
         # may have committed while this one wrote).
@@ -944,7 +965,12 @@ class Store:
                 k_out, v_out = kv[0], kv[1]
             copy = None
             if k_out.device.type == "cuda":
-                copy = _CudaCopy(k_out, v_out)
+                try:
+                    copy = _CudaCopy(k_out, v_out)
+                except BaseException:
+                    if buf is not None:
+                        self._hbm(dev).release(buf)
+                    raise
                 kr, vr = _raw(copy.host_k), _raw(copy.host_v)
             else:
                 kr, vr = _raw(k_out), _raw(v_out)
@@ -1172,7 +1198,7 @@ class Store:
             for pieces in self._job_pieces[: self._windows.prefetch]:
                 for p in pieces:
                     rec = self._chunks.get(p.rec.key)
-                    if rec is None or rec.key in self._dram:
+                    if rec is None or rec.key in self._dram or rec.key in self._corrupt:
                         continue
                     if not self._dram.evictable:
                         return False
@@ -1185,7 +1211,8 @@ class Store:
                     try:
                         self._fetch_chunk(rec)
                     except CorruptData:
-                        self._queue_dirty = True  # its contexts were dropped; look again
+                        # quarantined: skipped from now on (it stays while held, or read-only)
+                        self._queue_dirty = True
                         return True
                     self._counters["prefetched_chunks"] += 1
                     return True

@@ -144,3 +144,54 @@ def test_io_error_reaches_flush_and_future(small_fs):
     finally:
         s.close()
     assert verify_path(str(small_fs / "st"))["ok"]
+
+
+def _flip(path, rec, offset=5):
+    import os
+
+    seg = os.path.join(path, "segments", "seg-000000.kv")
+    with open(seg, "r+b") as f:
+        f.seek(rec.slot * 4096 + offset)
+        b = f.read(1)
+        f.seek(rec.slot * 4096 + offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_held_prefix_found_corrupt_is_not_revived(open_small, tmp_path):
+    """A save holds its stored prefix; the prefix fails its checksum meanwhile: the save fails
+    whole and the corrupt chunk is never served again."""
+    s = open_small()
+    prefix = list(range(8))
+    put_causal(s, prefix)
+    full = prefix + [8, 9, 10]
+    k, v = causal_kv(SMALL, full)
+    save = s.begin_save(full)
+    assert save.base == 8
+    rec = next(r for r in s.chunk_records() if r.tokens[0] == 0)
+    s.drop_caches()
+    _flip(str(tmp_path / "store"), rec)
+    with pytest.raises(kvstore.CorruptData):
+        s.get(prefix)
+    for layer in range(SMALL.num_layers):
+        save.layer(layer, k[layer], v[layer])
+    fut = save.finish()
+    with pytest.raises(kvstore.CorruptData, match="nothing was stored"):
+        s.flush()
+    assert isinstance(fut.exception(), kvstore.CorruptData)
+    assert s.match(full) == 0
+    s.close()
+    assert verify_path(str(tmp_path / "store"))["ok"]
+
+
+def test_put_refused_before_evicting_when_held_chunks_block_it(open_small):
+    s = open_small(disk_bytes=6 * 4096)  # 6 slots of one 4-token chunk
+    held = list(range(12))  # 3 chunks
+    put_causal(s, held)
+    put_causal(s, [90, 91, 92, 93])
+    save = s.begin_save(held + [12])  # holds the 3 chunks of `held`
+    with pytest.raises(kvstore.CapacityError, match="can be freed"):
+        put_causal(s, list(range(100, 116)))  # 4 new chunks: at most 2 + 1 can be freed
+    assert s.match(held) == 12 and s.match([90, 91, 92, 93]) == 4  # nothing was evicted
+    save.abort()
+    put_causal(s, list(range(100, 116)))  # fits once the hold is gone
+    assert_get_exact(s, list(range(100, 116)))

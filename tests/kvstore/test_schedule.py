@@ -171,3 +171,25 @@ def test_running_job_keeps_its_dram_copy(open_small, declare_running):
     assert in_dram(s, session(1))
     assert in_dram(s, session(0)) == declare_running
     assert s.stats()["queue"]["prefetch_window"] == 2
+
+
+def test_prefetcher_skips_a_corrupt_chunk_it_cannot_drop(open_small, tmp_path):
+    """Read-only: a corrupt chunk cannot be quarantined durably; the prefetcher must not retry
+    it forever."""
+    import kvstore
+
+    s = open_small(dram_bytes=2 * SLOT, disk_bytes=32 * SLOT)
+    for j in range(3):
+        put_causal(s, session(j))
+    rec = next(r for r in s.chunk_records() if r.tokens[0] == 100)
+    s.close()
+    with open(tmp_path / "store" / "segments" / "seg-000000.kv", "r+b") as f:
+        f.seek(rec.slot * 4096 + 3)
+        b = f.read(1)
+        f.seek(rec.slot * 4096 + 3)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with kvstore.open(tmp_path / "store", readonly=True) as r:
+        r.set_queue([job(1), job(2)])
+        assert r.wait_prefetched(timeout=30)
+        assert r.stats()["corrupt"]["chunks"] == 1
+        assert in_dram(r, session(2))
