@@ -62,6 +62,25 @@ def _sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | No
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+def message_ids(model: Model, role: str, content: str, *, first: bool,
+                system: str | None = None) -> list[int]:
+    """Token ids a message adds to a conversation's history (ending with the assistant
+    generation prompt). The first message gets the chat template's opening (``system``, or the
+    model's default system prompt); a later one starts by closing the previous assistant turn
+    (``<|im_end|>\n``), so every turn's prompt extends the previous context exactly."""
+    if first:
+        sys_msgs = [] if system is None else [{"role": "system", "content": system}]
+        return model.chat_template([*sys_msgs, {"role": role, "content": content}])
+    full = model.chat_template([{"role": "system", "content": ""},
+                                {"role": role, "content": content}])
+    sys_part = model.chat_template([{"role": "system", "content": ""}],
+                                   add_generation_prompt=False)
+    assert full[: len(sys_part)] == sys_part, "chat template is not compositional"
+    im_end = model.tokenizer.token_to_id("<|im_end|>")
+    nl = model.tokenizer.encode("\n", allow_special=False)
+    return [im_end, *nl, *full[len(sys_part):]]
+
+
 class LayerwisePast(Sequence[KV]):
     """A stored prefix as the ``past`` of :meth:`Model.forward`, loaded layer by layer:
     ``past[l]`` waits for layer l of a :class:`kvstore.layerwise.LayerLoad`, so loading layer
@@ -244,18 +263,7 @@ class Conversation:
             raise ValueError(f"window must be in (0, {limit}], got {self.window}")
 
     def _message_ids(self, role: str, content: str, *, first: bool) -> list[int]:
-        m = self.generator.model
-        if first:
-            return m.chat_template([{"role": role, "content": content}])
-        # a continuation: <|im_end|>\n closes the assistant turn, then the new message
-        full = m.chat_template([{"role": "system", "content": ""},
-                                {"role": role, "content": content}])
-        sys_part = m.chat_template([{"role": "system", "content": ""}],
-                                   add_generation_prompt=False)
-        assert full[: len(sys_part)] == sys_part, "chat template is not compositional"
-        im_end = m.tokenizer.token_to_id("<|im_end|>")
-        nl = m.tokenizer.encode("\n", allow_special=False)
-        return [im_end, *nl, *full[len(sys_part):]]
+        return message_ids(self.generator.model, role, content, first=first)
 
     def turn(self, user_text: str, max_new_tokens: int = 128, *,
              sampling: SamplingConfig | None = None) -> tuple[str, GenerationResult]:

@@ -222,3 +222,70 @@ def load_conversations(path: str | None = None, *, max_message_chars: int = 16_0
             if limit is not None and len(out) >= limit:
                 break
     return out, st
+
+
+# ---------------------------------------------------------------------------------------------
+# Token ids per turn, tokenized once and cached as Parquet.
+
+RULES_VERSION = 1  # bump when the rules above change: cached tables keyed by it go stale
+
+
+def file_hash(path: str) -> str:
+    """xxh3_64 of a file's bytes, hex (the cache key of its token table)."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def token_table(model, *, path: str | None = None, max_message_chars: int = 16_000,
+                cache_dir: str | None = None):
+    """Per turn of every conversation: ``conv`` (index), ``conv_id``, ``turn``, ``user_ids``
+    (the ids the user message adds to the history, as ``engine.Conversation`` builds them:
+    chat-template opening on turn 0, ``<|im_end|>\\n`` + the message afterwards) and
+    ``reply_ids`` (the assistant text's ids). A ``pyarrow.Table``, read from
+    ``cache_dir/sharegpt-<key>.parquet`` when present (key: the file's hash, the rules version,
+    the model and ``max_message_chars``), else built (about a minute for the whole file) and
+    written there atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from engine.generate import message_ids
+
+    path = path or dataset_path()
+    key = (f"{file_hash(path)}-r{RULES_VERSION}-{model.layout.model_id}-m{max_message_chars}")
+    cache = None
+    if cache_dir is not None:
+        cache = os.path.join(cache_dir, f"sharegpt-{key}.parquet")
+        if os.path.exists(cache):
+            return pq.read_table(cache)
+    convs, _ = load_conversations(path, max_message_chars=max_message_chars)
+    cols: dict[str, list] = {"conv": [], "conv_id": [], "turn": [], "user_ids": [],
+                             "reply_ids": []}
+    tok = model.tokenizer
+    for ci, c in enumerate(convs):
+        for ti, t in enumerate(c.turns):
+            cols["conv"].append(ci)
+            cols["conv_id"].append(c.id)
+            cols["turn"].append(ti)
+            cols["user_ids"].append(message_ids(model, "user", t.user, first=ti == 0,
+                                                system=c.system))
+            cols["reply_ids"].append(tok.encode(t.assistant, allow_special=False))
+    table = pa.table({
+        "conv": pa.array(cols["conv"], pa.int32()),
+        "conv_id": pa.array(cols["conv_id"], pa.string()),
+        "turn": pa.array(cols["turn"], pa.int32()),
+        "user_ids": pa.array(cols["user_ids"], pa.list_(pa.int32())),
+        "reply_ids": pa.array(cols["reply_ids"], pa.list_(pa.int32())),
+    })
+    if cache is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{cache}.tmp-{os.getpid()}"
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, cache)  # never a half-written cache under the final name
+    return table

@@ -4,7 +4,13 @@ import itertools
 
 import pytest
 
-from engine.sharegpt import iter_conversations, iter_records, load_conversations, messages
+from engine.sharegpt import (
+    iter_conversations,
+    iter_records,
+    load_conversations,
+    messages,
+    token_table,
+)
 
 
 def test_truncated_array_yields_complete_records(tmp_path):
@@ -98,3 +104,40 @@ def test_loader_on_the_real_file():
     assert all(c.turns and all(t.user.strip() and t.assistant.strip() for t in c.turns)
                for c in convs)
     assert len({c.id for c in convs}) == len(convs)
+
+
+def test_token_table_matches_the_runtime_and_is_cached(model, tmp_path):
+    import os
+
+    from engine.generate import message_ids
+
+    recs = [
+        {"id": "a_0", "conversations": _msgs(("system", "Be brief."), ("human", "Hi"),
+                                              ("gpt", "Hello!"), ("human", "Name a color."),
+                                              ("gpt", "Blue."))},
+        {"id": "b_0", "conversations": _msgs(("human", "2+2?"), ("gpt", "4"))},
+    ]
+    path = _write(tmp_path, recs)
+    cache = str(tmp_path / "cache")
+    t = token_table(model, path=path, cache_dir=cache)
+    assert t.column("conv_id").to_pylist() == ["a", "a", "b"]
+    assert t.column("turn").to_pylist() == [0, 1, 0]
+    users, replies = t.column("user_ids").to_pylist(), t.column("reply_ids").to_pylist()
+    tok = model.tokenizer
+    assert users[0] == model.chat_template([{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Hi"}])
+    assert users[1] == message_ids(model, "user", "Name a color.", first=False)
+    assert users[2] == model.chat_template([{"role": "user", "content": "2+2?"}])
+    assert replies == [tok.encode(x, allow_special=False) for x in ("Hello!", "Blue.", "4")]
+    # history of conversation a after both turns = the chat template of all its messages
+    hist = users[0] + replies[0] + users[1] + replies[1]
+    full = model.chat_template([{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Hello!"},
+                                {"role": "user", "content": "Name a color."},
+                                {"role": "assistant", "content": "Blue."}],
+                               add_generation_prompt=False)
+    assert full[: len(hist)] == hist
+    files = os.listdir(cache)
+    assert len(files) == 1 and files[0].endswith(".parquet")
+    assert token_table(model, path=path, cache_dir=cache).equals(t)  # read from the cache
