@@ -29,19 +29,7 @@ import engine
 import kvstore
 from engine.generate import LayerwisePast
 from engine.model import split_kv, stack_kv
-
-
-def _sharegpt_ids(model, n_tokens: int, skip: int = 0) -> list[int]:
-    from engine.sharegpt import iter_conversations
-
-    ids: list[int] = []
-    for i, msgs in enumerate(iter_conversations()):
-        if i < skip:
-            continue
-        ids += model.chat_template(msgs, add_generation_prompt=False)
-        if len(ids) >= n_tokens:
-            return ids[:n_tokens]
-    raise RuntimeError("not enough ShareGPT text")
+from engine.sharegpt import chat_ids
 
 
 def _pct(xs: list[float]) -> dict[str, float]:
@@ -81,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     model = engine.load_model()
     lay = model.layout
     L = lay.num_layers
-    hist = _sharegpt_ids(model, args.history)
-    new = _sharegpt_ids(model, args.new, skip=50)
-    prev = _sharegpt_ids(model, args.new, skip=80)  # the previous job: a prefill of its own
+    hist = chat_ids(model, args.history)
+    new = chat_ids(model, args.new, skip=50)
+    prev = chat_ids(model, args.new, skip=80)  # the previous job: a prefill of its own
     _, kv = model.forward(hist)
     hk, hv = stack_kv(kv)  # [L, H, T, D]
     root = tempfile.mkdtemp(prefix="kvstore-bench-", dir=args.dir)

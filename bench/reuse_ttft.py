@@ -26,18 +26,7 @@ import engine
 import kvstore
 from engine.generate import Generator
 from engine.model import stack_kv
-
-
-def _sharegpt_ids(model, n_tokens: int) -> list[int]:
-    """ChatML ids of consecutive real ShareGPT conversations, cut to ``n_tokens``."""
-    from engine.sharegpt import iter_conversations
-
-    ids: list[int] = []
-    for msgs in iter_conversations():
-        ids += model.chat_template(msgs, add_generation_prompt=False)
-        if len(ids) >= n_tokens:
-            return ids[:n_tokens]
-    raise RuntimeError("not enough ShareGPT text")
+from engine.sharegpt import chat_ids
 
 
 def _pct(xs: list[float]) -> dict[str, float]:
@@ -58,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.history.split(",")]
 
     model = engine.load_model()
-    all_ids = _sharegpt_ids(model, max(lengths) + args.new)
+    all_ids = chat_ids(model, max(lengths) + args.new)
     tmp = tempfile.mkdtemp(prefix="reuse-ttft-", dir=args.dir)
     results: dict[str, object] = {
         "command": "python bench/reuse_ttft.py " + " ".join(argv or []),

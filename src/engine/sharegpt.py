@@ -77,6 +77,19 @@ def iter_conversations(path: str | None = None) -> Iterator[list[dict[str, str]]
             yield msgs
 
 
+def chat_ids(model, n_tokens: int, *, skip: int = 0) -> list[int]:
+    """``n_tokens`` ids of real chat text for benchmarks: the chat template of consecutive
+    conversations (after the first ``skip``), concatenated and cut."""
+    ids: list[int] = []
+    for i, msgs in enumerate(iter_conversations()):
+        if i < skip:
+            continue
+        ids += model.chat_template(msgs, add_generation_prompt=False)
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+    raise RuntimeError(f"the dataset has fewer than {n_tokens} tokens of chat after {skip}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Conversations for replay: split pieces merged, quirks resolved by explicit rules.
 
