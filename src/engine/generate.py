@@ -168,33 +168,33 @@ class Generator:
         # A pending save that shares a prefix with ids must land before the store is asked
         # what it can serve (it re-raises that save's IO error).
         self.store.wait_saved(ids, namespace=namespace)
-        load = None
-        if not reuse:
-            n_reused, past = 0, None
-        elif self.layerwise:
-            n_reused = min(self.store.match(ids, namespace=namespace), len(ids) - 1)
-            past = None
-            if n_reused > 0:
-                load = self.store.load_layers(ids[:n_reused], namespace=namespace,
-                                              buffer_layers=self.buffer_layers)
-                past = LayerwisePast(load)
-        else:
-            n_reused, past = self.load_prefix(ids, namespace=namespace)
-        load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
         save = None
-        if store and self.async_save:
+        if store and self.async_save:  # before loading: it may wait for write-buffer room
             save = self.store.begin_save(ids, namespace=namespace,
                                          max_new_tokens=max_new_tokens - 1)
+        load = None
         try:
-            try:
-                logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
-                                                on_layer=None if save is None else save.layer)
-            finally:
-                if load is not None:
-                    load.close()
+            if not reuse:
+                n_reused, past = 0, None
+            elif self.layerwise:
+                n_reused = min(self.store.match(ids, namespace=namespace), len(ids) - 1)
+                past = None
+                if n_reused > 0:
+                    load = self.store.load_layers(ids[:n_reused], namespace=namespace,
+                                                  buffer_layers=self.buffer_layers)
+                    past = LayerwisePast(load)
+            else:
+                n_reused, past = self.load_prefix(ids, namespace=namespace)
+            load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
+            logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
+                                            on_layer=None if save is None else save.layer)
+            if load is not None:
+                load.close()  # the execution buffer goes back before decoding
             return self._decode(ids, logits, kv, save, cfg, gen, t0, n_reused, load_s,
                                 max_new_tokens, namespace, store)
         except BaseException:
+            if load is not None:
+                load.close()  # idempotent
             if save is not None:
                 save.abort()  # no-op once finished
             raise
