@@ -230,16 +230,20 @@ class Saver:
                 job.future.set_result(None)
                 self.saved += 1
             finally:
-                try:
-                    self._done(job.nbytes, job.held)
-                except BaseException as e:  # reported by flush(); the writer keeps going
-                    with self._cond:
-                        self._errors.append(e)
-                finally:
-                    with self._cond:
-                        self._pending -= 1
-                        self._queued.pop(id(job), None)
-                        self._cond.notify_all()
+                self._retire(job)
+
+    def _retire(self, job: _Job) -> None:
+        """A queued save is over (written, failed or abandoned): release what it held."""
+        try:
+            self._done(job.nbytes, job.held)
+        except BaseException as e:  # reported by flush(); the writer keeps going
+            with self._cond:
+                self._errors.append(e)
+        finally:
+            with self._cond:
+                self._pending -= 1
+                self._queued.pop(id(job), None)
+                self._cond.notify_all()
 
     def wait_for(self, tokens: np.ndarray, namespace: str | None) -> None:
         """Block until no finished-but-unwritten save shares a prefix with ``tokens`` (in
@@ -275,11 +279,7 @@ class Saver:
                 if job is None:
                     continue
                 job.future.set_exception(StoreClosed("the store closed before this save"))
-                self._done(job.nbytes, job.held)
-                with self._cond:
-                    self._pending -= 1
-                    self._queued.pop(id(job), None)
-                    self._cond.notify_all()
+                self._retire(job)
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()

@@ -771,12 +771,14 @@ class Store:
             wait([fut])  # the worker must be done with the slots before anything reuses them
         fut.result()  # durable (or the IO error, re-raised here)
 
-    def _abort_put(self, plan: _PutPlan) -> None:
-        """Under the lock: undo a plan whose extents were not (all) written."""
+    def _abort_put(self, plan: _PutPlan, *, recycle_slots: bool = True) -> None:
+        """Under the lock: undo a plan that did not commit. Its slots are reused only if no
+        commit can have reached the disk (``recycle_slots``)."""
         for key in plan.staged:
             self._dram.discard(key)
-        for s in plan.slots:
-            heapq.heappush(self._free_slots, s)
+        if recycle_slots:
+            for s in plan.slots:
+                heapq.heappush(self._free_slots, s)
         self._inflight.difference_update(k for k, _, _ in plan.specs)
         self._release(plan.held)
 
@@ -811,10 +813,7 @@ class Store:
             # fsync failed): recycling the slots could overwrite a committed extent. Refuse
             # further writes; reopening rebuilds the state from what the catalog holds.
             self._failed = e
-            for key in plan.staged:
-                self._dram.discard(key)
-            self._inflight.difference_update(k for k, _, _ in plan.specs)
-            self._release(plan.held)
+            self._abort_put(plan, recycle_slots=False)
             raise
         # Committed: apply to the in-memory mirror.
         for rec in plan.records:
