@@ -22,7 +22,7 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 demo: $(VENV)/.installed
-	$(PY) -m kvstore.demo --fresh
+	$(PY) -m engine.replay.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis kvstore-demo-store
+	rm -rf $(VENV) .pytest_cache .hypothesis kvstore-demo-store kvstore-demo-out

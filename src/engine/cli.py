@@ -97,11 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(func=_cmd_chat)
+    from engine.replay.cli import add_commands
+
+    add_commands(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:  # a bad option value: the message names it
+        print(f"kvstore {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ class GenerationResult:
     load_s: float  # time spent getting KV from the store
     total_s: float
     stored_tokens: int  # tokens whose KV was stored for the next turn (0 if store=False)
-    stop_reason: str  # "stop_token" or "max_new_tokens"
+    stop_reason: str  # "stop_token", "max_new_tokens" or "forced"
     saved: Future[None] | None = None  # asynchronous save: done when the KV is durable
+    first_token: int = -1  # the token sampled after the prompt (with ``forced`` too)
 
 
 def _sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
@@ -142,15 +143,23 @@ class Generator:
     def generate(self, ids: Sequence[int], max_new_tokens: int = 64, *,
                  sampling: SamplingConfig | None = None, namespace: str | None = None,
                  store: bool = True, reuse: bool = True,
-                 queue: Sequence[object] | None = None) -> GenerationResult:
+                 queue: Sequence[object] | None = None,
+                 forced: Sequence[int] | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens`` after ``ids``, reusing stored KV of its prefix.
 
         Stores the KV of ``ids`` + the generated tokens that were fed back (all but the last)
         for the next turn when ``store`` is true. ``reuse=False`` recomputes everything (the
         baseline the reuse path must equal). ``queue``: the jobs waiting after this one (their
         prompts, next first), handed to the store as scheduler hints when this one starts.
+        ``forced``: a teacher-forced continuation (a replay's recorded reply): the first token
+        is still sampled (TTFT), then the KV of all of ``forced`` is computed in one forward
+        and ``ids + forced`` is stored; ``tokens`` is ``forced`` and ``max_new_tokens`` is
+        ignored.
         """
         ids = self.model._check_ids(ids).tolist()
+        if forced is not None:
+            forced = self.model._check_ids(forced).tolist() if len(forced) else []
+            max_new_tokens = len(forced) + 1
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -191,7 +200,7 @@ class Generator:
             if load is not None:
                 load.close()  # the execution buffer goes back before decoding
             return self._decode(ids, logits, kv, save, cfg, gen, t0, n_reused, load_s,
-                                max_new_tokens, namespace, store)
+                                max_new_tokens, namespace, store, forced)
         except BaseException:
             if load is not None:
                 load.close()  # idempotent
@@ -202,11 +211,17 @@ class Generator:
     def _decode(self, ids: list[int], logits: torch.Tensor, kv: list[KV],
                 save: kvstore.SaveHandle | None, cfg: SamplingConfig,
                 gen: torch.Generator | None, t0: float, n_reused: int, load_s: float,
-                max_new_tokens: int, namespace: str | None, store: bool) -> GenerationResult:
-        out = [_sample(logits[-1], cfg, gen)]
+                max_new_tokens: int, namespace: str | None, store: bool,
+                forced: list[int] | None = None) -> GenerationResult:
+        first = _sample(logits[-1], cfg, gen)
+        out = [first]
         ttft = time.perf_counter() - t0
         stop_reason = "max_new_tokens"
-        while True:
+        if forced is not None:  # the recorded continuation, fed whole (its KV is stored)
+            if forced:
+                _, kv = self.model.forward(forced, past=kv, last_only=True)
+            out, stop_reason = [*forced, -1], "forced"  # -1: the unsampled next token
+        while forced is None:
             if out[-1] in self.stop_ids:
                 stop_reason = "stop_token"
                 break
@@ -229,9 +244,10 @@ class Generator:
             self.store.put(fed, k, v, namespace=namespace)
             stored = len(fed)
         return GenerationResult(
-            tokens=out, reused_tokens=n_reused, prefilled_tokens=len(ids) - n_reused,
+            tokens=out if forced is None else forced, reused_tokens=n_reused,
+            prefilled_tokens=len(ids) - n_reused,
             ttft_s=ttft, load_s=load_s, total_s=time.perf_counter() - t0, stored_tokens=stored,
-            stop_reason=stop_reason, saved=saved,
+            stop_reason=stop_reason, saved=saved, first_token=first,
         )
 
 

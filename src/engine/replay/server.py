@@ -1,0 +1,260 @@
+"""The replay's inference server: an FCFS job queue with continuous batching, on a virtual clock.
+
+One loop serves both modes; an :class:`Executor` says what each step costs. The simulated
+executor asks a cost model; the real one runs SmolLM2 with the store and measures. Iteration
+rules (vLLM-style, prefill first, as AttentionStore §4.2 describes): while jobs wait and the
+batch has room, the waiting jobs at the head of the queue are prefilled together (up to
+``max_prefill_tokens`` computed tokens, at least one job), and every job in that iteration gets
+its first token when it ends; otherwise the running jobs decode. Decode steps are taken in spans
+up to the next event (a job finishing, or an arrival that could join), so a long trace costs
+one loop pass per event, not per token. A job's next turn arrives its think time after the job
+finished.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.replay.workload import ConvSpec, Trace
+
+METHOD_KINDS = ("re", "as", "of")
+
+
+@dataclass(frozen=True)
+class Method:
+    """RE: recompute every turn (token truncation). AS: AttentionStore, KV reused from the
+    store, truncated in place on overflow. OF: as AS but positions are baked into the stored KV,
+    so an overflow invalidates it. ``policy``: the store's eviction policy (AS and OF)."""
+
+    kind: str
+    policy: str = "scheduler"
+
+    def __post_init__(self) -> None:
+        from kvstore.policy import POLICIES
+
+        if self.kind not in METHOD_KINDS:
+            raise ValueError(f"method must be one of {METHOD_KINDS}, got {self.kind!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+
+    @property
+    def caches(self) -> bool:
+        return self.kind != "re"
+
+    @property
+    def label(self) -> str:
+        return "RE" if self.kind == "re" else f"{self.kind.upper()}-{self.policy}"
+
+    @classmethod
+    def parse(cls, text: str) -> Method:
+        """``re``, ``as`` (= ``as:scheduler``), ``as:lru``, ``of``, ``of:fifo``, or a policy
+        name alone (``lru``, ``belady``: AS with that policy)."""
+        from kvstore.policy import POLICIES
+
+        t = text.strip().lower()
+        if t in POLICIES:
+            return cls("as", t)
+        kind, _, policy = t.partition(":")
+        return cls(kind, policy or "scheduler")
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One turn of one conversation, as the server sees it."""
+
+    conv: ConvSpec
+    turn: int
+    seq: int  # arrival order
+    arrival_s: float
+    warmup: bool
+    history: int  # tokens of history before truncation
+    kept: int  # history tokens the prompt keeps (== history unless truncated)
+    # filled in as it runs
+    start_s: float = math.nan
+    first_token_s: float = math.nan
+    finish_s: float = math.nan
+    reused: int = 0
+    hit: str = "none"  # "none" (no history), "miss", "dram", "disk"
+    load_s: float = 0.0  # load time left exposed
+    compute_s: float = 0.0
+    decode_s: float = 0.0
+    remaining: int = 0  # decode steps left
+    token: int = -1  # real mode: the first token sampled (exactness checks against RE)
+
+    @property
+    def user_len(self) -> int:
+        return self.conv.turns[self.turn].user_len
+
+    @property
+    def reply_len(self) -> int:
+        return self.conv.turns[self.turn].reply_len
+
+    @property
+    def prompt_len(self) -> int:
+        return self.kept + self.user_len
+
+    @property
+    def truncated(self) -> bool:
+        return self.kept < self.history
+
+    @property
+    def context_after(self) -> int:
+        """Tokens of the context this turn leaves (the next turn's history)."""
+        return self.prompt_len + self.reply_len
+
+
+class Executor(Protocol):
+    """What a step costs, and the store it drives. Called from the server's one thread."""
+
+    method: Method
+
+    def arrive(self, job: Job) -> None:
+        """``job`` joined the tail of the waiting queue."""
+
+    def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
+        """Run (or cost) ``job``'s load and prefill; set ``job.reused``, ``hit``, ``load_s``,
+        ``compute_s``; return the seconds it occupies the accelerator."""
+        ...
+
+    def decode(self, running: list[Job], steps: int) -> float:
+        """Seconds for ``steps`` decode iterations of the running batch."""
+        ...
+
+    def finish(self, job: Job, next_arrival: float | None) -> None:
+        """``job`` is done: save its context. ``next_arrival``: when the conversation's next
+        turn arrives (None: it was the last)."""
+
+    @property
+    def max_batch(self) -> int: ...
+
+    @property
+    def max_prefill_tokens(self) -> int: ...
+
+    def fits(self, running: list[Job], job: Job) -> bool:
+        """Whether ``job`` can join the running batch (accelerator memory)."""
+        ...
+
+
+def kept_length(history: int, needed: int, window: int, ratio: float, sink: int) -> int:
+    """History tokens kept when a turn needing ``needed`` more tokens must fit ``window``:
+    drop the oldest ``ratio`` of the history after the sink tokens, again while it overflows
+    (the token count :meth:`kvstore.rope.Truncation.kept` keeps)."""
+    n = history
+    while n + needed > window and n > min(sink, n):
+        s = min(sink, n)
+        drop = int((n - s) * ratio)
+        if drop == 0:
+            drop = n - s
+        n -= drop
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerStats:
+    makespan_s: float
+    prefill_busy_s: float
+    decode_busy_s: float
+    iterations: int
+
+    @property
+    def gpu_s(self) -> float:
+        return self.prefill_busy_s + self.decode_busy_s
+
+
+def serve(trace: Trace, executor: Executor, *,
+          on_job_done: Callable[[Job], None] | None = None) -> tuple[list[Job], ServerStats]:
+    """Replay ``trace`` through ``executor``. Returns every job (in arrival order) and the
+    server's busy times. Deterministic: ties in time are broken by arrival order."""
+    cfg = trace.config
+    window = trace.context_window
+    warmup = trace.warmup_turns
+    seq = itertools.count()
+    arrivals: list[tuple[float, int, ConvSpec, int]] = []  # (time, tiebreak, conv, turn)
+    for c in trace.conversations:
+        heapq.heappush(arrivals, (c.arrival_s, next(seq), c, 0))
+    history: dict[int, int] = {}
+    jobs: list[Job] = []
+    waiting: deque[Job] = deque()
+    running: list[Job] = []
+    t = 0.0
+    prefill_busy = decode_busy = 0.0
+    iterations = 0
+
+    def admit_until(now: float) -> None:
+        while arrivals and arrivals[0][0] <= now:
+            at, _, conv, turn = heapq.heappop(arrivals)
+            h = history.get(conv.index, 0)
+            spec = conv.turns[turn]
+            kept = kept_length(h, spec.user_len + spec.reply_len, window,
+                               cfg.truncation_ratio, cfg.sink_tokens)
+            job = Job(conv=conv, turn=turn, seq=len(jobs), arrival_s=at,
+                      warmup=len(jobs) < warmup, history=h, kept=kept)
+            jobs.append(job)
+            waiting.append(job)
+            executor.arrive(job)
+
+    def done(job: Job, now: float) -> None:
+        job.finish_s = now
+        history[job.conv.index] = job.context_after
+        nxt = None
+        if job.turn + 1 < len(job.conv.turns):
+            nxt = now + job.conv.turns[job.turn].think_s
+            heapq.heappush(arrivals, (nxt, next(seq), job.conv, job.turn + 1))
+        executor.finish(job, nxt)
+        if on_job_done is not None:
+            on_job_done(job)
+
+    while arrivals or waiting or running:
+        iterations += 1
+        admit_until(t)
+        if not waiting and not running:
+            t = arrivals[0][0]
+            continue
+        batch: list[Job] = []
+        budget = executor.max_prefill_tokens
+        while waiting and len(running) + len(batch) < executor.max_batch:
+            job = waiting[0]
+            if batch and (budget <= 0 or not executor.fits(running + batch, job)):
+                break
+            waiting.popleft()
+            job.start_s = t
+            dt = executor.prefill(job, waiting, running + batch)
+            budget -= job.prompt_len - job.reused
+            t += dt
+            prefill_busy += dt
+            batch.append(job)
+        if batch:
+            for job in batch:  # the iteration's tokens come out together
+                job.first_token_s = t
+                job.remaining = max(job.reply_len - 1, 0)
+                if job.remaining == 0:
+                    done(job, t)
+                else:
+                    running.append(job)
+            continue
+        # decode span: up to the first finish, or to an arrival that could join the batch
+        steps = min(j.remaining for j in running)
+        if not waiting and arrivals and len(running) < executor.max_batch:
+            one = executor.decode(running, 1)
+            if one > 0:
+                steps = max(1, min(steps, math.ceil((arrivals[0][0] - t) / one)))
+        dt = executor.decode(running, steps)
+        t += dt
+        decode_busy += dt
+        still = []
+        for job in running:
+            job.remaining -= steps
+            job.decode_s += dt
+            if job.remaining <= 0:
+                done(job, t)
+            else:
+                still.append(job)
+        running = still
+    return jobs, ServerStats(makespan_s=t, prefill_busy_s=prefill_busy,
+                             decode_busy_s=decode_busy, iterations=iterations)

@@ -1,0 +1,85 @@
+"""Simulated mode: the store's placement rules over metadata-only tiers
+(:class:`kvstore.sim.SimStore`), times from a :class:`~engine.replay.costs.CostModel`.
+No payload bytes move, so the whole ShareGPT file replays in minutes."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.replay.costs import CostModel
+from engine.replay.server import Job, Method
+from kvstore.sim import SimStore
+
+
+class SimulatedExecutor:
+    """Thread-safety: none (the server's one thread)."""
+
+    def __init__(self, method: Method, cost: CostModel) -> None:
+        self.method = method
+        self.cost = cost
+        self.store: SimStore | None = None
+        if method.caches:
+            self.store = SimStore(dram_bytes=cost.dram_bytes, disk_bytes=cost.disk_bytes,
+                                  token_bytes=cost.token_bytes, policy=method.policy,
+                                  disk_bandwidth=cost.disk_to_dram_bps)
+        self._link_free = 0.0  # when the load link (DRAM/disk -> accelerator) is next free
+        self._prev_start = 0.0  # start of the latest prefill
+
+    @property
+    def max_batch(self) -> int:
+        return self.cost.max_batch
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.cost.max_prefill_tokens
+
+    def fits(self, running: list[Job], job: Job) -> bool:
+        tokens = sum(j.context_after for j in running) + job.context_after
+        return tokens * self.cost.token_bytes <= self.cost.hbm_kv_bytes
+
+    def arrive(self, job: Job) -> None:
+        if self.store is not None:
+            self.store.enqueue(job.conv.index)
+
+    def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
+        store, cost = self.store, self.cost
+        key = job.conv.index
+        tier = None
+        if store is not None:
+            store.advance(job.start_s)  # background prefetch up to now
+            store.start(key)
+            if job.turn > 0:
+                if job.truncated and self.method.kind == "of":
+                    store.drop(key)  # positions baked in: the truncated KV is useless
+                tier = store.lookup(key)
+        if job.turn == 0:
+            job.hit = "none"
+        elif tier is None:
+            job.hit = "miss"
+        else:
+            job.hit = tier
+            job.reused = job.kept  # the stored context covers the whole (kept) history
+        new = job.prompt_len - job.reused
+        job.compute_s = cost.prefill_s(new, job.reused)
+        if job.reused:
+            # The read buffer: a job's KV starts loading once the previous iteration started
+            # (and the link is free), so it overlaps the jobs ahead of it, then its own
+            # prefill layer by layer (AttentionStore §3.2.1).
+            begin = max(job.arrival_s, self._link_free, self._prev_start)
+            end = begin + cost.load_s(job.reused, tier)
+            self._link_free = end
+            done = max(job.start_s + job.compute_s,
+                       end + job.compute_s / cost.num_layers)  # the last layer after its load
+            job.load_s = done - job.start_s - job.compute_s
+        if job.start_s > self._prev_start:
+            self._prev_start = job.start_s
+        return job.compute_s + job.load_s
+
+    def decode(self, running: list[Job], steps: int) -> float:
+        ctx = sum(j.context_after - j.remaining for j in running)
+        return self.cost.decode_s(steps, ctx, len(running))
+
+    def finish(self, job: Job, next_arrival: float | None) -> None:
+        if self.store is not None:
+            self.store.put(job.conv.index, job.context_after)
+            self.store.finish(job.conv.index, next_arrival)

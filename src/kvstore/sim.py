@@ -1,0 +1,321 @@
+"""Metadata-only tiers: the store's placement rules for simulation, with no payload bytes.
+
+A :class:`SimStore` holds one record per stored context (size in bytes, access statistics,
+where the scheduler next needs it) and applies the same rules as :class:`kvstore.Store`:
+
+* the disk tier holds every stored context (DRAM is an inclusive cache over it); when a save
+  needs room, whole contexts leave in the order of the policy's priority function (the same
+  :mod:`kvstore.policy` classes and :class:`~kvstore.policy.PriorityHeap`);
+* DRAM takes every saved context (write-through staging) and every context read from disk,
+  evicting by the same priorities;
+* with a queue-aware policy, the contexts of the next ``prefetch`` window of waiting jobs move
+  from disk into DRAM in the background, at the disk's bandwidth, never evicting a context that
+  is needed sooner; the windows come from :meth:`kvstore.schedule.Windows.derive`.
+
+Differences from the real store, by design: the unit is a whole context (the store places
+chunks, so it can hold part of a context in DRAM); a context replaced by a longer one (the next
+turn) or by a truncated one is updated in place; saving costs no time here (asynchronous saving
+hides it, docs/benchmarks.md Fig. 20).
+
+Queue hints are incremental, for speed over a long trace: the scheduler calls :meth:`enqueue`
+when a job arrives (FCFS: jobs start in arrival order), :meth:`start` when it runs and
+:meth:`finish` when it is done. ``belady`` instead gets :meth:`next_use`: when each context is
+next needed (the whole future).
+
+Thread-safety: none; a simulation drives it from one thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from kvstore.policy import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued, make_policy
+from kvstore.schedule import Windows
+
+_RUNNING = Queued(position=-1, in_window=True)
+
+
+@dataclass(slots=True)
+class SimEntry:
+    """One stored context: its tokens, bytes and whether DRAM holds a copy."""
+
+    key: Hashable
+    tokens: int
+    nbytes: int
+    stats: AccessStats
+    in_dram: bool = False
+    queued: Queued | None = None
+
+
+@dataclass(slots=True)
+class SimCounters:
+    puts: int = 0
+    refused: int = 0  # saves larger than the disk tier
+    disk_evictions: int = 0
+    disk_evictions_in_window: int = 0
+    dram_evictions: int = 0
+    prefetched: int = 0
+    prefetched_bytes: int = 0
+    dropped: int = 0
+
+
+@dataclass
+class SimStore:
+    """Metadata-only DRAM + disk tiers (see the module docstring)."""
+
+    dram_bytes: int
+    disk_bytes: int
+    token_bytes: int
+    policy: EvictionPolicy | str = "scheduler"
+    disk_bandwidth: float = 5e9  # bytes/s for background prefetch
+    counters: SimCounters = field(default_factory=SimCounters)
+
+    def __post_init__(self) -> None:
+        for name in ("dram_bytes", "disk_bytes", "token_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if self.token_bytes == 0:
+            raise ValueError("token_bytes must be positive")
+        if not self.disk_bandwidth > 0:
+            raise ValueError(f"disk_bandwidth must be positive, got {self.disk_bandwidth!r}")
+        if isinstance(self.policy, str):
+            self.policy = make_policy(self.policy)
+        self._pol: EvictionPolicy = self.policy
+        self._belady = self._pol.name == "belady"
+        self._entries: dict[Hashable, SimEntry] = {}
+        self._disk_heap = PriorityHeap()
+        self._dram_heap = PriorityHeap()
+        self.disk_used = 0
+        self.dram_used = 0
+        self._clock = 0
+        # FCFS queue of waiting jobs: keys[head:] in arrival order; tickets are list indices.
+        self._queue: list[Hashable] = []
+        self._head = 0
+        self._ticket: dict[Hashable, int] = {}
+        self._running: set[Hashable] = set()
+        self._next_use: dict[Hashable, float] = {}
+        self._windows = Windows(prefetch=0, eviction=0)
+        self._budget = 0.0  # prefetch bytes the disk could still move since the last advance
+        self._now = 0.0
+
+    # ------------------------------------------------------------------ inspection
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, key: Hashable) -> SimEntry | None:
+        return self._entries.get(key)
+
+    def tier_of(self, key: Hashable) -> str | None:
+        e = self._entries.get(key)
+        return None if e is None else ("dram" if e.in_dram else "disk")
+
+    @property
+    def windows(self) -> Windows:
+        return self._windows
+
+    def dram_keys(self) -> set[Hashable]:
+        return {k for k, e in self._entries.items() if e.in_dram}
+
+    # ------------------------------------------------------------------ priorities
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _queued(self, key: Hashable) -> Queued | None:
+        if key in self._running:
+            return _RUNNING
+        if self._belady:
+            when = self._next_use.get(key)
+            return None if when is None else Queued(position=when, in_window=True)  # type: ignore[arg-type]
+        t = self._ticket.get(key)
+        if t is None:
+            return None
+        return Queued(position=t, in_window=t - self._head < self._windows.eviction)
+
+    def _priority(self, e: SimEntry) -> Priority:
+        return self._pol.priority(e.stats, e.queued)
+
+    def _reprioritize(self, key: Hashable) -> None:
+        e = self._entries.get(key)
+        if e is None:
+            return
+        e.queued = self._queued(key)
+        prio = self._priority(e)
+        self._disk_heap.push(key, prio)
+        if e.in_dram:
+            self._dram_heap.push(key, prio)
+
+    def _derive_windows(self) -> None:
+        n = len(self._entries)
+        avg = self.disk_used / n if n else float(self.token_bytes)
+        new = Windows.derive(dram_slots=self.dram_bytes, disk_slots=self.disk_bytes,
+                             avg_session_slots=avg)
+        old, self._windows = self._windows, new
+        if self._belady or new.eviction == old.eviction:
+            return
+        lo, hi = sorted((old.eviction, new.eviction))
+        for key in self._queue[self._head + lo: self._head + hi]:  # crossed the window edge
+            self._reprioritize(key)
+
+    # ------------------------------------------------------------------ tiers
+    def _dram_drop(self, e: SimEntry) -> None:
+        if e.in_dram:
+            e.in_dram = False
+            self.dram_used -= e.nbytes
+            self._dram_heap.remove(e.key)
+
+    def _remove(self, key: Hashable) -> None:
+        e = self._entries.pop(key)
+        self._dram_drop(e)
+        self._disk_heap.remove(key)
+        self.disk_used -= e.nbytes
+
+    def _dram_insert(self, e: SimEntry, *, only_if_below: Priority | None = None) -> bool:
+        """Cache ``e`` in DRAM, evicting by priority; with ``only_if_below``, evict only entries
+        of lower priority (a prefetch never evicts what is needed sooner). False if it does
+        not fit."""
+        if e.nbytes > self.dram_bytes:
+            return False
+        while self.dram_used + e.nbytes > self.dram_bytes:
+            if only_if_below is not None:
+                vp = self._dram_heap.peek_priority()
+                if vp is None or not vp < only_if_below:  # type: ignore[operator]
+                    return False
+            victim = self._dram_heap.pop()
+            ve = self._entries[victim]
+            ve.in_dram = False
+            self.dram_used -= ve.nbytes
+            self.counters.dram_evictions += 1
+        e.in_dram = True
+        self.dram_used += e.nbytes
+        self._dram_heap.push(e.key, self._priority(e))
+        return True
+
+    # ------------------------------------------------------------------ operations
+    def lookup(self, key: Hashable) -> str | None:
+        """Read a context for a job: ``"dram"``, ``"disk"`` (then DRAM caches it) or None.
+        Counts an access."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        e.stats.touch(self._tick())
+        tier = "dram" if e.in_dram else "disk"
+        prio = self._priority(e)
+        self._disk_heap.push(key, prio)
+        if e.in_dram:
+            self._dram_heap.push(key, prio)
+        else:
+            self._dram_insert(e)
+        return tier
+
+    def put(self, key: Hashable, tokens: int) -> bool:
+        """Save the context of ``key`` as ``tokens`` tokens (replacing what was stored), evicting
+        other contexts from disk as the policy orders. False if it cannot fit at all."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+        nbytes = tokens * self.token_bytes
+        self.counters.puts += 1
+        old = self._entries.get(key)
+        if nbytes > self.disk_bytes:
+            self.counters.refused += 1
+            if old is not None:
+                self._remove(key)
+            return False
+        clock = self._tick()
+        if old is not None:
+            self._remove(key)
+        while self.disk_used + nbytes > self.disk_bytes:
+            victim = self._disk_heap.pop()
+            q = self._entries[victim].queued
+            if self._pol.exempt(q):
+                self.counters.disk_evictions_in_window += 1
+            self.counters.disk_evictions += 1
+            self._remove(victim)
+        # A new context, as in the store (each turn's put is a new session record).
+        e = SimEntry(key=key, tokens=tokens, nbytes=nbytes,
+                     stats=AccessStats(inserted=clock, last_access=clock))
+        self._entries[key] = e
+        self.disk_used += nbytes
+        e.queued = self._queued(key)
+        self._disk_heap.push(key, self._priority(e))
+        self._dram_insert(e)
+        self._derive_windows()
+        return True
+
+    def drop(self, key: Hashable) -> bool:
+        """Invalidate a stored context (e.g. positions baked in and the history truncated)."""
+        if key not in self._entries:
+            return False
+        self._remove(key)
+        self.counters.dropped += 1
+        return True
+
+    # ------------------------------------------------------------------ scheduler hints
+    def enqueue(self, key: Hashable) -> None:
+        """A job that needs the context of ``key`` joined the waiting queue (at its tail)."""
+        if key in self._ticket:
+            raise ValueError(f"key {key!r} is already queued")
+        self._ticket[key] = len(self._queue)
+        self._queue.append(key)
+        if not self._belady:
+            self._reprioritize(key)
+
+    def start(self, key: Hashable) -> None:
+        """The job at the head of the queue starts running (FCFS)."""
+        if self._head >= len(self._queue) or self._queue[self._head] != key:
+            raise ValueError(f"key {key!r} is not at the head of the queue (FCFS)")
+        del self._ticket[key]
+        self._head += 1
+        self._running.add(key)
+        self._reprioritize(key)
+        w = self._windows.eviction
+        if not self._belady and w > 0 and self._head + w - 1 < len(self._queue):
+            self._reprioritize(self._queue[self._head + w - 1])  # entered the window
+        if self._head > 4096 and self._head * 2 > len(self._queue):
+            self._compact_queue()
+
+    def finish(self, key: Hashable, next_use: float | None = None) -> None:
+        """The job of ``key`` is done. ``next_use``: when its context is needed next (None:
+        never), used by ``belady`` only."""
+        self._running.discard(key)
+        if self._belady:
+            if next_use is None:
+                self._next_use.pop(key, None)
+            else:
+                self._next_use[key] = next_use
+        self._reprioritize(key)
+
+    def _compact_queue(self) -> None:
+        self._queue = self._queue[self._head:]
+        self._head = 0
+        self._ticket = {k: i for i, k in enumerate(self._queue)}
+        for k in self._queue:
+            self._reprioritize(k)
+
+    def advance(self, now: float) -> None:
+        """Time moved to ``now``: the prefetcher moves the contexts of the next ``prefetch``
+        waiting jobs from disk into DRAM, as far as the disk bandwidth since the last call
+        allows (bandwidth left unused while there was nothing to fetch is lost)."""
+        dt = max(0.0, now - self._now)
+        self._now = max(self._now, now)
+        if not self._pol.uses_queue:
+            return
+        self._budget += dt * self.disk_bandwidth
+        end = min(len(self._queue), self._head + self._windows.prefetch)
+        for key in self._queue[self._head:end]:
+            e = self._entries.get(key)
+            if e is None or e.in_dram:
+                continue
+            if e.nbytes > self._budget:
+                return  # keep the budget: this fetch is under way
+            if not self._dram_insert(e, only_if_below=self._priority(e)):
+                break  # DRAM holds only what is needed sooner
+            self._budget -= e.nbytes
+            self.counters.prefetched += 1
+            self.counters.prefetched_bytes += e.nbytes
+        self._budget = 0.0  # nothing left that may be fetched now
