@@ -37,7 +37,7 @@ def fit(turns: list[dict]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--conversations", type=int, default=6)
-    p.add_argument("--window", type=int, default=1536)
+    p.add_argument("--window", type=int, default=2048)
     p.add_argument("--store", default="bench/results/calibration-store")
     p.add_argument("--out", default="bench/results/calibration")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default="kvstore-demo-store")
     p.add_argument("--out", default="kvstore-demo-out")
     p.add_argument("--conversations", type=int, default=6)
-    p.add_argument("--window", type=int, default=1536)
+    p.add_argument("--window", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     wl = WorkloadConfig(conversations=args.conversations, min_turns=4, max_turns=8,
