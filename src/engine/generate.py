@@ -129,7 +129,9 @@ class Generator:
     def load_prefix(self, ids: Sequence[int], *, namespace: str | None = None,
                     leave: int = 1) -> tuple[int, list[KV] | None]:
         """The longest stored prefix of ``ids`` that leaves at least ``leave`` tokens to compute
-        (a request needs one to produce logits) and its KV per layer, or (0, None)."""
+        (a request needs one to produce logits) and its KV per layer, or (0, None). A pending
+        asynchronous save sharing a prefix with ``ids`` lands first."""
+        self.store.wait_saved(ids, namespace=namespace)
         n = min(self.store.match(ids, namespace=namespace), len(ids) - leave)
         if n <= 0:
             return 0, None
@@ -164,7 +166,8 @@ class Generator:
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         window = self.model.config.context_length
-        if len(ids) + max_new_tokens > window:
+        fed_new = max_new_tokens if forced is None else len(forced)  # forced: all are fed
+        if len(ids) + fed_new > window:
             raise ValueError(
                 f"ids ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed the context "
                 f"window of {window}; truncate the history first (see Conversation)"

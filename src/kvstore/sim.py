@@ -181,16 +181,21 @@ class SimStore:
         not fit."""
         if e.nbytes > self.dram_bytes:
             return False
+        evicted: list[SimEntry] = []
         while self.dram_used + e.nbytes > self.dram_bytes:
             if only_if_below is not None:
                 vp = self._dram_heap.peek_priority()
                 if vp is None or not vp < only_if_below:  # type: ignore[operator]
+                    for ve in evicted:  # give up without evicting anything
+                        ve.in_dram = True
+                        self.dram_used += ve.nbytes
+                        self._dram_heap.push(ve.key, self._priority(ve))
                     return False
-            victim = self._dram_heap.pop()
-            ve = self._entries[victim]
+            ve = self._entries[self._dram_heap.pop()]
             ve.in_dram = False
             self.dram_used -= ve.nbytes
-            self.counters.dram_evictions += 1
+            evicted.append(ve)
+        self.counters.dram_evictions += len(evicted)
         e.in_dram = True
         self.dram_used += e.nbytes
         self._dram_heap.push(e.key, self._priority(e))
@@ -309,8 +314,8 @@ class SimStore:
         end = min(len(self._queue), self._head + self._windows.prefetch)
         for key in self._queue[self._head:end]:
             e = self._entries.get(key)
-            if e is None or e.in_dram:
-                continue
+            if e is None or e.in_dram or e.nbytes > self.dram_bytes:
+                continue  # nothing to fetch, or it cannot be cached (read from disk)
             if e.nbytes > self._budget:
                 return  # keep the budget: this fetch is under way
             if not self._dram_insert(e, only_if_below=self._priority(e)):

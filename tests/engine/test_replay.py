@@ -237,3 +237,36 @@ def test_cli_replay_sweep_and_plan(tmp_path, capsys):
     assert "reaches a 50% hit rate" in capsys.readouterr().out
     assert main(["replay", "--rate", "0", "--data", str(data)]) == 2
     assert "arrival_rate" in capsys.readouterr().err
+
+
+def hand_trace(*convs, window=4096):
+    """A trace from (arrival_s, [(user_len, reply_len, think_s), ...]) tuples."""
+    from engine.replay.workload import ConvSpec, Trace, TurnSpec
+
+    specs = tuple(ConvSpec(index=i, conv_id=f"h{i}", arrival_s=at, turns=tuple(
+        TurnSpec(user_len=u, reply_len=r, think_s=th) for u, r, th in turns))
+        for i, (at, turns) in enumerate(convs))
+    return Trace(config=WorkloadConfig(warmup_fraction=0.0), context_window=window,
+                 conversations=specs, cut_turns=0)
+
+
+def test_running_jobs_respect_accelerator_memory():
+    """Three 1000-token jobs where the accelerator holds the KV of 1500 tokens: they run one
+    after another, even though the batch has room."""
+    cost = dataclasses.replace(COST, max_batch=8, hbm_kv_bytes=1500 * COST.token_bytes)
+    tr = hand_trace(*[(0.01 * i, [(500, 500, 1.0)]) for i in range(3)])
+    jobs, _ = serve(tr, SimulatedExecutor(Method("re"), cost))
+    spans = sorted((j.start_s, j.finish_s) for j in jobs)
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert start >= end
+
+
+def test_idle_disk_bandwidth_is_not_banked_for_a_late_arrival():
+    """A's context leaves DRAM while A's user thinks; when A's next turn arrives at an idle
+    server, there was no queued job to prefetch for, so it is read from disk."""
+    cost = COST.with_capacity(dram_bytes=int(1.5 * 1100 * COST.token_bytes))
+    tr = hand_trace((0.0, [(100, 1000, 100.0), (50, 10, 0.0)]),  # A: back ~100 s later
+                    (50.0, [(100, 1000, 0.0)]))  # B: its save pushes A out of DRAM
+    jobs, _ = serve(tr, SimulatedExecutor(Method("as"), cost))
+    a2 = next(j for j in jobs if j.conv.index == 0 and j.turn == 1)
+    assert a2.start_s == a2.arrival_s and a2.hit == "disk"

@@ -90,9 +90,10 @@ def test_bad_arguments_are_named():
 class SimMachine(RuleBasedStateMachine):
     """Random puts, reads, drops and queue moves against a dict of what was last saved."""
 
+    policy = "scheduler"
+
     def __init__(self):
         super().__init__()
-        self.policy = random.Random(0).choice(["scheduler", "lru", "fifo"])
         self.s = SimStore(dram_bytes=30 * TOKEN, disk_bytes=100 * TOKEN, token_bytes=TOKEN,
                           policy=self.policy, disk_bandwidth=20 * TOKEN)
         self.model: dict[int, int] = {}  # key -> tokens of its last save
@@ -152,10 +153,71 @@ class SimMachine(RuleBasedStateMachine):
         assert s.dram_used == sum(s.entry(k).nbytes for k in s.dram_keys())
         assert s.dram_keys() <= set(stored)
 
+    @invariant()
+    def priorities_are_current(self):
+        """Every heap entry has the priority the policy gives it now (none went stale when
+        the queue head or the window moved)."""
+        s = self.s
+        for k in range(16):
+            e = s.entry(k)
+            if e is None:
+                continue
+            want = s._pol.priority(e.stats, s._queued(k))
+            assert s._disk_heap.priority_of(k) == want, (k, self.policy)
+            if e.in_dram:
+                assert s._dram_heap.priority_of(k) == want
 
-TestSimMachine = SimMachine.TestCase
-TestSimMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                   derandomize=True)
+
+_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None, derandomize=True)
+
+
+class SchedulerMachine(SimMachine):
+    policy = "scheduler"
+
+
+class LRUMachine(SimMachine):
+    policy = "lru"
+
+
+class FIFOMachine(SimMachine):
+    policy = "fifo"
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestLRUMachine = LRUMachine.TestCase
+TestFIFOMachine = FIFOMachine.TestCase
+for _t in (TestSchedulerMachine, TestLRUMachine, TestFIFOMachine):
+    _t.settings = _SETTINGS
+
+
+def test_prefetch_skips_a_context_too_big_for_dram():
+    s = SimStore(dram_bytes=100 * TOKEN, disk_bytes=1000 * TOKEN, token_bytes=TOKEN,
+                 disk_bandwidth=10 * TOKEN)
+    s.put("big", 150)  # never fits DRAM: read from disk when its job runs
+    for j in range(4):
+        s.put(j, 10)
+    for j in range(12):
+        s.put(100 + j, 10)  # pushes 0..3 out of DRAM
+    for k in ("big", 0, 1):
+        s.enqueue(k)
+    s.advance(2.0)  # 20 tokens of bandwidth: 0 and 1, behind "big"
+    assert s.tier_of(0) == "dram" and s.tier_of(1) == "dram" and s.tier_of("big") == "disk"
+
+
+def test_a_refused_prefetch_evicts_nothing():
+    s = SimStore(dram_bytes=20 * TOKEN, disk_bytes=1000 * TOKEN, token_bytes=TOKEN,
+                 disk_bandwidth=1000 * TOKEN)
+    s.put("x", 20)
+    s.put("low", 10)
+    s.enqueue("run")
+    s.start("run")
+    s.put("run", 10)  # DRAM: low (unqueued) + run (running: kept above everything)
+    assert s.dram_keys() == {"low", "run"}
+    s.enqueue("x")  # x needs 20: evicting low is not enough, run must stay
+    before = s.counters.dram_evictions
+    s.advance(1.0)
+    assert s.dram_keys() == {"low", "run"} and s.counters.dram_evictions == before
+    assert s.dram_used == 20 * TOKEN
 
 
 @pytest.mark.parametrize("seed", range(5))

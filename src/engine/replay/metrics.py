@@ -41,7 +41,9 @@ def _pct(a: np.ndarray) -> dict[str, float]:
 def summarize(cols: dict[str, list], stats: ServerStats, *, cost: dict[str, float] | None = None,
               store: dict | None = None) -> dict[str, object]:
     """Metrics over the measured (non-warm-up) turns. Hit rates are over turns that have a
-    history to reuse (turn >= 2); ``token_reuse`` is reused / kept history tokens."""
+    history to reuse (turn >= 2); ``token_reuse`` is reused / kept history tokens. The
+    server-wide figures (``makespan_s``, ``gpu_s``, the busy times, and the cost) cover the
+    whole run, warm-up included."""
     c = {k: np.asarray(v) for k, v in cols.items()}
     m = ~c["warmup"].astype(bool)
     later = m & (c["turn"] > 0)
@@ -98,10 +100,21 @@ def write_turns(path: str, tables: Sequence[dict[str, list]]) -> None:
     os.replace(tmp, path)
 
 
+def _finite(obj: object) -> object:
+    """NaN/inf -> None, so the file is valid JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_json(path: str, obj: object) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=float)
+        json.dump(_finite(obj), f, indent=2, default=float, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
 

@@ -62,21 +62,20 @@ class RealExecutor:
     def arrive(self, job: Job) -> None:
         pass
 
-    def _prompt(self, job: Job) -> tuple[list[int], str | None]:
+    def _hint(self, job: Job) -> tuple[list[int], str | None]:
+        """What a waiting job will read from the store: its prompt, or for an AS job that
+        will truncate, the whole stored history it truncates."""
         st = self._convs.get(job.conv.index) or _ConvState(ids=[])
-        ids = st.ids
-        if job.truncated:
-            idx = keep_indices(len(ids), job.kept, self.sink).tolist()
-            ids = [ids[i] for i in idx]
-        return ids + list(job.conv.turns[job.turn].user_ids), st.namespace
+        if job.truncated and self.method.kind == "as":
+            return st.ids, st.namespace
+        idx = keep_indices(len(st.ids), job.kept, self.sink).tolist()
+        return [st.ids[i] for i in idx] + list(job.conv.turns[job.turn].user_ids), st.namespace
 
-    def _truncate_stored(self, job: Job, st: _ConvState) -> float:
+    def _truncate_stored(self, job: Job, st: _ConvState) -> tuple[int, int]:
         """AS on overflow: load the stored history KV, keep the sink + newest tokens, store
         that under the conversation's own namespace (re-positioned on use; no recompute of
-        what was stored). Returns the seconds it took."""
-        t0 = time.perf_counter()
-        gen = self.gen
-        n, past = gen.load_prefix(st.ids, namespace=st.namespace, leave=0)
+        what was stored). Returns (history tokens the store served, kept tokens among them)."""
+        n, past = self.gen.load_prefix(st.ids, namespace=st.namespace, leave=0)
         if n < len(st.ids):  # a tail the store lacks (evicted) is computed on top
             _, past = self.model.forward(st.ids[n:], past=past)
         k, v = stack_kv(past)  # [L, H, T, D]
@@ -86,16 +85,22 @@ class RealExecutor:
         st.ids = [st.ids[i] for i in idx.tolist()]
         self.store.put(st.ids, k.index_select(2, idx).contiguous(),
                        v.index_select(2, idx).contiguous(), namespace=st.namespace)
-        return time.perf_counter() - t0
+        return n, int((idx < n).sum())
 
     def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
         st = self._convs.setdefault(job.conv.index, _ConvState(ids=[]))
         assert len(st.ids) == job.history, "the executor's history must match the server's"
         spec = job.conv.turns[job.turn]
-        extra = 0.0
+        if self.method.caches:
+            # The prefetch the previous hints started had this job's queueing time to run.
+            self.store.wait_prefetched()
+        trunc_s, recomputed, from_store, where = 0.0, False, None, None
         if job.truncated:
             if self.method.kind == "as":
-                extra = self._truncate_stored(job, st)
+                where = self.store.residency(st.ids, namespace=st.namespace)
+                t0 = time.perf_counter()
+                n, from_store = self._truncate_stored(job, st)
+                trunc_s, recomputed = time.perf_counter() - t0, n < job.history
             else:  # RE: token truncation; OF: stored KV is useless, a fresh namespace
                 st.ids = [st.ids[i] for i in keep_indices(len(st.ids), job.kept,
                                                            self.sink).tolist()]
@@ -105,16 +110,16 @@ class RealExecutor:
         prompt = st.ids + list(spec.user_ids)
         assert len(prompt) == job.prompt_len
         if self.method.caches:
-            # The prefetch the previous hints started had this job's queueing time to run.
-            self.store.wait_prefetched()
-            hints = [self._prompt(j) for j in list(waiting)[:HINT_JOBS]]
-            where = self.store.residency(prompt[:-1], namespace=st.namespace)
+            hints = [self._hint(j) for j in list(waiting)[:HINT_JOBS]]
+            if where is None:
+                where = self.store.residency(prompt[:-1], namespace=st.namespace)
             r = self.gen.generate(prompt, forced=list(spec.reply_ids), namespace=st.namespace,
                                   queue=hints)
         else:
             r = _recompute(self.model, prompt, list(spec.reply_ids))
             where = {"dram": 0, "disk": 0}
-        job.reused = r.reused_tokens
+        # Tokens whose KV came from the store (after a truncation: the kept ones it served).
+        job.reused = r.reused_tokens if from_store is None else min(r.reused_tokens, from_store)
         job.token = r.first_token
         if job.turn == 0:
             job.hit = "none"
@@ -122,12 +127,13 @@ class RealExecutor:
             job.hit = "miss"
         else:
             job.hit = "disk" if where["disk"] > 0 else "dram"
-        job.load_s = extra + r.load_s
-        job.compute_s = r.ttft_s - r.load_s
+        # A truncation is a load of the stored history, or compute where it had to be rebuilt.
+        job.load_s = r.load_s + (0.0 if recomputed else trunc_s)
+        job.compute_s = r.ttft_s - r.load_s + (trunc_s if recomputed else 0.0)
         steps = max(spec.reply_len - 1, 1)
         self._decode_per_step[job.seq] = (r.total_s - r.ttft_s) / steps
         st.ids = prompt + list(spec.reply_ids)
-        return extra + r.ttft_s
+        return trunc_s + r.ttft_s
 
     def decode(self, running: list[Job], steps: int) -> float:
         return sum(self._decode_per_step[j.seq] for j in running) * steps

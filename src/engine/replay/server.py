@@ -5,7 +5,8 @@ executor asks a cost model; the real one runs SmolLM2 with the store and measure
 rules (vLLM-style, prefill first, as AttentionStore §4.2 describes): while jobs wait and the
 batch has room, the waiting jobs at the head of the queue are prefilled together (up to
 ``max_prefill_tokens`` computed tokens, at least one job), and every job in that iteration gets
-its first token when it ends; otherwise the running jobs decode. Decode steps are taken in spans
+its first token when it ends; otherwise the running jobs decode. ``max_prefill_tokens`` is a
+soft limit: a job joins if its new message fits what is left. Decode steps are taken in spans
 up to the next event (a job finishing, or an arrival that could join), so a long trace costs
 one loop pass per event, not per token. A job's next turn arrives its think time after the job
 finished.
@@ -220,8 +221,10 @@ def serve(trace: Trace, executor: Executor, *,
         budget = executor.max_prefill_tokens
         while waiting and len(running) + len(batch) < executor.max_batch:
             job = waiting[0]
-            if batch and (budget <= 0 or not executor.fits(running + batch, job)):
+            if batch and budget < job.user_len:  # at least its new message is computed
                 break
+            if (batch or running) and not executor.fits(running + batch, job):
+                break  # wait for accelerator memory (a job alone is always admitted)
             waiting.popleft()
             job.start_s = t
             dt = executor.prefill(job, waiting, running + batch)

@@ -39,6 +39,7 @@ class SimulatedExecutor:
 
     def arrive(self, job: Job) -> None:
         if self.store is not None:
+            self.store.advance(job.arrival_s)  # the prefetcher's time up to now, for the others
             self.store.enqueue(job.conv.index)
 
     def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
