@@ -136,8 +136,8 @@ PRESETS: dict[str, CostModel] = {
     # replay (docs/benchmarks.md). One job at a time (the CPU runtime does not batch).
     "smollm2-cpu": CostModel(
         name="smollm2-cpu", num_layers=30, token_bytes=30 * 2 * 3 * 64 * 2, context_window=8192,
-        prefill_s_per_token=1.45e-3, prefill_s_per_pair=8.7e-7, prefill_s_fixed=0.161,
-        decode_step_s=2.9e-3,
+        prefill_s_per_token=1.72e-3, prefill_s_per_pair=6.2e-7, prefill_s_fixed=0.123,
+        decode_step_s=2.7e-3,
         decode_s_per_token=0.0, dram_to_hbm_bps=5e9, disk_to_dram_bps=1e9,
         hbm_kv_bytes=1 << 30, max_batch=1, max_prefill_tokens=8192,
         dram_bytes=1 << 30, disk_bytes=64 << 30, gpus=1, gpu_price_h=0.1,

@@ -2,8 +2,9 @@
 
 SmolLM2 serves a small sample of multi-turn ShareGPT conversations twice over the same trace
 (same arrivals, same think times): once recomputing every history (RE), once reusing the KV the
-store kept from the previous turn (AS, scheduler-aware policy), with a context window small
-enough that long conversations overflow and are truncated. The store lives in the embedded
+store kept from the previous turn (AS, scheduler-aware policy). ``--window`` sets the context
+window (4096 by default); with a smaller one, long conversations overflow and AS truncates their
+stored KV. The store lives in the embedded
 default directory ``./kvstore-demo-store`` (one sub-directory per method); results go to
 ``./kvstore-demo-out`` (``turns.parquet``, ``summary.json``, ``ttft_cdf.png``).
 """
@@ -25,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default="kvstore-demo-store")
     p.add_argument("--out", default="kvstore-demo-out")
     p.add_argument("--conversations", type=int, default=6)
-    p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--window", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    wl = WorkloadConfig(conversations=args.conversations, min_turns=4, max_turns=8,
+    wl = WorkloadConfig(conversations=args.conversations, min_turns=5, max_turns=10,
                         max_message_tokens=512, arrival_rate=0.05, think_s=30.0,
                         context_window=args.window, warmup_fraction=0.0, seed=args.seed)
     cfg = ReplayConfig(mode="real", methods=(Method("re"), Method("as")), workload=wl,
