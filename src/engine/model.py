@@ -124,6 +124,19 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 # ---- KV helpers --------------------------------------------------------------------------------
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", bool],
+                 torch.Tensor]
+
+
+def full_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Exact attention: q [H, T, D], k/v [Hkv, N, D] (GQA), mask [T, N] bool -> [H, T, D]."""
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal,
+        enable_gqa=True,
+    )[0]
+
+
 def stack_kv(kv: Sequence[KV]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-layer KV list -> (keys, values), each [num_layers, num_kv_heads, T, head_dim]."""
     keys = torch.stack([k for k, _ in kv])  # [L, Hkv, T, D]
@@ -288,6 +301,7 @@ class Model:
         last_only: bool = False,
         round_kv: bool = True,
         on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+        attend: Attend | None = None,
     ) -> tuple[torch.Tensor, list[KV]]:
         """Run the model over ``ids`` (the new tokens) after the context ``past``.
 
@@ -299,7 +313,10 @@ class Model:
         Returns (logits [T, vocab] float32 — [1, vocab] with ``last_only`` — and the KV of past
         + new tokens per layer, keys pre-RoPE, [num_kv_heads, P+T, head_dim] in the cache dtype
         (``layout.dtype``; float32 when ``round_kv`` is false)). ``on_layer(i, k, v)`` is called
-        with each layer's KV as soon as it exists (asynchronous saving).
+        with each layer's KV as soon as it exists (asynchronous saving). ``attend(i, q, k, v,
+        mask, causal)`` replaces layer i's attention (q [H, T, D] and k [Hkv, P+T, D] with RoPE
+        applied, v [Hkv, P+T, D], float32; returns [H, T, D]): sparse attention, or capturing
+        queries; the default is exact attention (:func:`full_attention`).
         """
         c = self.config
         ids_t = self._check_ids(ids)  # [T]
@@ -346,10 +363,7 @@ class Model:
             q = rope.rotate(q, cos_new, sin_new)  # [H, T, D]
             k_r = rope.rotate(k_c.to(torch.float32), cos_all, sin_all)  # [Hkv, P+T, D]
             v_f = v_c.to(torch.float32)  # [Hkv, P+T, D]
-            attn = F.scaled_dot_product_attention(
-                q.unsqueeze(0), k_r.unsqueeze(0), v_f.unsqueeze(0),
-                attn_mask=mask, is_causal=causal, enable_gqa=True,
-            )[0]  # [H, T, D]
+            attn = (attend or full_attention)(i, q, k_r, v_f, mask, causal)  # [H, T, D]
             assert attn.shape == (H, T, D), attn.shape
             x = x + F.linear(attn.transpose(0, 1).reshape(T, H * D), lw.wo)  # [T, hidden]
             h = _rms_norm(x, lw.ffn_norm, c.rms_norm_eps)  # [T, hidden]

@@ -1,0 +1,160 @@
+"""Sparse attention over a stored context: sink + recent window + retrieved tokens.
+
+Each part is attended separately and the parts are merged exactly by log-sum-exp, so attending
+to every token in parts equals full attention (AlayaDB §5; the window is the cache that stays
+in accelerator memory, the retrieved tokens come from a per-head index).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from kvstore.index import IndexSpec, build_index
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries q [G, D] over k/v [n, D]: (out [G, D], lse [G]) where lse is
+    log sum exp of the scaled scores (n may be 0: out 0, lse -inf)."""
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] and k.shape[0] == v.shape[0]
+    if k.shape[0] == 0:
+        return (torch.zeros(q.shape[0], v.shape[-1], dtype=q.dtype),
+                torch.full((q.shape[0],), float("-inf"), dtype=q.dtype))
+    s = (q @ k.T) / q.shape[-1] ** 0.5  # [G, n]
+    lse = torch.logsumexp(s, dim=-1)  # [G]
+    return torch.softmax(s, dim=-1) @ v, lse  # [G, D], [G]
+
+
+def merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact merge of partial attentions over disjoint token sets: [G, D]."""
+    lses = torch.stack([lse for _, lse in parts])  # [P, G]
+    total = torch.logsumexp(lses, dim=0)  # [G]
+    w = torch.exp(lses - total)  # [P, G] each part's share of the softmax mass
+    w = torch.nan_to_num(w, nan=0.0)
+    return sum(w[i][:, None] * out for i, (out, _) in enumerate(parts))  # [G, D]
+
+
+def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            retrieved: Sequence[np.ndarray], *, sink: int, window: int
+                            ) -> torch.Tensor:
+    """One decode step: q [H, 1, D]; k/v [Hkv, N, D] with RoPE applied to k; ``retrieved[h]``
+    the token ids kv-head h's index returned. Attends to the first ``sink`` and last ``window``
+    tokens plus the retrieved ones (deduplicated), merged by log-sum-exp. Returns [H, 1, D]."""
+    H, T, D = q.shape
+    Hkv, N, _ = k.shape
+    assert T == 1 and H % Hkv == 0 and len(retrieved) == Hkv, (q.shape, k.shape, len(retrieved))
+    g = H // Hkv
+    local = np.r_[np.arange(min(sink, N)), np.arange(max(min(sink, N), N - window), N)]
+    out = torch.empty(H, 1, D, dtype=q.dtype)
+    for h in range(Hkv):
+        extra = np.setdiff1d(np.asarray(retrieved[h], dtype=np.int64), local)
+        qh = q[h * g:(h + 1) * g, 0]  # [g, D] the kv head's query group
+        li, ei = torch.from_numpy(local), torch.from_numpy(extra)
+        parts = [partial_attention(qh, k[h, li], v[h, li]),
+                 partial_attention(qh, k[h, ei], v[h, ei])]
+        out[h * g:(h + 1) * g, 0] = merge(parts)
+    return out
+
+
+# ------------------------------------------------------------------ decode-time sparse attention
+@dataclass(frozen=True, kw_only=True)
+class SparsePlan:
+    """How one layer attends during decode (the rule-based optimizer's output)."""
+
+    index: str  # "full", "flat", "pq" or "graph"
+    query: str = "topk"  # "topk" or "dipr"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseConfig:
+    """Sparse decode over a context of ``context`` tokens: sink + recent window always, plus what
+    each kv-head's index retrieves for its query group (top-``k`` per query head, or DIPR with
+    ``beta`` and the window's best score as the floor, AlayaDB §7.1)."""
+
+    sink: int = 4
+    window: int = 64
+    k: int = 64
+    beta: float = 8.0 * math.log(10)  # sqrt(64) ln(1/alpha), alpha = 0.1
+    index: str = "graph"  # for layers the optimizer does not send elsewhere
+    query: str = "topk"
+    full_below: int = 1024  # short contexts: full attention (the optimizer's first rule)
+    flat_layers: tuple[int, ...] = (0,)  # layers that need many tokens: exact scan (§6.2)
+    spec: IndexSpec = field(default_factory=IndexSpec)
+
+    def __post_init__(self) -> None:
+        if self.index not in ("flat", "pq", "graph"):
+            raise ValueError(f"index must be flat, pq or graph, got {self.index!r}")
+        if self.query not in ("topk", "dipr"):
+            raise ValueError(f"query must be topk or dipr, got {self.query!r}")
+        for name in ("sink", "window", "k", "full_below"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+
+    def plan(self, layer: int, n_tokens: int) -> SparsePlan:
+        """The rule-based optimizer (AlayaDB §6.2, Fig. 8)."""
+        if n_tokens < self.full_below:
+            return SparsePlan(index="full")
+        if layer in self.flat_layers:
+            return SparsePlan(index="flat", query=self.query)
+        return SparsePlan(index=self.index, query=self.query)
+
+
+class SparseDecoder:
+    """An ``attend`` hook for :meth:`engine.model.Model.forward`: prefill runs full attention;
+    each decode step of layer l attends to sink + window + retrieved tokens of the first
+    ``context`` tokens (their indexes are built on the first decode step: late
+    materialization, new decode tokens stay in the local window, AlayaDB §7.2).
+
+    Records per layer the tokens attended (``attended[l]``: mean fraction). Thread-safety:
+    one forward at a time.
+    """
+
+    def __init__(self, config: SparseConfig, context: int) -> None:
+        self.config = config
+        self.context = context
+        self._indexes: dict[tuple[int, int], object] = {}
+        self.attended: dict[int, list[float]] = {}
+
+    def _index(self, layer: int, head: int, kind: str, keys: torch.Tensor):
+        key = (layer, head)
+        if key not in self._indexes:
+            spec = replace(self.config.spec, kind=kind)
+            self._indexes[key] = build_index(keys.numpy(), spec)
+        return self._indexes[key]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        from engine.model import full_attention
+
+        H, T, D = q.shape
+        Hkv, N, _ = k.shape
+        cfg = self.config
+        plan = cfg.plan(layer, self.context)
+        if T > 1 or plan.index == "full" or N < self.context:
+            return full_attention(layer, q, k, v, mask, causal)
+        g = H // Hkv
+        local = np.r_[np.arange(min(cfg.sink, self.context)),
+                      np.arange(max(cfg.sink, self.context - cfg.window), N)]
+        retrieved, used = [], 0
+        for h in range(Hkv):
+            ix = self._index(layer, h, plan.index, k[h, : self.context])
+            qs = q[h * g:(h + 1) * g, 0].numpy()  # [g, D]
+            ids: list[np.ndarray] = []
+            for qv in qs:
+                if plan.query == "topk":
+                    ids.append(ix.topk(qv, cfg.k))
+                else:
+                    floor = float((k[h, local].numpy() @ qv).max())
+                    ids.append(ix.dipr(qv, cfg.beta, floor=floor))
+            got = np.unique(np.concatenate(ids)) if ids else np.empty(0, np.int64)
+            retrieved.append(got)
+            used += len(np.union1d(got, local))
+        self.attended.setdefault(layer, []).append(used / (Hkv * N))
+        return sparse_decode_attention(q, k, v, retrieved, sink=cfg.sink,
+                                       window=N - max(cfg.sink, self.context - cfg.window))

@@ -1,0 +1,125 @@
+"""Index files: one index per file, numpy arrays under a JSON header, every part checksummed.
+
+Layout: ``KVIDX001`` magic, header length (u32), header xxh3-64 (u64), the JSON header, then
+each array at a 64-byte aligned offset. The header names the index kind, its parameters and,
+per array, dtype, shape, offset, length and xxh3-64. No pickle or other code-executing format.
+Files are written to a temporary name, fsynced and renamed, so a crash leaves the old file or
+the new one, never half of one. Any mismatch on load raises :class:`kvstore.CorruptData`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import CorruptData
+from kvstore.index.flat import FlatIndex
+from kvstore.index.graph import GraphIndex, _bottom_layer
+from kvstore.index.pq import PQIndex
+from kvstore.index.spec import IndexSpec
+
+MAGIC = b"KVIDX001"
+_PRE = struct.Struct("<8sIQ")  # magic, header length, header checksum
+ALIGN = 64
+
+
+def _arrays(index) -> tuple[dict[str, np.ndarray], dict[str, object]]:
+    if isinstance(index, FlatIndex):
+        return {"keys": index.keys}, {}
+    if isinstance(index, PQIndex):
+        arrs = {"codebooks": index.codebooks, "codes": index.codes}
+        if index.keys is not None:
+            arrs["keys"] = index.keys
+        return arrs, {"rerank": index.rerank}
+    if isinstance(index, GraphIndex):
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "hnsw.bin")
+            index.hnsw.save_index(p)
+            with open(p, "rb") as f:
+                blob = np.frombuffer(f.read(), dtype=np.uint8)
+        spec = {k: getattr(index.spec, k) for k in index.spec.__dataclass_fields__}
+        return {"keys": index.keys, "hnsw": blob}, {"spec": spec}
+    raise TypeError(f"index must be a FlatIndex, PQIndex or GraphIndex, got {type(index)}")
+
+
+def save_index(index, path: str | os.PathLike[str]) -> None:
+    """Write ``index`` to ``path`` atomically and durably."""
+    path = os.fspath(path)
+    arrs, extra = _arrays(index)
+    entries, offset = [], 0
+    for name, a in arrs.items():
+        a = np.ascontiguousarray(a)
+        entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
+                        "offset": offset, "nbytes": a.nbytes,
+                        "xxh3": xxhash.xxh3_64_intdigest(a.tobytes())})
+        offset += -(-a.nbytes // ALIGN) * ALIGN
+    header = json.dumps({"kind": index.kind, "extra": extra, "arrays": entries}).encode()
+    base = -(-(_PRE.size + len(header)) // ALIGN) * ALIGN
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(_PRE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
+        f.write(header)
+        for e, a in zip(entries, arrs.values(), strict=True):
+            f.seek(base + e["offset"])
+            f.write(np.ascontiguousarray(a).tobytes())
+        f.truncate(base + entries[-1]["offset"] + entries[-1]["nbytes"])  # no trailing pad
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_index(path: str | os.PathLike[str]):
+    """Read an index written by :func:`save_index`; :class:`CorruptData` on any mismatch."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise CorruptData(f"index file {path!r} is missing") from None
+    if len(raw) < _PRE.size:
+        raise CorruptData(f"index file {path!r} is truncated")
+    magic, hlen, hsum = _PRE.unpack_from(raw)
+    header = raw[_PRE.size:_PRE.size + hlen]
+    if magic != MAGIC or len(header) != hlen or xxhash.xxh3_64_intdigest(header) != hsum:
+        raise CorruptData(f"index file {path!r}: bad magic or header checksum")
+    try:
+        meta = json.loads(header)
+        base = -(-(_PRE.size + hlen) // ALIGN) * ALIGN
+        arrs = {}
+        for e in meta["arrays"]:
+            blob = raw[base + e["offset"]: base + e["offset"] + e["nbytes"]]
+            if len(blob) != e["nbytes"] or xxhash.xxh3_64_intdigest(blob) != e["xxh3"]:
+                raise CorruptData(f"index file {path!r}: array {e['name']!r} fails its checksum")
+            arrs[e["name"]] = np.frombuffer(blob, dtype=np.dtype(e["dtype"])).reshape(
+                e["shape"]).copy()
+        kind, extra = meta["kind"], meta["extra"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptData(f"index file {path!r}: unreadable header ({err})") from None
+    if kind == "flat":
+        return FlatIndex(arrs["keys"])
+    if kind == "pq":
+        return PQIndex(arrs["codebooks"], arrs["codes"], arrs.get("keys"), extra["rerank"])
+    if kind == "graph":
+        import hnswlib
+
+        spec = IndexSpec(**extra["spec"])
+        keys = arrs["keys"]
+        hnsw = hnswlib.Index(space="l2", dim=keys.shape[1] + 1)
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "hnsw.bin")
+            with open(p, "wb") as f:
+                f.write(arrs["hnsw"].tobytes())
+            hnsw.load_index(p, max_elements=keys.shape[0])
+        hnsw.set_ef(spec.graph_ef_search)
+        return GraphIndex(hnsw, keys, _bottom_layer(hnsw), spec)
+    raise CorruptData(f"index file {path!r}: unknown index kind {kind!r}")

@@ -1,0 +1,139 @@
+"""Per-head key indexes against brute force: flat is exact, PQ and graph recall, DIPR, the
+prefix filter, determinism and bad arguments."""
+
+import numpy as np
+import pytest
+
+from kvstore.index import FlatIndex, GraphIndex, IndexSpec, PQIndex, build_index, recall
+
+
+def clustered(n=2000, d=64, clusters=24, seed=0):
+    """Keys with structure, like attention keys: clusters of varying norm, plus queries."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, d)) * 3
+    keys = centers[rng.integers(0, clusters, n)] + rng.standard_normal((n, d))
+    keys *= rng.uniform(0.5, 1.5, (n, 1))
+    qs = centers[rng.integers(0, clusters, 12)] + rng.standard_normal((12, d))
+    return keys.astype(np.float32), qs.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def data():
+    keys, qs = clustered()
+    return keys, qs, FlatIndex.build(keys)
+
+
+def test_flat_is_exact_with_prefix_filter(data):
+    keys, qs, flat = data
+    for q in qs[:4]:
+        s = keys @ q
+        assert flat.topk(q, 10).tolist() == np.argsort(-s, kind="stable")[:10].tolist()
+        lim = 700
+        assert flat.topk(q, 10, limit=lim).tolist() == \
+            np.argsort(-s[:lim], kind="stable")[:10].tolist()
+        beta = 5.0
+        assert flat.dipr(q, beta).tolist() == np.flatnonzero(s >= s.max() - beta).tolist()
+        floor = float(s.max()) + 1.0  # a window score above every key: fewer critical
+        assert flat.dipr(q, beta, floor=floor).tolist() == \
+            np.flatnonzero(s >= floor - beta).tolist()
+
+
+@pytest.mark.parametrize("spec", [IndexSpec(kind="pq"), IndexSpec(kind="graph")],
+                         ids=["pq", "graph"])
+def test_recall_against_brute_force(data, spec):
+    keys, qs, flat = data
+    ix = build_index(keys, spec)
+    r = np.mean([recall(ix.topk(q, 50), flat.topk(q, 50)) for q in qs])
+    assert r >= 0.9, r
+    lim = 900
+    for q in qs[:4]:
+        got = ix.topk(q, 20, limit=lim)
+        assert len(got) == 20 and got.max() < lim
+    rl = np.mean([recall(ix.topk(q, 20, limit=lim), flat.topk(q, 20, limit=lim)) for q in qs])
+    assert rl >= 0.85, rl
+
+
+def test_pq_codes_and_exact_rerank(data):
+    keys, qs, flat = data
+    ix = PQIndex.build(keys, IndexSpec(kind="pq", pq_subspaces=16, pq_bits=6, pq_iters=3))
+    assert ix.codes.shape == (len(keys), 16) and ix.codes.dtype == np.uint8
+    assert ix.codes.max() < 64 and ix.codebooks.shape == (16, 64, 4)
+    # re-ranking every key is exact
+    full = PQIndex.build(keys, IndexSpec(kind="pq", pq_rerank=len(keys)))
+    for q in qs[:3]:
+        assert full.topk(q, 1).tolist() == flat.topk(q, 1).tolist()
+    # without re-ranking the estimates alone decide, and they are close
+    raw = PQIndex.build(keys, IndexSpec(kind="pq", pq_rerank=1))
+    est, exact = raw.approx_scores(qs[0]), keys @ qs[0]
+    assert np.corrcoef(est, exact)[0, 1] > 0.95
+
+
+def test_graph_dipr_finds_the_critical_tokens(data):
+    keys, qs, flat = data
+    g = GraphIndex.build(keys, IndexSpec(kind="graph"))
+    rs = []
+    for q in qs:
+        truth = flat.dipr(q, 10.0)
+        rs.append(recall(g.dipr(q, 10.0), truth))
+        got = g.dipr(q, 10.0, limit=500)
+        assert (got < 500).all()
+    assert np.mean(rs) >= 0.9, rs
+
+
+def test_graph_build_is_deterministic_and_reads_hnsw_layer0(data):
+    keys, _, _ = data
+    a = GraphIndex.build(keys[:500])
+    b = GraphIndex.build(keys[:500])
+    assert all(np.array_equal(x, y) for x, y in zip(a.adj, b.adj, strict=True))
+    deg = np.array([len(x) for x in a.adj])
+    assert deg.min() >= 1 and deg.max() <= 2 * a.spec.graph_m
+    assert all(((x >= 0) & (x < 500)).all() for x in a.adj)
+
+
+def test_bad_arguments_are_named(data):
+    keys, qs, flat = data
+    with pytest.raises(ValueError, match="kind"):
+        IndexSpec(kind="tree")
+    with pytest.raises(ValueError, match="pq_bits"):
+        IndexSpec(pq_bits=9)
+    with pytest.raises(ValueError, match="keys"):
+        FlatIndex.build(np.zeros(5))
+    with pytest.raises(ValueError, match="pq_subspaces"):
+        PQIndex.build(keys[:, :60], IndexSpec(kind="pq", pq_subspaces=8, pq_rerank=1))
+    with pytest.raises(ValueError, match="k must"):
+        flat.topk(qs[0], 0)
+    with pytest.raises(ValueError, match="limit"):
+        flat.topk(qs[0], 5, limit=len(keys) + 1)
+    with pytest.raises(ValueError, match="query"):
+        flat.topk(qs[0][:10], 5)
+    with pytest.raises(ValueError, match="beta"):
+        flat.dipr(qs[0], -1.0)
+
+
+@pytest.mark.parametrize("kind", ["flat", "pq", "graph"])
+def test_index_files_round_trip_and_detect_corruption(data, tmp_path, kind):
+    from kvstore import CorruptData
+    from kvstore.index import load_index, save_index
+
+    keys, qs, _ = data
+    ix = build_index(keys[:600], IndexSpec(kind=kind))
+    path = tmp_path / f"{kind}.kvi"
+    save_index(ix, path)
+    back = load_index(path)
+    assert type(back) is type(ix)
+    for q in qs[:4]:
+        assert back.topk(q, 10).tolist() == ix.topk(q, 10).tolist()
+        assert back.dipr(q, 6.0).tolist() == ix.dipr(q, 6.0).tolist()
+    assert not list(tmp_path.glob("*.tmp-*"))
+    raw = bytearray(path.read_bytes())
+    for pos in (3, 30, len(raw) // 2, len(raw) - 1):  # magic, header, payload, last byte
+        bad = bytearray(raw)
+        bad[pos] ^= 0x40
+        path.write_bytes(bytes(bad))
+        with pytest.raises(CorruptData):
+            load_index(path)
+    path.write_bytes(bytes(raw[: len(raw) // 3]))
+    with pytest.raises(CorruptData):
+        load_index(path)
+    with pytest.raises(CorruptData, match="missing"):
+        load_index(tmp_path / "nope.kvi")
