@@ -39,6 +39,12 @@ def merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return sum(w[i][:, None] * out for i, (out, _) in enumerate(parts))  # [G, D]
 
 
+def local_tokens(n: int, sink: int, window: int) -> np.ndarray:
+    """The always-attended tokens of ``n``: the first ``sink`` and the last ``window``."""
+    s = min(sink, n)
+    return np.r_[np.arange(s), np.arange(max(s, n - window), n)].astype(np.int64)
+
+
 def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             retrieved: Sequence[np.ndarray], *, sink: int, window: int
                             ) -> torch.Tensor:
@@ -49,7 +55,7 @@ def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Hkv, N, _ = k.shape
     assert T == 1 and H % Hkv == 0 and len(retrieved) == Hkv, (q.shape, k.shape, len(retrieved))
     g = H // Hkv
-    local = np.r_[np.arange(min(sink, N)), np.arange(max(min(sink, N), N - window), N)]
+    local = local_tokens(N, sink, window)
     out = torch.empty(H, 1, D, dtype=q.dtype)
     for h in range(Hkv):
         extra = np.setdiff1d(np.asarray(retrieved[h], dtype=np.int64), local)
@@ -93,8 +99,11 @@ class SparseConfig:
             raise ValueError(f"query must be topk or dipr, got {self.query!r}")
         for name in ("sink", "window", "k", "full_below"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+            low = 1 if name == "k" else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+        if not self.beta >= 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta!r}")
 
     def plan(self, layer: int, n_tokens: int) -> SparsePlan:
         """The rule-based optimizer (AlayaDB §6.2, Fig. 8)."""
@@ -139,8 +148,11 @@ class SparseDecoder:
         if T > 1 or plan.index == "full" or N < self.context:
             return full_attention(layer, q, k, v, mask, causal)
         g = H // Hkv
-        local = np.r_[np.arange(min(cfg.sink, self.context)),
-                      np.arange(max(cfg.sink, self.context - cfg.window), N)]
+        # the local set: sink + the context's last `window` tokens + every decode token
+        window = N - max(min(cfg.sink, self.context), self.context - cfg.window)
+        local = local_tokens(N, cfg.sink, window)
+        # retrieve only from what the window does not cover (the prefix filter)
+        limit = max(1, self.context - cfg.window)
         retrieved, used = [], 0
         for h in range(Hkv):
             ix = self._index(layer, h, plan.index, k[h, : self.context])
@@ -148,13 +160,12 @@ class SparseDecoder:
             ids: list[np.ndarray] = []
             for qv in qs:
                 if plan.query == "topk":
-                    ids.append(ix.topk(qv, cfg.k))
+                    ids.append(ix.topk(qv, cfg.k, limit=limit))
                 else:
                     floor = float((k[h, local].numpy() @ qv).max())
-                    ids.append(ix.dipr(qv, cfg.beta, floor=floor))
+                    ids.append(ix.dipr(qv, cfg.beta, floor=floor, limit=limit))
             got = np.unique(np.concatenate(ids)) if ids else np.empty(0, np.int64)
             retrieved.append(got)
             used += len(np.union1d(got, local))
         self.attended.setdefault(layer, []).append(used / (Hkv * N))
-        return sparse_decode_attention(q, k, v, retrieved, sink=cfg.sink,
-                                       window=N - max(cfg.sink, self.context - cfg.window))
+        return sparse_decode_attention(q, k, v, retrieved, sink=cfg.sink, window=window)

@@ -15,6 +15,11 @@ def test_attending_every_token_in_parts_is_full_attention():
     full = full_attention(0, q, k, v, None, False)  # [9, 1, 64]
     sparse = sparse_decode_attention(q, k, v, [np.arange(400)] * 3, sink=4, window=32)
     torch.testing.assert_close(sparse, full, atol=1e-5, rtol=1e-5)
+    # nothing retrieved: exactly attention over the sink + window tokens
+    local = torch.cat([torch.arange(4), torch.arange(400 - 32, 400)])
+    only = full_attention(0, q, k[:, local], v[:, local], None, False)
+    got = sparse_decode_attention(q, k, v, [np.empty(0, np.int64)] * 3, sink=4, window=32)
+    torch.testing.assert_close(got, only, atol=1e-5, rtol=1e-5)
     parts = [partial_attention(q[:3, 0], k[0, s], v[0, s])
              for s in (slice(0, 100), slice(100, 101), slice(101, 400), slice(0, 0))]
     torch.testing.assert_close(merge(parts), full[:3, 0], atol=1e-5, rtol=1e-5)

@@ -32,6 +32,8 @@ def _bottom_layer(hnsw) -> list[np.ndarray]:
     count = blk[:, 0:2].copy().view(np.uint16)[:, 0].astype(np.int64)  # [n]
     nbr = blk[:, 4: 4 + 4 * m0].copy().view(np.uint32).reshape(n, m0)  # [n, M0] internal ids
     labels = blk[:, lab_off: lab_off + 8].copy().view(np.uint64)[:, 0].astype(np.int64)  # [n]
+    if not np.array_equal(np.sort(labels), np.arange(n)):
+        raise ValueError("hnsw labels are not the token ids 0..n-1")
     adj: list[np.ndarray] = [np.empty(0, np.int64)] * n
     for i in range(n):
         adj[labels[i]] = labels[nbr[i, : count[i]].astype(np.int64)]
@@ -94,6 +96,7 @@ class GraphIndex:
             raise ValueError(f"beta must be >= 0, got {beta!r}")
         lim = check_limit(limit, self.n)
         qa = check_query(q, self.dim)
+        capacity = min(capacity, lim)  # a short prefix never fills a larger list
         seed = int(self._search(qa, 1, lim)[0])
         s0 = float(self.keys[seed] @ qa)
         best = s0 if floor is None else max(s0, float(floor))

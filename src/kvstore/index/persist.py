@@ -4,7 +4,9 @@ Layout: ``KVIDX001`` magic, header length (u32), header xxh3-64 (u64), the JSON 
 each array at a 64-byte aligned offset. The header names the index kind, its parameters and,
 per array, dtype, shape, offset, length and xxh3-64. No pickle or other code-executing format.
 Files are written to a temporary name, fsynced and renamed, so a crash leaves the old file or
-the new one, never half of one. Any mismatch on load raises :class:`kvstore.CorruptData`.
+the new one, never half of one. On load, a checksum mismatch, a truncated or missing file, or
+contents that do not fit together raise :class:`kvstore.CorruptData` (alignment padding is not
+checksummed: it is never read).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvstore.errors import CorruptData
 from kvstore.index.flat import FlatIndex
 from kvstore.index.graph import GraphIndex, _bottom_layer
 from kvstore.index.pq import PQIndex
-from kvstore.index.spec import IndexSpec
+from kvstore.index.spec import IndexSpec, check_keys
 
 MAGIC = b"KVIDX001"
 _PRE = struct.Struct("<8sIQ")  # magic, header length, header checksum
@@ -60,17 +62,23 @@ def save_index(index, path: str | os.PathLike[str]) -> None:
         offset += -(-a.nbytes // ALIGN) * ALIGN
     header = json.dumps({"kind": index.kind, "extra": extra, "arrays": entries}).encode()
     base = -(-(_PRE.size + len(header)) // ALIGN) * ALIGN
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(_PRE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
-        f.write(header)
-        for e, a in zip(entries, arrs.values(), strict=True):
-            f.seek(base + e["offset"])
-            f.write(np.ascontiguousarray(a).tobytes())
-        f.truncate(base + entries[-1]["offset"] + entries[-1]["nbytes"])  # no trailing pad
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_PRE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
+            f.write(header)
+            for e, a in zip(entries, arrs.values(), strict=True):
+                f.seek(base + e["offset"])
+                f.write(np.ascontiguousarray(a).tobytes())
+            f.truncate(base + entries[-1]["offset"] + entries[-1]["nbytes"])  # no trailing pad
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -102,24 +110,40 @@ def load_index(path: str | os.PathLike[str]):
                 raise CorruptData(f"index file {path!r}: array {e['name']!r} fails its checksum")
             arrs[e["name"]] = np.frombuffer(blob, dtype=np.dtype(e["dtype"])).reshape(
                 e["shape"]).copy()
-        kind, extra = meta["kind"], meta["extra"]
-    except (KeyError, TypeError, ValueError) as err:
-        raise CorruptData(f"index file {path!r}: unreadable header ({err})") from None
+        return _rebuild(meta["kind"], meta["extra"], arrs)
+    except CorruptData:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+        # checksums only catch accidents: a consistent but malformed file lands here
+        raise CorruptData(f"index file {path!r}: inconsistent contents ({err})") from None
+
+
+def _rebuild(kind: str, extra: dict, arrs: dict[str, np.ndarray]):
+    """The index from checked arrays; ValueError/KeyError/... if they do not fit together."""
+    keys = check_keys(arrs["keys"]) if "keys" in arrs else None
     if kind == "flat":
-        return FlatIndex(arrs["keys"])
+        return FlatIndex(keys)
     if kind == "pq":
-        return PQIndex(arrs["codebooks"], arrs["codes"], arrs.get("keys"), extra["rerank"])
+        books, codes = arrs["codebooks"], arrs["codes"]
+        if books.ndim != 3 or codes.ndim != 2 or codes.dtype != np.uint8 \
+                or codes.shape[1] != books.shape[0] or int(codes.max()) >= books.shape[1]:
+            raise ValueError("codebooks and codes do not match")
+        if keys is not None and (len(keys) != len(codes)
+                                 or keys.shape[1] != books.shape[0] * books.shape[2]):
+            raise ValueError("keys do not match the codes")
+        return PQIndex(books, codes, keys, int(extra["rerank"]))
     if kind == "graph":
         import hnswlib
 
         spec = IndexSpec(**extra["spec"])
-        keys = arrs["keys"]
         hnsw = hnswlib.Index(space="l2", dim=keys.shape[1] + 1)
         with tempfile.TemporaryDirectory() as d:
             p = os.path.join(d, "hnsw.bin")
             with open(p, "wb") as f:
                 f.write(arrs["hnsw"].tobytes())
             hnsw.load_index(p, max_elements=keys.shape[0])
+        if hnsw.get_current_count() != len(keys):
+            raise ValueError("the graph and the keys have different sizes")
         hnsw.set_ef(spec.graph_ef_search)
         return GraphIndex(hnsw, keys, _bottom_layer(hnsw), spec)
-    raise CorruptData(f"index file {path!r}: unknown index kind {kind!r}")
+    raise ValueError(f"unknown index kind {kind!r}")

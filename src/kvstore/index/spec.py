@@ -49,6 +49,8 @@ def check_query(q: object, dim: int) -> np.ndarray:
     qa = np.ascontiguousarray(np.asarray(q, dtype=np.float32))
     if qa.shape != (dim,):
         raise ValueError(f"query must have shape ({dim},), got {qa.shape}")
+    if not np.isfinite(qa).all():
+        raise ValueError("query must be finite")
     return qa
 
 
@@ -56,9 +58,10 @@ def check_limit(limit: int | None, n: int) -> int:
     """The prefix filter: tokens [0, limit) only; None means all."""
     if limit is None:
         return n
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= n:
+    if isinstance(limit, bool) or not isinstance(limit, int | np.integer) \
+            or not 1 <= limit <= n:
         raise ValueError(f"limit must be an int in 1..{n}, got {limit!r}")
-    return limit
+    return int(limit)
 
 
 def check_k(k: int) -> int:
@@ -70,7 +73,13 @@ def check_k(k: int) -> int:
 def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` largest scores, best first (ties by lower index)."""
     k = min(k, len(scores))
-    part = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+    if k < len(scores):
+        kth = np.partition(scores, len(scores) - k)[len(scores) - k]  # the k-th largest
+        above = np.flatnonzero(scores > kth)
+        tied = np.flatnonzero(scores == kth)[: k - len(above)]  # lowest ids among the ties
+        part = np.concatenate([above, tied])
+    else:
+        part = np.arange(len(scores))
     order = np.lexsort((part, -scores[part]))
     return part[order].astype(np.int64)
 
