@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--k", type=int, default=64)
     p.add_argument("--configs", default="flat:topk,pq:topk,graph:topk,graph:dipr")
+    p.add_argument("--beta", type=float, default=8.0 * math.log(10),
+                   help="DIPR beta (default sqrt(64) ln 10: alpha = 0.1)")
+    p.add_argument("--flat-layers", default="",
+                   help="layers sent to the exact scan (the optimizer's rule), e.g. 0")
     p.add_argument("--out", default="bench/results/sparse_attention.json")
     args = p.parse_args(argv)
 
@@ -65,19 +69,23 @@ def main(argv: list[str] | None = None) -> int:
              "step_ms_p50": 1e3 * float(np.median(base_times))}]
     for c in args.configs.split(","):
         index, query = c.split(":")
-        cfg = SparseConfig(index=index, query=query, k=args.k, full_below=0, flat_layers=())
+        flat = tuple(int(x) for x in args.flat_layers.split(",") if x)
+        cfg = SparseConfig(index=index, query=query, k=args.k, beta=args.beta, full_below=0,
+                           flat_layers=flat)
         dec = SparseDecoder(cfg, context=len(ctx))
         t0 = time.perf_counter()
         toks, times, nll = run(dec)
         wall = time.perf_counter() - t0
         same = [a == b for a, b in zip(toks, base_tokens, strict=True)]
         prefix = same.index(False) if False in same else len(same)
-        rows.append({"config": f"{index} {query}", "agreement": float(np.mean(same)),
+        label = f"{index} {query}" + (f" +flat L{args.flat_layers}" if flat else "")
+        rows.append({"config": label, "agreement": float(np.mean(same)),
                      "identical_prefix": prefix, "ppl": math.exp(np.mean(nll)),
                      "attended": float(np.mean([np.mean(v) for v in dec.attended.values()])),
                      "step_ms_p50": 1e3 * float(np.median(times[1:])), "wall_s": wall})
         print(rows[-1], flush=True)
-    report = {"tokens": len(ctx), "steps": args.steps, "k": args.k, "rows": rows}
+    report = {"tokens": len(ctx), "steps": args.steps, "k": args.k, "beta": args.beta,
+              "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
