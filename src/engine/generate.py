@@ -138,6 +138,24 @@ class Generator:
         k, v = self.store.get(ids[:n], namespace=namespace)  # [L, H, n, D] each
         return n, split_kv(k, v)
 
+    def truncate_stored(self, ids: Sequence[int], keep: torch.Tensor, *,
+                        namespace: str | None, new_namespace: str) -> tuple[list[int], int]:
+        """Truncate a stored context without recomputing it: load the KV of ``ids``, keep the
+        tokens at indices ``keep`` [K] (ascending), and store them under ``new_namespace``
+        (the kept KV was computed with the dropped tokens; RoPE re-positions it to 0..K-1 on
+        use). History tokens without stored KV (a last generated token, or a tail the store
+        evicted) are computed on top of the stored prefix first. Returns the kept token ids
+        and how many leading tokens of ``ids`` the store served."""
+        n, past = self.load_prefix(ids, namespace=namespace, leave=0)
+        if n < len(ids):
+            _, past = self.model.forward(list(ids[n:]), past=past)
+        k, v = stack_kv(past)  # [L, H, T, D]
+        assert k.shape[2] == len(ids)
+        kept = [int(ids[i]) for i in keep.tolist()]
+        self.store.put(kept, k.index_select(2, keep).contiguous(),
+                       v.index_select(2, keep).contiguous(), namespace=new_namespace)
+        return kept, n
+
     def flush(self) -> None:
         """Wait until every asynchronous save is durable (raises a save's error)."""
         self.store.flush()
@@ -310,13 +328,8 @@ class Conversation:
         """Drop the oldest part of the stored history KV and re-store the rest (re-positioned
         to 0..K-1 on use). History tokens without stored KV (the last generated token, or a
         tail the store evicted) are computed on top of the stored prefix first."""
-        store, model = self.generator.store, self.generator.model
-        n, past = self.generator.load_prefix(self.ids, namespace=self.namespace, leave=0)
-        if n < len(self.ids):
-            _, past = model.forward(self.ids[n:], past=past)
-        k, v = stack_kv(past)  # [L, H, T, D]
-        kept, kk, vv = self.truncation.apply(self.ids, k, v)
         ns = f"conversation:{self.name}"
-        store.put(kept, kk.contiguous(), vv.contiguous(), namespace=ns)
+        kept, _ = self.generator.truncate_stored(self.ids, self.truncation.kept(len(self.ids)),
+                                                 namespace=self.namespace, new_namespace=ns)
         self.ids, self.namespace = kept, ns
         self.truncations += 1

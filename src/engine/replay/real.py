@@ -18,7 +18,7 @@ import torch
 
 import kvstore
 from engine.generate import Generator
-from engine.model import Model, stack_kv
+from engine.model import Model
 from engine.replay.server import Job, Method
 
 HINT_JOBS = 64  # waiting jobs handed to the store as hints
@@ -75,16 +75,12 @@ class RealExecutor:
         """AS on overflow: load the stored history KV, keep the sink + newest tokens, store
         that under the conversation's own namespace (re-positioned on use; no recompute of
         what was stored). Returns (history tokens the store served, kept tokens among them)."""
-        n, past = self.gen.load_prefix(st.ids, namespace=st.namespace, leave=0)
-        if n < len(st.ids):  # a tail the store lacks (evicted) is computed on top
-            _, past = self.model.forward(st.ids[n:], past=past)
-        k, v = stack_kv(past)  # [L, H, T, D]
         idx = keep_indices(len(st.ids), job.kept, self.sink)
         st.truncations += 1
-        st.namespace = f"replay:{job.conv.conv_id}:{st.truncations}"
-        st.ids = [st.ids[i] for i in idx.tolist()]
-        self.store.put(st.ids, k.index_select(2, idx).contiguous(),
-                       v.index_select(2, idx).contiguous(), namespace=st.namespace)
+        ns = f"replay:{job.conv.conv_id}:{st.truncations}"
+        st.ids, n = self.gen.truncate_stored(st.ids, idx, namespace=st.namespace,
+                                             new_namespace=ns)
+        st.namespace = ns
         return n, int((idx < n).sum())
 
     def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
