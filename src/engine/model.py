@@ -375,6 +375,37 @@ class Model:
         logits = F.linear(x, self.lm_head)  # [T or 1, V]
         return logits, new_kv
 
+    def step(self, ids: Any, session: Any, *, last_only: bool = True) -> torch.Tensor:
+        """Run new tokens ``ids`` [T] after everything ``session`` (an
+        :class:`engine.session.Session`) holds, at the next positions: each layer's KV goes to
+        ``session.update`` (k post-RoPE; rounded through the cache dtype first, the exactness
+        rule) and its attention is ``session.attention``. Returns logits [1, vocab] (``[T,
+        vocab]`` without ``last_only``)."""
+        c = self.config
+        ids_t = self._check_ids(ids)  # [T]
+        T = ids_t.numel()
+        P = session.length
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        cos, sin = rope.cos_sin(self.layout, torch.arange(P, P + T))  # [T, D]
+        kv_dtype = self.layout.torch_dtype
+        x = self.embed[ids_t]  # [T, hidden]
+        for i, lw in enumerate(self.layers):
+            h = _rms_norm(x, lw.attn_norm, c.rms_norm_eps)  # [T, hidden]
+            q = F.linear(h, lw.wq).view(T, H, D).transpose(0, 1)  # [H, T, D]
+            k = F.linear(h, lw.wk).view(T, Hkv, D).transpose(0, 1)  # [Hkv, T, D]
+            v = F.linear(h, lw.wv).view(T, Hkv, D).transpose(0, 1)  # [Hkv, T, D]
+            k_r = rope.rotate(k.to(kv_dtype).to(torch.float32), cos, sin)  # [Hkv, T, D]
+            session.update(k_r, v.to(kv_dtype).to(torch.float32), i)
+            attn = session.attention(rope.rotate(q, cos, sin), i)  # [H, T, D]
+            assert attn.shape == (H, T, D), attn.shape
+            x = x + F.linear(attn.transpose(0, 1).reshape(T, H * D), lw.wo)  # [T, hidden]
+            h = _rms_norm(x, lw.ffn_norm, c.rms_norm_eps)  # [T, hidden]
+            g = F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up)  # [T, intermediate]
+            x = x + F.linear(g, lw.w_down)  # [T, hidden]
+        if last_only:
+            x = x[-1:]  # [1, hidden]
+        return F.linear(_rms_norm(x, self.out_norm, c.rms_norm_eps), self.lm_head)  # [T|1, V]
+
     def logits(self, ids: Any, *, round_kv: bool = True) -> torch.Tensor:
         """Full-recompute logits [T, vocab] float32 (KV rounded to the cache dtype, see module)."""
         return self.forward(ids, round_kv=round_kv)[0]

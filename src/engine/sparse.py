@@ -114,14 +114,53 @@ class SparseConfig:
         return SparsePlan(index=self.index, query=self.query)
 
 
+def retrieve(plan: SparsePlan, cfg: SparseConfig, indexes: Sequence[object],
+             queries: np.ndarray, *, limit: int, floors: np.ndarray | None = None,
+             flat_keys: torch.Tensor | None = None) -> list[np.ndarray]:
+    """The tokens (< ``limit``) each kv-head's index returns for its query group.
+
+    queries [Hkv, g, D] float32; ``indexes[h]`` kv-head h's index; ``floors`` [Hkv, g] the
+    window's best score per query (DIPR's floor). With ``flat_keys`` [Hkv, limit, D] (the
+    flat index's keys) a flat plan scores all heads in one batched product instead of query
+    by query (the same scores, the same selection up to ties). Returns per head the union of
+    its queries' results, ascending."""
+    Hkv, g, _ = queries.shape
+    assert len(indexes) == Hkv and (floors is None or floors.shape == (Hkv, g))
+    if plan.index == "flat" and flat_keys is not None:
+        assert flat_keys.shape[:2] == (Hkv, limit), (flat_keys.shape, limit)
+        s = torch.bmm(torch.from_numpy(queries), flat_keys.transpose(1, 2))  # [Hkv, g, limit]
+        if plan.query == "topk":
+            sel = torch.topk(s, min(cfg.k, limit), dim=-1).indices  # [Hkv, g, k]
+            return [np.unique(sel[h].numpy()) for h in range(Hkv)]
+        best = s.amax(-1)  # [Hkv, g]
+        if floors is not None:
+            best = torch.maximum(best, torch.from_numpy(floors))
+        keep = s >= (best - cfg.beta)[..., None]  # [Hkv, g, limit]
+        return [np.flatnonzero(keep[h].any(0).numpy()) for h in range(Hkv)]
+    out = []
+    for h in range(Hkv):
+        ix = indexes[h]
+        ids = []
+        for j in range(g):
+            if plan.query == "topk":
+                ids.append(ix.topk(queries[h, j], cfg.k, limit=limit))
+            else:
+                floor = None if floors is None else float(floors[h, j])
+                ids.append(ix.dipr(queries[h, j], cfg.beta, floor=floor, limit=limit))
+        out.append(np.unique(np.concatenate(ids)))
+    return out
+
+
 class SparseDecoder:
     """An ``attend`` hook for :meth:`engine.model.Model.forward`: prefill runs full attention;
     each decode step of layer l attends to sink + window + retrieved tokens of the first
     ``context`` tokens (their indexes are built on the first decode step: late
     materialization, new decode tokens stay in the local window, AlayaDB §7.2).
 
-    Records per layer the tokens attended (``attended[l]``: mean fraction). Thread-safety:
-    one forward at a time.
+    The hook sees every token's keys each step (``Model.forward`` rotates them all), so it
+    shows fidelity, not speed: :class:`engine.session.Session` with ``Model.step`` reads only
+    the window and the retrieved tokens. Records per layer the tokens attended
+    (``attended[l]``: mean fraction). Thread-safety: one forward at a time.
     """
 
     def __init__(self, config: SparseConfig, context: int) -> None:
@@ -153,19 +192,12 @@ class SparseDecoder:
         local = local_tokens(N, cfg.sink, window)
         # retrieve only from what the window does not cover (the prefix filter)
         limit = max(1, self.context - cfg.window)
-        retrieved, used = [], 0
-        for h in range(Hkv):
-            ix = self._index(layer, h, plan.index, k[h, : self.context])
-            qs = q[h * g:(h + 1) * g, 0].numpy()  # [g, D]
-            ids: list[np.ndarray] = []
-            for qv in qs:
-                if plan.query == "topk":
-                    ids.append(ix.topk(qv, cfg.k, limit=limit))
-                else:
-                    floor = float((k[h, local].numpy() @ qv).max())
-                    ids.append(ix.dipr(qv, cfg.beta, floor=floor, limit=limit))
-            got = np.unique(np.concatenate(ids)) if ids else np.empty(0, np.int64)
-            retrieved.append(got)
-            used += len(np.union1d(got, local))
+        qg = q[:, 0].reshape(Hkv, g, D).numpy()  # [Hkv, g, D]
+        floors = None
+        if plan.query == "dipr":
+            floors = np.stack([(qg[h] @ k[h, local].numpy().T).max(-1) for h in range(Hkv)])
+        indexes = [self._index(layer, h, plan.index, k[h, : self.context]) for h in range(Hkv)]
+        retrieved = retrieve(plan, cfg, indexes, qg, limit=limit, floors=floors)
+        used = sum(len(np.union1d(got, local)) for got in retrieved)
         self.attended.setdefault(layer, []).append(used / (Hkv * N))
         return sparse_decode_attention(q, k, v, retrieved, sink=cfg.sink, window=window)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import shutil
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,14 @@ from kvstore.errors import (
 )
 from kvstore.hashing import as_tokens, chain_seed, chunk_hash, common_prefix_len
 from kvstore.hbm import HbmTier
+from kvstore.index.context import (
+    ContextIndexes,
+    directory_bytes,
+    positioned_keys,
+    publish,
+    read_context_indexes,
+)
+from kvstore.index.spec import IndexSpec, build_index
 from kvstore.layerwise import LayerLoad
 from kvstore.layout import KVLayout
 from kvstore.lock import DirLock
@@ -210,6 +219,9 @@ class Store:
         self._inflight: set[bytes] = set()  # chunk keys being written by a put
         self._held: dict[bytes, int] = defaultdict(int)  # chunk -> puts/saves that need it
         self._corrupt: set[bytes] = set()  # failed a checksum, kept only while held
+        # Per-head indexes of stored contexts: session key -> bytes of its index directory.
+        self._index_root = os.path.join(path, "indexes")
+        self._indexed: dict[bytes, int] = {}
         # Scheduler hints (AttentionStore §3.3): the job queue and where chunks/sessions are
         # next needed in it.
         self._jobs: list[Job] = []
@@ -301,6 +313,24 @@ class Store:
         used = {rec.slot for rec in self._chunks.values()}
         self._free_slots = [s for s in range(self._geo.total_slots) if s not in used]
         heapq.heapify(self._free_slots)
+        self._load_indexes()
+
+    def _load_indexes(self) -> None:
+        """Index directories of live contexts; in a writable store, staged leftovers and the
+        indexes of contexts that are gone (a crash between a commit and the removal) go."""
+        if not os.path.isdir(self._index_root):
+            return
+        for name in sorted(os.listdir(self._index_root)):
+            full = os.path.join(self._index_root, name)
+            try:
+                key = bytes.fromhex(name)
+            except ValueError:
+                key = b""
+            if key in self._sessions:
+                self._indexed[key] = directory_bytes(full)
+            elif not self.readonly:
+                shutil.rmtree(full, ignore_errors=True)
+                self._counters["collected_indexes"] += 1
 
     # ------------------------------------------------------------------ helpers
     def _check_open(self) -> None:
@@ -564,6 +594,8 @@ class Store:
             self._dirty_access.discard(k)
             for c in s.chunks:
                 self._holders[c].discard(k)
+            if self._indexed.pop(k, None) is not None:  # the context's indexes go with it
+                shutil.rmtree(self._index_path(k), ignore_errors=True)
         for c in freed:
             self._forget_chunk(c)
         if self._jobs:
@@ -627,21 +659,127 @@ class Store:
 
     # ------------------------------------------------------------------ public API
     def put(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
-            namespace: str | None = None) -> None:
+            namespace: str | None = None, index: IndexSpec | None = None) -> None:
         """Store the KV of ``tokens``; durable when it returns.
 
         ``keys``/``values``: [num_layers, num_kv_heads, T, head_dim] in the layout dtype, keys
         without rotary encoding. Chunks already stored (a shared prefix) are not written again.
         A stored context that is a strict prefix of ``tokens`` is superseded (its KV stays
-        servable through this one). Thread-safe; the store lock is not held while the extents
-        are written and synced, so gets and other puts proceed meanwhile.
+        servable through this one, but its indexes go with it). With ``index``, per-head
+        indexes of that spec are built over the context's keys (RoPE at 0..T-1) and stored
+        with it (see :meth:`build_indexes`). Thread-safe; the store lock is not held while the
+        extents are written and synced or the indexes built, so gets and other puts proceed.
         """
         toks = as_tokens(tokens)
         keys = self._check_kv("keys", keys, len(toks))
         values = self._check_kv("values", values, len(toks))
+        if index is not None and not isinstance(index, IndexSpec):
+            raise TypeError(f"index must be a kvstore.index.IndexSpec or None, got "
+                            f"{type(index).__name__}")
         kr = _raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
         vr = _raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
         self._write(toks, kr, vr, namespace)
+        if index is not None:
+            self._attach_indexes(toks, namespace, keys, index)
+
+    # ------------------------------------------------------------------ per-head indexes
+    def _index_path(self, key: bytes) -> str:
+        return os.path.join(self._index_root, key.hex())
+
+    def _exact_session(self, toks: np.ndarray, namespace: str | None) -> SessionRecord | None:
+        """The stored context of exactly ``toks`` (under the lock)."""
+        pieces = self._resolve(toks, namespace)
+        if not pieces or sum(p.use for p in pieces) != len(toks):
+            return None
+        s = self._sessions.get(pieces[-1].rec.key)
+        return s if s is not None and s.n_tokens == len(toks) else None
+
+    def _attach_indexes(self, toks: np.ndarray, namespace: str | None, keys: torch.Tensor,
+                        spec: IndexSpec) -> bool:
+        """Build indexes over ``keys`` (pre-RoPE [L, H, T, D]) without the lock, stage their
+        files, then publish them under the context's session key if it is still stored."""
+        built = ContextIndexes.build(positioned_keys(keys, self.layout), spec)
+        tmp, nbytes = built.stage(self._index_root)
+        try:
+            with self._mutex:
+                self._check_writable()
+                s = self._exact_session(toks, namespace)
+                if s is None:  # evicted (or superseded) while the indexes were built
+                    return False
+                publish(tmp, self._index_path(s.key))
+                self._indexed[s.key] = nbytes
+                self._counters["indexes_built"] += 1
+                return True
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def build_indexes(self, tokens: object, spec: IndexSpec, *,
+                      namespace: str | None = None) -> bool:
+        """Build and store per-(layer, kv-head) indexes for the stored context of exactly
+        ``tokens`` (late materialization, AlayaDB §7.2: a context is indexed once it is
+        stored). Keys are indexed with RoPE at positions 0..T-1. The files live in the store
+        directory under the context, checksummed, and are removed when the context is (delete,
+        eviction, a longer put that supersedes it). Existing indexes are replaced. Returns
+        False if no context of exactly these tokens is stored (KeyError if not all stored).
+        Thread-safe; the build runs without the store lock."""
+        if not isinstance(spec, IndexSpec):
+            raise TypeError(f"spec must be a kvstore.index.IndexSpec, got {type(spec).__name__}")
+        toks = as_tokens(tokens)
+        with self._mutex:
+            self._check_writable()
+            if self._exact_session(toks, namespace) is None:
+                return False
+        keys, _ = self.get(toks, namespace=namespace)  # [L, H, T, D] pre-RoPE
+        return self._attach_indexes(toks, namespace, keys, spec)
+
+    def indexes(self, tokens: object, *, namespace: str | None = None
+                ) -> ContextIndexes | None:
+        """The stored indexes covering ``tokens``: those of the stored context of exactly these
+        tokens, or of a longer stored context that starts with them (query it with
+        ``limit=len(tokens)``, the prefix filter). None if no such context has indexes.
+
+        Every file is checked: a head whose file is corrupt or missing is rebuilt from the
+        stored keys (and rewritten, in a writable store; counted in ``stats()["indexes"]``);
+        if the manifest itself is bad, the context's indexes are dropped and counted as
+        corrupt, and None is returned. Thread-safe (holds the store lock while loading).
+        """
+        toks = as_tokens(tokens)
+        with self._mutex:
+            self._check_open()
+            pieces = self._resolve(toks, namespace)
+            if not pieces or sum(p.use for p in pieces) != len(toks):
+                return None
+            cands = [self._sessions[k] for k in self._holders.get(pieces[-1].rec.key, ())
+                     if k in self._indexed]
+            if not cands:
+                return None
+            s = min(cands, key=lambda r: (r.n_tokens, r.key))  # the shortest covering context
+            full: list[np.ndarray] = []
+
+            def rebuild(layer: int, head: int, spec: IndexSpec):
+                if not full:  # the context's keys, read (and checked) once
+                    ctx = np.concatenate([self._chunks[c].tokens for c in s.chunks])
+                    keys, _ = self.get(ctx, namespace=namespace)
+                    full.append(positioned_keys(keys, self.layout))
+                return build_index(full[0][layer, head], spec)
+
+            path = self._index_path(s.key)
+            try:
+                ci, rebuilt = read_context_indexes(path, rebuild=rebuild,
+                                                   rewrite=not self.readonly)
+            except CorruptData:
+                self._counters["corrupt_indexes"] += 1
+                if not self.readonly:
+                    self._indexed.pop(s.key, None)
+                    shutil.rmtree(path, ignore_errors=True)
+                return None
+            self._counters["rebuilt_index_heads"] += len(rebuilt)
+            if ci.n_tokens != s.n_tokens or ci.num_layers != self.layout.num_layers \
+                    or ci.num_kv_heads != self.layout.num_kv_heads:
+                self._counters["corrupt_indexes"] += 1
+                return None
+            return ci
 
     def _write(self, toks: np.ndarray, kr: np.ndarray, vr: np.ndarray, namespace: str | None,
                base: int = 0) -> None:
@@ -1295,6 +1433,14 @@ class Store:
                     "saved": self._saver.saved,
                     "failed": self._saver.failed,
                 },
+                "indexes": {
+                    "contexts": len(self._indexed),
+                    "bytes": sum(self._indexed.values()),
+                    "built": cnt["indexes_built"],
+                    "rebuilt_heads": cnt["rebuilt_index_heads"],
+                    "corrupt": cnt["corrupt_indexes"],
+                    "collected": cnt["collected_indexes"],
+                },
                 "corrupt": {
                     "chunks": cnt["corrupt_chunks"],
                     "dropped_sessions": cnt["dropped_sessions"],
@@ -1311,6 +1457,11 @@ class Store:
             }
 
     # ------------------------------------------------------------------ introspection
+    def index_dirs(self) -> dict[bytes, str]:
+        """Session key -> directory of the contexts that have indexes. Thread-safe."""
+        with self._mutex:
+            return {k: self._index_path(k) for k in self._indexed}
+
     def sessions(self) -> list[SessionRecord]:
         """Snapshot of the stored contexts (copies). Thread-safe."""
         with self._mutex:

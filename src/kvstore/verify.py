@@ -9,6 +9,7 @@ import numpy as np
 
 from kvstore.errors import CorruptData
 from kvstore.hashing import chunk_hash
+from kvstore.index.context import read_context_indexes
 from kvstore.store import Store, open_store
 
 
@@ -65,6 +66,13 @@ def verify_store(store: Store) -> dict[str, object]:
             bad += 1
         checked += 1
     orphans = [k for k in chunks if k not in held]
+    bad_indexes = 0
+    for key, path in store.index_dirs().items():
+        try:
+            read_context_indexes(path)  # every file's checksums and the manifest
+        except CorruptData as e:
+            errors.append(f"indexes of session {key.hex()}: {e}")
+            bad_indexes += 1
     return {
         "ok": not errors,
         "path": store.path,
@@ -72,6 +80,8 @@ def verify_store(store: Store) -> dict[str, object]:
         "corrupt_chunks": bad,
         "sessions": len(sessions),
         "orphan_chunks": len(orphans),
+        "indexed_contexts": len(store.index_dirs()),
+        "corrupt_indexes": bad_indexes,
         "errors": errors,
     }
 
