@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -134,34 +135,41 @@ class Session:
     def _sparse(self, q: torch.Tensor, layer: int, plan: SparsePlan) -> torch.Tensor:
         cfg = self.sparse
         H, _, D = q.shape
-        Hkv = self._k.shape[1]
+        K, V = self._k[layer], self._v[layer]  # [Hkv, cap, D] each
+        Hkv = K.shape[0]
         g = H // Hkv
         n, N = self._len[layer], self.context
-        # local: the sink, the context's last `window` tokens and every token after it
-        lo = max(min(cfg.sink, N), N - cfg.window)
-        local = torch.cat([torch.arange(min(cfg.sink, N)), torch.arange(lo, n)])  # [nl]
-        limit = max(1, lo)  # retrieve only from tokens the local set does not cover
+        # local: the sink, the context's last `window` tokens and every token after them
+        s = min(cfg.sink, N)
+        lo = max(s, N - cfg.window)
         qg = q[:, 0].reshape(Hkv, g, D)  # [Hkv, g, D] each kv head's query group
-        k_loc, v_loc = self._k[layer][:, local], self._v[layer][:, local]  # [Hkv, nl, D]
         floors = None
-        if plan.query == "dipr":  # the window's best score: DIPR's floor (§7.1)
-            floors = torch.bmm(qg, k_loc.transpose(1, 2)).amax(-1).numpy()  # [Hkv, g]
+        if plan.query == "dipr":  # the local set's best score: DIPR's floor (§7.1)
+            floors = torch.cat([qg @ K[:, :s].transpose(1, 2), qg @ K[:, lo:n].transpose(1, 2)],
+                               dim=-1).amax(-1).numpy()  # [Hkv, g]
+        limit = max(1, lo)  # retrieve only what the local set does not cover
         if plan.index == "flat":  # the exact scan: one batched product over the keys held
-            keys, indexes = self._k[layer, :, :limit], [None] * Hkv
+            keys, indexes = K[:, :limit], [None] * Hkv
         else:
             keys, indexes = None, [self._index(layer, h, plan.index) for h in range(Hkv)]
         ids = retrieve(plan, cfg, indexes, qg.numpy(), limit=limit, floors=floors,
                        flat_keys=keys)
-        out = torch.empty(Hkv, g, D)
-        used = 0
-        for h in range(Hkv):
-            sel = torch.from_numpy(ids[h][ids[h] >= min(cfg.sink, N)])  # not in the sink
-            parts = [partial_attention(qg[h], k_loc[h], v_loc[h]),
-                     partial_attention(qg[h], self._k[layer, h, sel], self._v[layer, h, sel])]
-            out[h] = merge(parts)
-            used += len(local) + len(sel)
+        sel = [x[x >= s] for x in ids]  # the sink is attended already
+        m = max(len(x) for x in sel)
+        idx = np.zeros((Hkv, m), dtype=np.int64)  # padded to the longest head's list
+        valid = np.zeros((Hkv, m), dtype=bool)
+        for h, x in enumerate(sel):
+            idx[h, : len(x)] = x
+            valid[h, : len(x)] = True
+        it = torch.from_numpy(idx)  # [Hkv, m]
+        heads = torch.arange(Hkv)[:, None]  # [Hkv, 1]
+        local = torch.cat([torch.arange(s), torch.arange(lo, n)])  # sink, window, new tokens
+        parts = [partial_attention(qg, K[:, local], V[:, local]),  # [Hkv, nl, D] local
+                 partial_attention(qg, K[heads, it], V[heads, it],  # [Hkv, m, D] retrieved
+                                   torch.from_numpy(valid))]
+        used = Hkv * (s + n - lo) + int(valid.sum())
         self.attended.setdefault(layer, []).append(used / (Hkv * n))
-        return out.reshape(H, 1, D)
+        return merge(parts).reshape(H, 1, D)
 
 
 def open_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *,

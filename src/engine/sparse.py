@@ -15,28 +15,35 @@ import numpy as np
 import torch
 
 from kvstore.index import IndexSpec, build_index
+from kvstore.index.spec import top_ids
 
 
-def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries q [G, D] over k/v [n, D]: (out [G, D], lse [G]) where lse is
-    log sum exp of the scaled scores (n may be 0: out 0, lse -inf)."""
-    assert q.shape[-1] == k.shape[-1] == v.shape[-1] and k.shape[0] == v.shape[0]
-    if k.shape[0] == 0:
-        return (torch.zeros(q.shape[0], v.shape[-1], dtype=q.dtype),
-                torch.full((q.shape[0],), float("-inf"), dtype=q.dtype))
-    s = (q @ k.T) / q.shape[-1] ** 0.5  # [G, n]
-    lse = torch.logsumexp(s, dim=-1)  # [G]
-    return torch.softmax(s, dim=-1) @ v, lse  # [G, D], [G]
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries q [..., G, D] over k/v [..., n, D] (leading dims batch, e.g. kv
+    heads): (out [..., G, D], lse [..., G]) where lse is log sum exp of the scaled scores.
+    ``valid`` [..., n] bool masks out padding. With nothing to attend (n = 0, or no valid
+    key): out 0, lse -inf, which :func:`merge` gives no weight."""
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] and k.shape[:-1] == v.shape[:-1]
+    if k.shape[-2] == 0:
+        return (torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype),
+                torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype))
+    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # [..., G, n]
+    if valid is not None:
+        s = s.masked_fill(~valid.unsqueeze(-2), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [..., G]
+    out = torch.softmax(s, dim=-1) @ v  # [..., G, D]
+    if valid is not None:
+        out = torch.nan_to_num(out, nan=0.0)  # rows with no valid key: softmax of all -inf
+    return out, lse
 
 
 def merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Exact merge of partial attentions over disjoint token sets: [G, D]."""
-    lses = torch.stack([lse for _, lse in parts])  # [P, G]
-    total = torch.logsumexp(lses, dim=0)  # [G]
-    w = torch.exp(lses - total)  # [P, G] each part's share of the softmax mass
-    w = torch.nan_to_num(w, nan=0.0)
-    return sum(w[i][:, None] * out for i, (out, _) in enumerate(parts))  # [G, D]
+    """Exact merge of partial attentions over disjoint token sets: [..., G, D]."""
+    lses = torch.stack([lse for _, lse in parts])  # [P, ..., G]
+    total = torch.logsumexp(lses, dim=0)  # [..., G]
+    w = torch.nan_to_num(torch.exp(lses - total), nan=0.0)  # [P, ..., G] shares of the mass
+    return sum(w[i].unsqueeze(-1) * out for i, (out, _) in enumerate(parts))  # [..., G, D]
 
 
 def local_tokens(n: int, sink: int, window: int) -> np.ndarray:
@@ -80,7 +87,8 @@ class SparsePlan:
 class SparseConfig:
     """Sparse decode over a context of ``context`` tokens: sink + recent window always, plus what
     each kv-head's index retrieves for its query group (top-``k`` per query head, or DIPR with
-    ``beta`` and the window's best score as the floor, AlayaDB §7.1)."""
+    ``beta`` and the window's best score as the floor, AlayaDB §7.1, keeping at most
+    ``dipr_cap`` tokens per query, the best by exact score: the budget; None: no cap)."""
 
     sink: int = 4
     window: int = 64
@@ -90,6 +98,7 @@ class SparseConfig:
     query: str = "topk"
     full_below: int = 1024  # short contexts: full attention (the optimizer's first rule)
     flat_layers: tuple[int, ...] = (0,)  # layers that need many tokens: exact scan (§6.2)
+    dipr_cap: int | None = None
     spec: IndexSpec = field(default_factory=IndexSpec)
 
     def __post_init__(self) -> None:
@@ -104,6 +113,9 @@ class SparseConfig:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if not self.beta >= 0:
             raise ValueError(f"beta must be >= 0, got {self.beta!r}")
+        cap = self.dipr_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"dipr_cap must be a positive int or None, got {cap!r}")
 
     def plan(self, layer: int, n_tokens: int) -> SparsePlan:
         """The rule-based optimizer (AlayaDB §6.2, Fig. 8)."""
@@ -136,6 +148,9 @@ def retrieve(plan: SparsePlan, cfg: SparseConfig, indexes: Sequence[object],
         if floors is not None:
             best = torch.maximum(best, torch.from_numpy(floors))
         keep = s >= (best - cfg.beta)[..., None]  # [Hkv, g, limit]
+        if cfg.dipr_cap is not None and cfg.dipr_cap < limit:  # the budget: the best cap
+            top = torch.topk(s, cfg.dipr_cap, dim=-1).indices  # [Hkv, g, cap]
+            keep &= torch.zeros_like(keep).scatter_(-1, top, True)
         return [np.flatnonzero(keep[h].any(0).numpy()) for h in range(Hkv)]
     out = []
     for h in range(Hkv):
@@ -146,7 +161,10 @@ def retrieve(plan: SparsePlan, cfg: SparseConfig, indexes: Sequence[object],
                 ids.append(ix.topk(queries[h, j], cfg.k, limit=limit))
             else:
                 floor = None if floors is None else float(floors[h, j])
-                ids.append(ix.dipr(queries[h, j], cfg.beta, floor=floor, limit=limit))
+                got = ix.dipr(queries[h, j], cfg.beta, floor=floor, limit=limit)
+                if cfg.dipr_cap is not None and len(got) > cfg.dipr_cap and ix.keys is not None:
+                    got = got[top_ids(ix.keys[got] @ queries[h, j], cfg.dipr_cap)]
+                ids.append(got)
         out.append(np.unique(np.concatenate(ids)))
     return out
 

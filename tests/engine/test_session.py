@@ -81,6 +81,17 @@ def test_sparse_budget_reads_few_tokens_and_short_contexts_stay_full(model, ctx)
     _greedy_session(model, lg, s, 2)
     assert max(np.mean(v) for l, v in s.attended.items() if l != 0) < 0.3
     assert np.mean(s.attended[0]) < 0.3  # the flat layer reads its top-k, not everything
+    # DIPR within a budget: with an unbounded beta, the cap keeps each query's best 8 = top-8
+    runs = []
+    for cfg in (SparseConfig(index="flat", query="dipr", beta=1e9, dipr_cap=8, window=16,
+                             full_below=0, flat_layers=()),
+                SparseConfig(index="flat", k=8, window=16, full_below=0, flat_layers=())):
+        s = Session(model.layout, keys, values, sparse=cfg)
+        runs.append((_greedy_session(model, lg, s, 2), s.attended))
+    assert runs[0][0][0] == runs[1][0][0] and torch.equal(runs[0][0][1], runs[1][0][1])
+    assert runs[0][1] == runs[1][1]
+    with pytest.raises(ValueError, match="dipr_cap"):
+        SparseConfig(dipr_cap=0)
     short = Session(model.layout, keys, values, sparse=SparseConfig())  # full_below 1024
     _greedy_session(model, lg, short, 1)
     assert short.attended == {}  # the optimizer sent every layer to full attention
