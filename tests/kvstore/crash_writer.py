@@ -1,13 +1,15 @@
 """Writer process for the crash tests: puts deterministic contexts and reports each one.
 
-Usage: python -m tests.kvstore.crash_writer STORE_DIR SEED DISK_SLOTS MAX_TOKENS
-Prints "ready" once the store is open, then "ok <i>" after put number i has returned.
+Usage: python -m tests.kvstore.crash_writer STORE_DIR SEED DISK_SLOTS MAX_TOKENS [INDEX_KIND]
+Prints "ready" once the store is open, then "ok <i>" after put number i has returned. With
+INDEX_KIND every put also builds and stores that kind of per-head indexes.
 """
 
 import random
 import sys
 
 import kvstore
+from kvstore.index import IndexSpec
 from tests.kvstore.kvgen import SMALL, causal_kv
 
 
@@ -24,13 +26,14 @@ def context(seed: int, i: int, max_tokens: int) -> list[int]:
 def main() -> None:
     path = sys.argv[1]
     seed, slots, max_tokens = (int(x) for x in sys.argv[2:5])
+    index = IndexSpec(kind=sys.argv[5], pq_subspaces=4) if len(sys.argv) > 5 else None
     s = kvstore.open(path, layout=SMALL, chunk_tokens=4, dram_bytes=8 * 4096,
                      disk_bytes=slots * 4096)
     print("ready", flush=True)
     for i in range(100_000):
         toks = context(seed, i, max_tokens)
         k, v = causal_kv(SMALL, toks)
-        s.put(toks, k, v)
+        s.put(toks, k, v, index=index)
         print(f"ok {i}", flush=True)
 
 

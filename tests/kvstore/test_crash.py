@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvstore
+from kvstore.hashing import as_tokens
 from kvstore.verify import verify_path
 from tests.kvstore.crash_writer import context
 from tests.kvstore.kvgen import SMALL, causal_kv, lcp
@@ -24,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 8  # per mode, two kills each; two modes -> 32 kills
 
 
-def _run_and_kill(path, seed, slots, max_tokens, rng):
+def _run_and_kill(path, seed, slots, max_tokens, rng, index=None):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.kvstore.crash_writer", str(path), str(seed), str(slots),
-         str(max_tokens)],
+         str(max_tokens)] + ([index] if index else []),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = proc.stdout.readline()
@@ -88,3 +89,35 @@ def test_sigkill_writer(tmp_path, mode):
                     assert s.match(toks) == len(toks)
         assert verify_path(path)["ok"]
     assert total_acked > TRIALS  # the kills landed while puts were happening
+
+
+def test_sigkill_writer_with_indexes(tmp_path):
+    """Puts that also store per-head indexes, killed at random: every index directory left
+    is complete and checks out (verify), belongs to a stored context, and the newest
+    acknowledged put still has its indexes unless a later (killed) put superseded it."""
+    rng = random.Random(91011)
+    total_acked = 0
+    for trial in range(4):
+        path = tmp_path / f"t{trial}"
+        acked = []
+        for run in range(2):
+            seed = 700 + trial * 10 + run
+            acked += [(seed, i) for i in _run_and_kill(path, seed, 4000, 60, rng, "pq")]
+            total_acked += len(acked)
+            report = verify_path(path)
+            assert report["ok"], report["errors"]
+        with kvstore.open(path) as s:
+            dirs = s.index_dirs()
+            assert set(dirs) <= {r.key for r in s.sessions()}
+            assert len(list((path / "indexes").iterdir())) == len(dirs)  # no leftovers
+            if acked:
+                seed, i = acked[-1]
+                toks = context(seed, i, 60)
+                assert s.match(toks) == len(toks)
+                with s._mutex:
+                    exact = s._exact_session(as_tokens(toks), None)
+                if exact is not None and exact.key in dirs:
+                    ci = s.indexes(toks)
+                    assert ci is not None and ci.n_tokens == len(toks)
+            assert s.stats()["indexes"]["rebuilt_heads"] == 0
+    assert total_acked > 4  # the kills landed while indexed puts were happening
