@@ -12,10 +12,11 @@ if TYPE_CHECKING:
     from engine.generate import Conversation, Generator, SamplingConfig
     from engine.hf_cache import create_session
     from engine.model import Model, ModelConfig, load_model
+    from engine.session import Session, open_session
     from engine.tokenizer import Tokenizer
 
-__all__ = ["Conversation", "Generator", "Model", "ModelConfig", "SamplingConfig", "Tokenizer",
-           "create_session", "load_model"]
+__all__ = ["Conversation", "Generator", "Model", "ModelConfig", "SamplingConfig", "Session",
+           "Tokenizer", "create_session", "load_model", "open_session"]
 
 _LAZY = {
     "Model": "engine.model",
@@ -26,6 +27,8 @@ _LAZY = {
     "Conversation": "engine.generate",
     "SamplingConfig": "engine.generate",
     "create_session": "engine.hf_cache",
+    "Session": "engine.session",
+    "open_session": "engine.session",
 }
 
 
