@@ -1,13 +1,19 @@
 """Sparse attention fidelity and speed on SmolLM2 over a real long context (issue 6).
 
-A ShareGPT context of ``--tokens`` tokens is prefilled once with full attention. Then, for full
-attention and each sparse configuration (sink + window + what a per-head index retrieves):
-  * greedy continuation of ``--steps`` tokens: agreement with full attention's continuation;
-  * teacher-forced perplexity of the ``--steps`` held-out tokens that follow the context;
-  * tokens attended (fraction of the context) and decode step time.
+A ShareGPT context of ``--tokens`` tokens is prefilled once. Its per-head indexes are built
+(flat needs none; PQ and graph over the keys with RoPE at 0..N-1, as the store builds them),
+timed, and sized as the store writes them. Then, for full attention and each sparse
+configuration, decoding runs through :class:`engine.session.Session` and ``Model.step``
+(both read the context's KV converted once; a full step reads all of it, a sparse step only
+sink + window + what each kv-head's index retrieves):
 
-    .venv/bin/python bench/sparse_attention.py --tokens 4096 --steps 32 \
-        --out bench/results/sparse_attention.json
+* relative error of each layer's attention output against full attention, first decode step;
+* greedy continuation of ``--steps`` tokens: agreement with full attention's continuation;
+* teacher-forced perplexity of the ``--steps`` held-out tokens that follow the context;
+* fraction of the context attended and decode step time (p50/p90; the ceiling is full).
+
+    .venv/bin/python bench/sparse_attention.py --tokens 8192 --steps 64 \\
+        --out bench/results/sparse_attention_8k.json
 """
 
 from __future__ import annotations
@@ -16,83 +22,161 @@ import argparse
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
+
+DEFAULT_CONFIGS = "flat:topk,pq:topk,graph:topk,graph:dipr"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64)
     p.add_argument("--k", type=int, default=64)
-    p.add_argument("--configs", default="flat:topk,pq:topk,graph:topk,graph:dipr")
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="index:query pairs (index flat|pq|graph, query topk|dipr)")
     p.add_argument("--beta", type=float, default=8.0 * math.log(10),
                    help="DIPR beta (default sqrt(64) ln 10: alpha = 0.1)")
-    p.add_argument("--flat-layers", default="",
-                   help="layers sent to the exact scan (the optimizer's rule), e.g. 0")
+    p.add_argument("--dipr-cap", type=int, default=None,
+                   help="DIPR budget: at most this many tokens per query (default: no cap)")
+    p.add_argument("--flat-layers", default="0",
+                   help="layers the optimizer sends to the exact scan (comma list; '' none)")
+    p.add_argument("--fallback", action="store_true",
+                   help="use the numpy fallbacks instead of the native kernels")
     p.add_argument("--out", default="bench/results/sparse_attention.json")
     args = p.parse_args(argv)
+    if args.fallback:
+        os.environ["KVSTORE_NATIVE"] = "0"
 
     import torch
 
-    from engine.model import load_model
+    from engine.model import load_model, stack_kv
+    from engine.session import Session
     from engine.sharegpt import chat_ids
-    from engine.sparse import SparseConfig, SparseDecoder
+    from engine.sparse import SparseConfig
+    from kvstore.index import ContextIndexes, IndexSpec
+    from kvstore.index import native as native_kernels
+    from kvstore.index.context import positioned_keys
 
     model = load_model()
     ids = chat_ids(model, args.tokens + args.steps)
     ctx, held = ids[: args.tokens], ids[args.tokens: args.tokens + args.steps]
+    t0 = time.perf_counter()
     with torch.no_grad():
         logits, past = model.forward(ctx, last_only=True)
+    prefill_s = time.perf_counter() - t0
+    keys, values = stack_kv(past)  # [L, Hkv, N, D] pre-RoPE, cache dtype
+    kpos = positioned_keys(keys, model.layout)  # [L, Hkv, N, D] float32
 
-    def run(decoder):
-        """(greedy tokens, step seconds, held-out NLLs) with ``decoder`` as the attend hook."""
+    # ---- index build time and size, per kind, as the store builds and writes them
+    built: dict[str, ContextIndexes] = {}
+    builds = []
+    for kind in sorted({c.split(":")[0] for c in args.configs.split(",")}):
+        spec = IndexSpec(kind=kind)
+        t0 = time.perf_counter()
+        ci = ContextIndexes.build(kpos, spec)
+        secs = time.perf_counter() - t0
+        d = tempfile.mkdtemp(prefix="kvidx-bench-")
+        try:
+            nbytes = ci.write(os.path.join(d, "ix"))
+        finally:
+            shutil.rmtree(d)
+        built[kind] = ci
+        heads = ci.num_layers * ci.num_kv_heads
+        builds.append({"kind": kind, "build_s": secs, "bytes": nbytes,
+                       "build_s_per_1k_tokens": secs / (len(ctx) / 1024),
+                       "bytes_per_1k_tokens": nbytes / (len(ctx) / 1024),
+                       "build_ms_per_head_per_1k": 1e3 * secs / heads / (len(ctx) / 1024)})
+        print(builds[-1], flush=True)
+    kv_bytes_per_1k = model.layout.token_bytes * 1024
+
+    def session(cfg):
+        ix = built.get(cfg.index) if cfg is not None else None
+        return Session(model.layout, keys, values, sparse=cfg, indexes=ix,
+                       capacity=2 * args.steps + 2)
+
+    def layer_errors(cfg) -> list[float]:
+        full, sparse, errs = session(None), session(cfg), []
+
+        class Both:  # full attention drives the model; sparse is measured on the same q, KV
+            length = full.length
+
+            def update(self, k, v, layer):
+                full.update(k, v, layer)
+                sparse.update(k, v, layer)
+
+            def attention(self, q, layer):
+                a, b = full.attention(q, layer), sparse.attention(q, layer)
+                errs.append(float((b - a).norm() / a.norm()))
+                return a
+
+        with torch.no_grad():
+            model.step([int(torch.argmax(logits[-1]))], Both())
+        return errs
+
+    def run(cfg):
+        """(greedy tokens, step seconds, held-out NLLs, attended fraction)."""
         out, times, nll = [], [], []
-        kv, lg = past, logits
+        s = session(cfg)
+        lg = logits
         with torch.no_grad():
             for _ in range(args.steps):  # greedy
                 tok = int(torch.argmax(lg[-1]))
                 out.append(tok)
                 t0 = time.perf_counter()
-                lg, kv = model.forward([tok], past=kv, last_only=True, attend=decoder)
+                lg = model.step([tok], s)
                 times.append(time.perf_counter() - t0)
-            kv, lg = past, logits
+            attended = [np.mean(v) for v in s.attended.values()]
+            s, lg = session(cfg), logits
             for tok in held:  # teacher-forced held-out text
                 nll.append(float(-torch.log_softmax(lg[-1], -1)[tok]))
-                lg, kv = model.forward([tok], past=kv, last_only=True, attend=decoder)
-        return out, times, nll
+                lg = model.step([tok], s)
+        return out, times, nll, float(np.mean(attended)) if attended else 1.0
 
-    base_tokens, base_times, base_nll = run(None)
+    def summary(times):
+        ms = 1e3 * np.asarray(times[1:])  # the first step warms up
+        return {"step_ms_p50": float(np.percentile(ms, 50)),
+                "step_ms_p90": float(np.percentile(ms, 90)), "step_ms": ms.tolist()}
+
+    flat = tuple(int(x) for x in args.flat_layers.split(",") if x)
+    base_tokens, base_times, base_nll, _ = run(None)
     rows = [{"config": "full", "agreement": 1.0, "identical_prefix": args.steps,
-             "ppl": math.exp(np.mean(base_nll)), "attended": 1.0,
-             "step_ms_p50": 1e3 * float(np.median(base_times))}]
+             "ppl": math.exp(np.mean(base_nll)), "attended": 1.0, "layer_rel_err": None,
+             **summary(base_times)}]
+    print({k: v for k, v in rows[0].items() if k != "step_ms"}, flush=True)
     for c in args.configs.split(","):
         index, query = c.split(":")
-        flat = tuple(int(x) for x in args.flat_layers.split(",") if x)
         cfg = SparseConfig(index=index, query=query, k=args.k, beta=args.beta, full_below=0,
-                           flat_layers=flat)
-        dec = SparseDecoder(cfg, context=len(ctx))
-        t0 = time.perf_counter()
-        toks, times, nll = run(dec)
-        wall = time.perf_counter() - t0
+                           window=args.window, flat_layers=flat, dipr_cap=args.dipr_cap)
+        errs = layer_errors(cfg)
+        toks, times, nll, attended = run(cfg)
         same = [a == b for a, b in zip(toks, base_tokens, strict=True)]
         prefix = same.index(False) if False in same else len(same)
         label = f"{index} {query}" + (f" +flat L{args.flat_layers}" if flat else "")
         rows.append({"config": label, "agreement": float(np.mean(same)),
                      "identical_prefix": prefix, "ppl": math.exp(np.mean(nll)),
-                     "attended": float(np.mean([np.mean(v) for v in dec.attended.values()])),
-                     "step_ms_p50": 1e3 * float(np.median(times[1:])), "wall_s": wall})
-        print(rows[-1], flush=True)
-    report = {"tokens": len(ctx), "steps": args.steps, "k": args.k, "beta": args.beta,
-              "rows": rows}
+                     "attended": attended, "layer_rel_err": errs, **summary(times)})
+        print({k: v for k, v in rows[-1].items() if k not in ("step_ms", "layer_rel_err")},
+              flush=True)
+    report = {"tokens": len(ctx), "steps": args.steps, "k": args.k, "window": args.window,
+              "beta": args.beta, "dipr_cap": args.dipr_cap, "flat_layers": list(flat),
+              "native": bool(native_kernels.AVAILABLE), "torch_threads": torch.get_num_threads(),
+              "prefill_s": prefill_s, "kv_bytes_per_1k_tokens": kv_bytes_per_1k,
+              "builds": builds, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"{'config':>12} {'agree':>6} {'prefix':>6} {'ppl':>7} {'attended':>8} {'step ms':>8}")
+    print(f"{'config':>22} {'agree':>6} {'prefix':>6} {'ppl':>7} {'attended':>8} "
+          f"{'err mean':>8} {'err max':>7} {'p50 ms':>7}")
     for r in rows:
-        print(f"{r['config']:>12} {r['agreement']:6.2f} {r['identical_prefix']:6d} "
-              f"{r['ppl']:7.3f} {100 * r['attended']:7.1f}% {r['step_ms_p50']:8.1f}")
+        e = r["layer_rel_err"]
+        em = f"{np.mean(e):8.3f} {np.max(e):7.3f}" if e else f"{'-':>8} {'-':>7}"
+        print(f"{r['config']:>22} {r['agreement']:6.2f} {r['identical_prefix']:6d} "
+              f"{r['ppl']:7.3f} {100 * r['attended']:7.1f}% {em} {r['step_ms_p50']:7.1f}")
     return 0
 
 

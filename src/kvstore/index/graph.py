@@ -9,10 +9,9 @@ largest key norm, k' = [k, sqrt(M^2 - |k|^2)] and q' = [q, 0] give
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
+from kvstore.index import native
 from kvstore.index.spec import IndexSpec, check_k, check_keys, check_limit, check_query
 
 
@@ -22,8 +21,9 @@ def _lift(keys: np.ndarray) -> np.ndarray:
     return np.concatenate([keys, extra[:, None].astype(np.float32)], axis=1)  # [n, D+1]
 
 
-def _bottom_layer(hnsw) -> list[np.ndarray]:
-    """Neighbour lists of hnswlib's layer 0, by label (read from its pickled state)."""
+def _bottom_layer(hnsw) -> tuple[np.ndarray, np.ndarray]:
+    """hnswlib's layer 0 by label (read from its pickled state), as CSR: the neighbours of token
+    u are ``idx[ptr[u]:ptr[u+1]]`` in hnswlib's order. ptr int64 [n+1], idx int32 [nnz]."""
     st = hnsw.__getstate__()[0]
     n, size = st["cur_element_count"], st["size_data_per_element"]
     blk = np.frombuffer(st["data_level0"].tobytes(), dtype=np.uint8)[: n * size]
@@ -34,10 +34,13 @@ def _bottom_layer(hnsw) -> list[np.ndarray]:
     labels = blk[:, lab_off: lab_off + 8].copy().view(np.uint64)[:, 0].astype(np.int64)  # [n]
     if not np.array_equal(np.sort(labels), np.arange(n)):
         raise ValueError("hnsw labels are not the token ids 0..n-1")
-    adj: list[np.ndarray] = [np.empty(0, np.int64)] * n
-    for i in range(n):
-        adj[labels[i]] = labels[nbr[i, : count[i]].astype(np.int64)]
-    return adj
+    inv = np.empty(n, np.int64)
+    inv[labels] = np.arange(n)  # label -> internal id
+    count, nbr = np.minimum(count[inv], m0), nbr[inv]  # rows by label
+    ptr = np.zeros(n + 1, np.int64)
+    np.cumsum(count, out=ptr[1:])
+    internal = nbr[np.arange(m0)[None, :] < count[:, None]].astype(np.int64)  # row-major order
+    return ptr, labels[internal].astype(np.int32)  # IndexError if an id is past n
 
 
 class GraphIndex:
@@ -45,11 +48,35 @@ class GraphIndex:
 
     kind = "graph"
 
-    def __init__(self, hnsw, keys: np.ndarray, adj: list[np.ndarray], spec: IndexSpec) -> None:
+    def __init__(self, hnsw, keys: np.ndarray,
+                 adj: tuple[np.ndarray, np.ndarray] | list[np.ndarray], spec: IndexSpec) -> None:
         self.hnsw = hnsw
         self.keys = keys  # [n, D] float32 (exact scores for the walk)
-        self.adj = adj  # layer-0 neighbours by token id
+        n = keys.shape[0]
+        if isinstance(adj, tuple):  # CSR from _bottom_layer
+            ptr, idx = adj
+        else:  # neighbour lists by token id
+            ptr, idx = native.csr(adj)
+        ptr = np.ascontiguousarray(ptr, dtype=np.int64)
+        idx = np.ascontiguousarray(idx, dtype=np.int32 if n < 2**31 else np.int64)
+        if ptr.shape != (n + 1,) or ptr[0] != 0 or ptr[-1] != len(idx) \
+                or (np.diff(ptr) < 0).any():
+            raise ValueError("the graph's adjacency does not fit the keys")
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise ValueError("the graph's adjacency names tokens past the keys")
+        self.ptr = ptr  # layer 0 as CSR: neighbours of u are idx[ptr[u]:ptr[u+1]]
+        self.idx = idx
+        self._adj: list[np.ndarray] | None = None
         self.spec = spec
+
+    @property
+    def adj(self) -> list[np.ndarray]:
+        """Layer-0 neighbours by token id (int64 arrays; views of the CSR form)."""
+        if self._adj is None:
+            ids = self.idx.astype(np.int64)
+            self._adj = [ids[a:b] for a, b in zip(self.ptr[:-1].tolist(), self.ptr[1:].tolist(),
+                                                  strict=True)]
+        return self._adj
 
     @classmethod
     def build(cls, keys: object, spec: IndexSpec | None = None) -> GraphIndex:
@@ -91,36 +118,17 @@ class GraphIndex:
         best-first; while the candidate list holds fewer than ``capacity`` tokens every
         neighbour is kept, afterwards only those within ``beta`` of the best score so far
         (``floor``: the window's best score, §7.1). With a prefix filter, tokens >= limit
-        are walked through but never returned (§7.1, flexible reuse). Ids ascending."""
+        are walked through but never returned (§7.1, flexible reuse). Ids ascending.
+
+        The walk is :func:`kvstore.index.native.dipr_walk` (C, or its Python fallback: equal
+        results; exact scores are float32 dot products summed in d order)."""
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta!r}")
         lim = check_limit(limit, self.n)
         qa = check_query(q, self.dim)
-        capacity = min(capacity, lim)  # a short prefix never fills a larger list
+        if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) \
+                or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         seed = int(self._search(qa, 1, lim)[0])
-        s0 = float(self.keys[seed] @ qa)
-        best = s0 if floor is None else max(s0, float(floor))
-        cand = {seed: s0}
-        visited = np.zeros(self.n, dtype=bool)
-        visited[seed] = True
-        frontier = [(-s0, seed)]
-        while frontier:
-            neg, u = heapq.heappop(frontier)
-            if len(cand) >= capacity and -neg < best - beta:
-                break  # the best unexplored point is already out of range
-            nb = self.adj[u]
-            nb = nb[~visited[nb]]
-            if not len(nb):
-                continue
-            visited[nb] = True
-            sc = self.keys[nb] @ qa  # [len(nb)]
-            ok = nb < lim
-            if ok.any():
-                best = max(best, float(sc[ok].max()))
-            for v, sv in zip(nb.tolist(), sc.tolist(), strict=True):
-                if len(cand) < capacity or sv >= best - beta:
-                    heapq.heappush(frontier, (-sv, v))
-                    if v < lim:
-                        cand[v] = sv
-        return np.array(sorted(v for v, sv in cand.items() if sv >= best - beta),
-                        dtype=np.int64)
+        return native.dipr_walk(self.keys, self.ptr, self.idx, qa, seed, float(beta),
+                                None if floor is None else float(floor), lim, int(capacity))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvstore.index import native
 from kvstore.index.spec import IndexSpec, check_k, check_keys, check_limit, check_query, top_ids
 
 
@@ -37,8 +38,8 @@ class PQIndex:
 
     def __init__(self, codebooks: np.ndarray, codes: np.ndarray, keys: np.ndarray | None,
                  rerank: int) -> None:
-        self.codebooks = codebooks  # [m, K, D/m] float32
-        self.codes = codes  # [n, m] uint8
+        self.codebooks = np.ascontiguousarray(codebooks, dtype=np.float32)  # [m, K, D/m]
+        self.codes = np.ascontiguousarray(codes, dtype=np.uint8)  # [n, m]
         self.keys = keys  # [n, D] exact keys for re-ranking (None: no re-ranking)
         self.rerank = rerank
 
@@ -71,24 +72,47 @@ class PQIndex:
     def dim(self) -> int:
         return self.codebooks.shape[0] * self.codebooks.shape[2]
 
-    def approx_scores(self, q: object, limit: int | None = None) -> np.ndarray:
-        """Asymmetric estimates of q·k for keys < limit: [limit]."""
-        lim = check_limit(limit, self.n)
-        qa = check_query(q, self.dim)
+    def _lut(self, qa: np.ndarray) -> np.ndarray:
+        """The query's lookup table: lut[j, c] = centroid c of sub-space j · q_j. [m, K]"""
         m, _, sub = self.codebooks.shape
-        lut = np.einsum("mkd,md->mk", self.codebooks, qa.reshape(m, sub))  # [m, K]
-        return lut[np.arange(m), self.codes[:lim].astype(np.int64)].sum(1)  # [limit]
+        return np.ascontiguousarray((self.codebooks @ qa.reshape(m, sub, 1))[:, :, 0])
+
+    def approx_scores(self, q: object, limit: int | None = None) -> np.ndarray:
+        """Asymmetric estimates of q·k for keys < limit: [limit]. Each estimate is the float32
+        sum of its sub-space terms in sub-space order (the same sum everywhere: see
+        :func:`kvstore.index.native.pq_scores`)."""
+        lim = check_limit(limit, self.n)
+        return native.pq_scores(self._lut(check_query(q, self.dim)), self.codes, lim)
+
+    def _rerank(self, qa: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
+        exact = self.keys[cand] @ qa
+        return cand[top_ids(exact, k)]
 
     def topk(self, q: object, k: int, *, limit: int | None = None) -> np.ndarray:
         """The ``k`` best keys by estimate; with re-ranking, the best ``k * rerank`` estimates
         are rescored exactly and the best ``k`` of them returned. Best first."""
         k = check_k(k)
-        est = self.approx_scores(q, limit)
+        lim = check_limit(limit, self.n)
+        qa = check_query(q, self.dim)
+        lut = self._lut(qa)
         if self.keys is None:
-            return top_ids(est, k)
-        cand = top_ids(est, k * self.rerank)
-        exact = self.keys[cand] @ np.asarray(q, dtype=np.float32)
-        return cand[top_ids(exact, k)]
+            return native.pq_topk(lut, self.codes, lim, k)
+        return self._rerank(qa, native.pq_topk(lut, self.codes, lim, k * self.rerank), k)
+
+    def topk_batch(self, qs: object, k: int, *, limit: int | None = None) -> np.ndarray:
+        """:meth:`topk` for G queries at once (one kernel call for a query group): qs [G, D];
+        returns [G, min(k, limit)], row g equal to ``topk(qs[g], k, limit=limit)``."""
+        k = check_k(k)
+        lim = check_limit(limit, self.n)
+        qa = np.ascontiguousarray(np.asarray(qs, dtype=np.float32))
+        if qa.ndim != 2 or qa.shape[0] < 1:
+            raise ValueError(f"queries must have shape (G, {self.dim}), got {qa.shape}")
+        qa = [check_query(x, self.dim) for x in qa]
+        luts = np.stack([self._lut(x) for x in qa])  # [G, m, K]
+        if self.keys is None:
+            return native.pq_topk_batch(luts, self.codes, lim, k)
+        cands = native.pq_topk_batch(luts, self.codes, lim, k * self.rerank)
+        return np.stack([self._rerank(x, c, k) for x, c in zip(qa, cands, strict=True)])
 
     def dipr(self, q: object, beta: float, *, limit: int | None = None,
              floor: float | None = None) -> np.ndarray:
