@@ -155,6 +155,9 @@ def retrieve(plan: SparsePlan, cfg: SparseConfig, indexes: Sequence[object],
     out = []
     for h in range(Hkv):
         ix = indexes[h]
+        if plan.query == "topk" and hasattr(ix, "topk_batch"):  # one call per query group
+            out.append(np.unique(ix.topk_batch(queries[h], cfg.k, limit=limit)))
+            continue
         ids = []
         for j in range(g):
             if plan.query == "topk":

@@ -51,6 +51,18 @@ def test_recall_against_brute_force(data, spec):
         assert len(got) == 20 and got.max() < lim
     rl = np.mean([recall(ix.topk(q, 20, limit=lim), flat.topk(q, 20, limit=lim)) for q in qs])
     assert rl >= 0.85, rl
+    # a batch of queries answers as each query alone; a limit that drops only a few tokens
+    # (the recent window: the graph over-fetches instead of filtering) keeps recall
+    for limit in (None, lim, len(keys) - 40):
+        batch = ix.topk_batch(qs, 20, limit=limit)
+        assert batch.shape == (len(qs), 20)
+        assert all(batch[i].tolist() == ix.topk(q, 20, limit=limit).tolist()
+                   for i, q in enumerate(qs))
+    near = len(keys) - 40
+    got = ix.topk_batch(qs, 20, limit=near)
+    assert got.max() < near
+    r_near = [recall(g, flat.topk(q, 20, limit=near)) for g, q in zip(got, qs, strict=True)]
+    assert np.mean(r_near) >= 0.85, r_near
 
 
 def test_pq_codes_and_exact_rerank(data):

@@ -43,6 +43,9 @@ def _bottom_layer(hnsw) -> tuple[np.ndarray, np.ndarray]:
     return ptr, labels[internal].astype(np.int32)  # IndexError if an id is past n
 
 
+OVERFETCH = 256  # prefix filters excluding at most this many tokens: over-fetch, then drop
+
+
 class GraphIndex:
     """Thread-safety: queries may run concurrently (hnswlib's search is); build is single."""
 
@@ -101,16 +104,43 @@ class GraphIndex:
         return self.keys.shape[1]
 
     def _search(self, q: np.ndarray, k: int, lim: int) -> np.ndarray:
-        qt = np.concatenate([q, np.zeros(1, np.float32)])[None]  # [1, D+1]
-        filt = None if lim == self.n else (lambda label: label < lim)
-        labels, _ = self.hnsw.knn_query(qt, k=min(k, lim), filter=filt)
-        return labels[0].astype(np.int64)
+        return self._search_many(q[None], k, lim)[0]
+
+    def _search_many(self, qs: np.ndarray, k: int, lim: int) -> np.ndarray:
+        """HNSW search for queries qs [G, D]: [G, min(k, lim)] labels < lim, best first.
+
+        A prefix filter that excludes only a few tokens (``n - lim <= OVERFETCH``) is applied
+        by asking for ``k + n - lim`` results and dropping the excluded ones (hnswlib calls a
+        filter back into Python for every candidate it visits, which costs more than the
+        search); a longer exclusion uses hnswlib's filter."""
+        k = min(k, lim)
+        qt = np.concatenate([qs, np.zeros((len(qs), 1), np.float32)], axis=1)  # [G, D+1]
+        excess = self.n - lim
+        if excess <= OVERFETCH:
+            labels, _ = self.hnsw.knn_query(qt, k=k + excess, num_threads=1)  # [G, k+excess]
+            labels = labels.astype(np.int64)
+            if not excess:
+                return labels
+            keep = labels < lim  # at least k per row: only `excess` labels can be dropped
+            return np.stack([row[ok][:k] for row, ok in zip(labels, keep, strict=True)])
+        labels, _ = self.hnsw.knn_query(qt, k=k, filter=lambda label: label < lim,
+                                        num_threads=1)
+        return labels.astype(np.int64)
 
     def topk(self, q: object, k: int, *, limit: int | None = None) -> np.ndarray:
         """Approximate top-k by inner product (HNSW search, ``ef = max(ef_search, k)``),
         best first."""
         lim = check_limit(limit, self.n)
         return self._search(check_query(q, self.dim), check_k(k), lim)
+
+    def topk_batch(self, qs: object, k: int, *, limit: int | None = None) -> np.ndarray:
+        """:meth:`topk` for G queries in one search call: qs [G, D] -> [G, min(k, limit)]."""
+        k = check_k(k)
+        lim = check_limit(limit, self.n)
+        qa = np.ascontiguousarray(np.asarray(qs, dtype=np.float32))
+        if qa.ndim != 2 or qa.shape[0] < 1:
+            raise ValueError(f"queries must have shape (G, {self.dim}), got {qa.shape}")
+        return self._search_many(np.stack([check_query(x, self.dim) for x in qa]), k, lim)
 
     def dipr(self, q: object, beta: float, *, limit: int | None = None,
              floor: float | None = None, capacity: int = 64) -> np.ndarray:
