@@ -32,6 +32,8 @@ DEFAULT_CONFIGS = "flat:topk,pq:topk,graph:topk,graph:dipr"
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvstore.index import IndexSpec
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--steps", type=int, default=64)
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="DIPR budget: at most this many tokens per query (default: no cap)")
     p.add_argument("--flat-layers", default="0",
                    help="layers the optimizer sends to the exact scan (comma list; '' none)")
+    p.add_argument("--ef", type=int, default=IndexSpec().graph_ef_search,
+                   help="HNSW ef at search time (graph indexes)")
+    p.add_argument("--pq-rerank", type=int, default=IndexSpec().pq_rerank,
+                   help="PQ top-k re-scores the best k * this estimates exactly")
     p.add_argument("--fallback", action="store_true",
                    help="use the numpy fallbacks instead of the native kernels")
     p.add_argument("--out", default="bench/results/sparse_attention.json")
@@ -58,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.session import Session
     from engine.sharegpt import chat_ids
     from engine.sparse import SparseConfig
-    from kvstore.index import ContextIndexes, IndexSpec
+    from kvstore.index import ContextIndexes
     from kvstore.index import native as native_kernels
     from kvstore.index.context import positioned_keys
 
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     built: dict[str, ContextIndexes] = {}
     builds = []
     for kind in sorted({c.split(":")[0] for c in args.configs.split(",")}):
-        spec = IndexSpec(kind=kind)
+        spec = IndexSpec(kind=kind, graph_ef_search=args.ef, pq_rerank=args.pq_rerank)
         t0 = time.perf_counter()
         ci = ContextIndexes.build(kpos, spec)
         secs = time.perf_counter() - t0
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         print({k: v for k, v in rows[-1].items() if k not in ("step_ms", "layer_rel_err")},
               flush=True)
     report = {"tokens": len(ctx), "steps": args.steps, "k": args.k, "window": args.window,
-              "beta": args.beta, "dipr_cap": args.dipr_cap, "flat_layers": list(flat),
+              "beta": args.beta, "dipr_cap": args.dipr_cap, "ef": args.ef,
+              "pq_rerank": args.pq_rerank, "flat_layers": list(flat),
               "native": bool(native_kernels.AVAILABLE), "torch_threads": torch.get_num_threads(),
               "prefill_s": prefill_s, "kv_bytes_per_1k_tokens": kv_bytes_per_1k,
               "builds": builds, "rows": rows}

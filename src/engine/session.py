@@ -73,6 +73,7 @@ class Session:
         self.capacity = N + capacity
         self._k = torch.empty(L, Hkv, self.capacity, D)  # post-RoPE float32
         self._v = torch.empty(L, Hkv, self.capacity, D)
+        self._kn, self._vn = self._k.numpy(), self._v.numpy()  # the same memory, for numpy
         # the exactness rule: cache dtype first, then float32, then RoPE at 0..N-1
         kc = keys.detach().to("cpu", layout.torch_dtype)
         self._k[:, :, :N] = apply_rope(kc.to(torch.float32), 0, layout)
@@ -135,41 +136,39 @@ class Session:
     def _sparse(self, q: torch.Tensor, layer: int, plan: SparsePlan) -> torch.Tensor:
         cfg = self.sparse
         H, _, D = q.shape
-        K, V = self._k[layer], self._v[layer]  # [Hkv, cap, D] each
+        K, V = self._kn[layer], self._vn[layer]  # [Hkv, cap, D] each, numpy views
         Hkv = K.shape[0]
         g = H // Hkv
         n, N = self._len[layer], self.context
         # local: the sink, the context's last `window` tokens and every token after them
         s = min(cfg.sink, N)
         lo = max(s, N - cfg.window)
-        qg = q[:, 0].reshape(Hkv, g, D)  # [Hkv, g, D] each kv head's query group
+        local = np.r_[0:s, lo:n]  # [nl]
+        qg = q[:, 0].reshape(Hkv, g, D).numpy()  # [Hkv, g, D] each kv head's query group
+        k_loc, v_loc = K[:, local], V[:, local]  # [Hkv, nl, D]
         floors = None
         if plan.query == "dipr":  # the local set's best score: DIPR's floor (§7.1)
-            floors = torch.cat([qg @ K[:, :s].transpose(1, 2), qg @ K[:, lo:n].transpose(1, 2)],
-                               dim=-1).amax(-1).numpy()  # [Hkv, g]
-        limit = max(1, lo)  # retrieve only what the local set does not cover
+            floors = np.matmul(qg, k_loc.transpose(0, 2, 1)).max(-1)  # [Hkv, g]
+        # The index is searched over the whole context (a longer stored context's index
+        # through the prefix filter); hits inside the local set are attended there, once.
         if plan.index == "flat":  # the exact scan: one batched product over the keys held
-            keys, indexes = K[:, :limit], [None] * Hkv
+            keys, indexes = self._k[layer, :, :N], [None] * Hkv
         else:
             keys, indexes = None, [self._index(layer, h, plan.index) for h in range(Hkv)]
-        ids = retrieve(plan, cfg, indexes, qg.numpy(), limit=limit, floors=floors,
-                       flat_keys=keys)
-        sel = [x[x >= s] for x in ids]  # the sink is attended already
+        ids = retrieve(plan, cfg, indexes, qg, limit=N, floors=floors, flat_keys=keys)
+        sel = [x[(x >= s) & (x < lo)] for x in ids]  # not in the local set
         m = max(len(x) for x in sel)
         idx = np.zeros((Hkv, m), dtype=np.int64)  # padded to the longest head's list
         valid = np.zeros((Hkv, m), dtype=bool)
         for h, x in enumerate(sel):
             idx[h, : len(x)] = x
             valid[h, : len(x)] = True
-        it = torch.from_numpy(idx)  # [Hkv, m]
-        heads = torch.arange(Hkv)[:, None]  # [Hkv, 1]
-        local = torch.cat([torch.arange(s), torch.arange(lo, n)])  # sink, window, new tokens
-        parts = [partial_attention(qg, K[:, local], V[:, local]),  # [Hkv, nl, D] local
-                 partial_attention(qg, K[heads, it], V[heads, it],  # [Hkv, m, D] retrieved
-                                   torch.from_numpy(valid))]
-        used = Hkv * (s + n - lo) + int(valid.sum())
+        heads = np.arange(Hkv)[:, None]  # [Hkv, 1]
+        parts = [partial_attention(qg, k_loc, v_loc),  # local
+                 partial_attention(qg, K[heads, idx], V[heads, idx], valid)]  # retrieved
+        used = Hkv * len(local) + int(valid.sum())
         self.attended.setdefault(layer, []).append(used / (Hkv * n))
-        return merge(parts).reshape(H, 1, D)
+        return torch.from_numpy(merge(parts)).reshape(H, 1, D)
 
 
 def open_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *,

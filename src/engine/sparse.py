@@ -18,32 +18,45 @@ from kvstore.index import IndexSpec, build_index
 from kvstore.index.spec import top_ids
 
 
-def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def partial_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                      valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Attention of queries q [..., G, D] over k/v [..., n, D] (leading dims batch, e.g. kv
-    heads): (out [..., G, D], lse [..., G]) where lse is log sum exp of the scaled scores.
-    ``valid`` [..., n] bool masks out padding. With nothing to attend (n = 0, or no valid
-    key): out 0, lse -inf, which :func:`merge` gives no weight."""
+    heads), float32 numpy: (out [..., G, D], lse [..., G]) where lse is log sum exp of the
+    scaled scores. ``valid`` [..., n] bool masks out padding. With nothing to attend (n = 0,
+    or no valid key): out 0, lse -inf, which :func:`merge` gives no weight.
+
+    numpy, not torch: a decode step's parts are a few hundred tokens, where torch's per-op
+    and thread-pool overhead costs several times the arithmetic."""
     assert q.shape[-1] == k.shape[-1] == v.shape[-1] and k.shape[:-1] == v.shape[:-1]
     if k.shape[-2] == 0:
-        return (torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype),
-                torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype))
-    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # [..., G, n]
+        return (np.zeros((*q.shape[:-1], v.shape[-1]), dtype=np.float32),
+                np.full(q.shape[:-1], -np.inf, dtype=np.float32))
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * np.float32(q.shape[-1] ** -0.5)  # [..., G, n]
     if valid is not None:
-        s = s.masked_fill(~valid.unsqueeze(-2), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [..., G]
-    out = torch.softmax(s, dim=-1) @ v  # [..., G, D]
+        s = np.where(valid[..., None, :], s, np.float32(-np.inf))
+    mx = s.max(-1, keepdims=True)  # [..., G, 1]
+    mx = np.where(np.isfinite(mx), mx, np.float32(0))  # rows with no valid key
+    e = np.exp(s - mx)  # [..., G, n]
+    z = e.sum(-1, keepdims=True)  # [..., G, 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.matmul(e / z, v)  # [..., G, D]
+        lse = (np.log(z) + mx)[..., 0]  # [..., G]
     if valid is not None:
-        out = torch.nan_to_num(out, nan=0.0)  # rows with no valid key: softmax of all -inf
-    return out, lse
+        out = np.nan_to_num(out, nan=0.0)
+    return out.astype(np.float32, copy=False), lse.astype(np.float32, copy=False)
 
 
-def merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def merge(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """Exact merge of partial attentions over disjoint token sets: [..., G, D]."""
-    lses = torch.stack([lse for _, lse in parts])  # [P, ..., G]
-    total = torch.logsumexp(lses, dim=0)  # [..., G]
-    w = torch.nan_to_num(torch.exp(lses - total), nan=0.0)  # [P, ..., G] shares of the mass
-    return sum(w[i].unsqueeze(-1) * out for i, (out, _) in enumerate(parts))  # [..., G, D]
+    lses = np.stack([lse for _, lse in parts])  # [P, ..., G]
+    mx = lses.max(0)  # [..., G]
+    mx = np.where(np.isfinite(mx), mx, np.float32(0))
+    w = np.exp(lses - mx)  # [P, ..., G] unnormalised shares of the softmax mass
+    w /= w.sum(0)
+    out = w[0][..., None] * parts[0][0]
+    for i in range(1, len(parts)):
+        out += w[i][..., None] * parts[i][0]
+    return out  # [..., G, D]
 
 
 def local_tokens(n: int, sink: int, window: int) -> np.ndarray:
@@ -63,15 +76,15 @@ def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert T == 1 and H % Hkv == 0 and len(retrieved) == Hkv, (q.shape, k.shape, len(retrieved))
     g = H // Hkv
     local = local_tokens(N, sink, window)
-    out = torch.empty(H, 1, D, dtype=q.dtype)
+    out = np.empty((H, 1, D), dtype=np.float32)
+    qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
     for h in range(Hkv):
         extra = np.setdiff1d(np.asarray(retrieved[h], dtype=np.int64), local)
-        qh = q[h * g:(h + 1) * g, 0]  # [g, D] the kv head's query group
-        li, ei = torch.from_numpy(local), torch.from_numpy(extra)
-        parts = [partial_attention(qh, k[h, li], v[h, li]),
-                 partial_attention(qh, k[h, ei], v[h, ei])]
+        qh = qn[h * g:(h + 1) * g, 0]  # [g, D] the kv head's query group
+        parts = [partial_attention(qh, kn[h, local], vn[h, local]),
+                 partial_attention(qh, kn[h, extra], vn[h, extra])]
         out[h * g:(h + 1) * g, 0] = merge(parts)
-    return out
+    return torch.from_numpy(out)
 
 
 # ------------------------------------------------------------------ decode-time sparse attention

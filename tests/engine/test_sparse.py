@@ -20,9 +20,22 @@ def test_attending_every_token_in_parts_is_full_attention():
     only = full_attention(0, q, k[:, local], v[:, local], None, False)
     got = sparse_decode_attention(q, k, v, [np.empty(0, np.int64)] * 3, sink=4, window=32)
     torch.testing.assert_close(got, only, atol=1e-5, rtol=1e-5)
-    parts = [partial_attention(q[:3, 0], k[0, s], v[0, s])
+    qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
+    parts = [partial_attention(qn[:3, 0], kn[0, s], vn[0, s])
              for s in (slice(0, 100), slice(100, 101), slice(101, 400), slice(0, 0))]
-    torch.testing.assert_close(merge(parts), full[:3, 0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(merge(parts), full[:3, 0].numpy(), atol=1e-5, rtol=1e-5)
+    # batched over kv heads, with padding masked out: the same as each head alone
+    ids = np.array([[5, 7, 0], [1, 2, 3], [0, 0, 0]])
+    valid = np.array([[True, True, False], [True, True, True], [False, False, False]])
+    heads = np.arange(3)[:, None]
+    out, lse = partial_attention(qn[:, 0].reshape(3, 3, 64), kn[heads, ids], vn[heads, ids],
+                                 valid)
+    for h in range(3):
+        sel = ids[h][valid[h]]
+        o, l = partial_attention(qn[3 * h:3 * h + 3, 0], kn[h, sel], vn[h, sel])
+        np.testing.assert_allclose(out[h], o, atol=1e-6)
+        np.testing.assert_allclose(lse[h], l, atol=1e-6)
+    assert np.isneginf(lse[2]).all() and (out[2] == 0).all()  # nothing valid: no weight
 
 
 @pytest.fixture(scope="module")
