@@ -364,16 +364,8 @@ class Model:
             k_r = rope.rotate(k_c.to(torch.float32), cos_all, sin_all)  # [Hkv, P+T, D]
             v_f = v_c.to(torch.float32)  # [Hkv, P+T, D]
             attn = (attend or full_attention)(i, q, k_r, v_f, mask, causal)  # [H, T, D]
-            assert attn.shape == (H, T, D), attn.shape
-            x = x + F.linear(attn.transpose(0, 1).reshape(T, H * D), lw.wo)  # [T, hidden]
-            h = _rms_norm(x, lw.ffn_norm, c.rms_norm_eps)  # [T, hidden]
-            g = F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up)  # [T, intermediate]
-            x = x + F.linear(g, lw.w_down)  # [T, hidden]
-        if last_only:
-            x = x[-1:]  # [1, hidden]
-        x = _rms_norm(x, self.out_norm, c.rms_norm_eps)  # [T or 1, hidden]
-        logits = F.linear(x, self.lm_head)  # [T or 1, V]
-        return logits, new_kv
+            x = self._finish_layer(x, attn, lw)  # [T, hidden]
+        return self._head(x, last_only), new_kv
 
     def step(self, ids: Any, session: Any, *, last_only: bool = True) -> torch.Tensor:
         """Run new tokens ``ids`` [T] after everything ``session`` (an
@@ -397,14 +389,24 @@ class Model:
             k_r = rope.rotate(k.to(kv_dtype).to(torch.float32), cos, sin)  # [Hkv, T, D]
             session.update(k_r, v.to(kv_dtype).to(torch.float32), i)
             attn = session.attention(rope.rotate(q, cos, sin), i)  # [H, T, D]
-            assert attn.shape == (H, T, D), attn.shape
-            x = x + F.linear(attn.transpose(0, 1).reshape(T, H * D), lw.wo)  # [T, hidden]
-            h = _rms_norm(x, lw.ffn_norm, c.rms_norm_eps)  # [T, hidden]
-            g = F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up)  # [T, intermediate]
-            x = x + F.linear(g, lw.w_down)  # [T, hidden]
+            x = self._finish_layer(x, attn, lw)  # [T, hidden]
+        return self._head(x, last_only)
+
+    def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, lw: Any) -> torch.Tensor:
+        """x [T, hidden] + output projection of attn [H, T, D], then the SwiGLU block."""
+        c = self.config
+        T = x.shape[0]
+        assert attn.shape == (c.num_heads, T, c.head_dim), attn.shape
+        x = x + F.linear(attn.transpose(0, 1).reshape(T, -1), lw.wo)  # [T, hidden]
+        h = _rms_norm(x, lw.ffn_norm, c.rms_norm_eps)  # [T, hidden]
+        g = F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up)  # [T, intermediate]
+        return x + F.linear(g, lw.w_down)  # [T, hidden]
+
+    def _head(self, x: torch.Tensor, last_only: bool) -> torch.Tensor:
+        """Final norm and LM head: logits [T, V], or [1, V] for the last token only."""
         if last_only:
             x = x[-1:]  # [1, hidden]
-        return F.linear(_rms_norm(x, self.out_norm, c.rms_norm_eps), self.lm_head)  # [T|1, V]
+        return F.linear(_rms_norm(x, self.out_norm, self.config.rms_norm_eps), self.lm_head)
 
     def logits(self, ids: Any, *, round_kv: bool = True) -> torch.Tensor:
         """Full-recompute logits [T, vocab] float32 (KV rounded to the cache dtype, see module)."""

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, CorruptData
+from kvstore.fsutil import fsync_dir
 
 PAGE = 4096
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
@@ -80,12 +81,6 @@ class SegmentGeometry:
         return slot // self.slots_per_segment, (slot % self.slots_per_segment) * self.slot_stride
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SegmentFiles:
@@ -104,8 +99,8 @@ class SegmentFiles:
         self._fd_lock = threading.Lock()  # IO workers may open a segment concurrently
         if not readonly:
             os.makedirs(directory, exist_ok=True)
-            _fsync_dir(directory)  # entries of files created before a crash become durable
-            _fsync_dir(os.path.dirname(os.path.abspath(directory)))
+            fsync_dir(directory)  # entries of files created before a crash become durable
+            fsync_dir(os.path.dirname(os.path.abspath(directory)))
 
     def path(self, seg: int) -> str:
         return os.path.join(self.dir, f"seg-{seg:06d}.kv")
@@ -156,7 +151,7 @@ class SegmentFiles:
         finally:
             os.close(fd)
         # Always: a file created by an earlier, killed prepare() may not have its entry durable.
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         old = self._fds.pop(seg, None)
         if old is not None:
             os.close(old)
@@ -181,7 +176,7 @@ class SegmentFiles:
             os.unlink(self.path(seg))
         except FileNotFoundError:
             return
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def write(self, slot: int, buffers: list) -> None:
         """Write an extent given as buffers in extent order into ``slot`` (one ``pwritev``).

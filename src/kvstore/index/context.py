@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from kvstore.errors import CorruptData
+from kvstore.fsutil import fsync_dir
 from kvstore.index.persist import load_index, save_index
 from kvstore.index.spec import IndexSpec, build_index
 from kvstore.layout import KVLayout
@@ -95,7 +96,7 @@ class ContextIndexes:
                 f.write(raw)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             return tmp, total + len(raw)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -113,7 +114,7 @@ def publish(tmp: str, directory: str) -> None:
     if os.path.exists(directory):
         shutil.rmtree(directory)
     os.rename(tmp, directory)
-    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
+    fsync_dir(os.path.dirname(os.path.abspath(directory)))
 
 
 def read_manifest(directory: str) -> dict[str, object]:
@@ -178,9 +179,3 @@ def directory_bytes(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

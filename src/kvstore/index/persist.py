@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import CorruptData
+from kvstore.fsutil import fsync_dir
 from kvstore.index.flat import FlatIndex
 from kvstore.index.graph import GraphIndex, _bottom_layer
 from kvstore.index.pq import PQIndex
@@ -79,11 +80,7 @@ def save_index(index, path: str | os.PathLike[str]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def load_index(path: str | os.PathLike[str]):
