@@ -372,7 +372,8 @@ class Model:
         :class:`engine.session.Session`) holds, at the next positions: each layer's KV goes to
         ``session.update`` (k post-RoPE; rounded through the cache dtype first, the exactness
         rule) and its attention is ``session.attention``. Returns logits [1, vocab] (``[T,
-        vocab]`` without ``last_only``)."""
+        vocab]`` without ``last_only``). If the step fails, the session is truncated back to
+        what it held before (``session.truncate``)."""
         c = self.config
         ids_t = self._check_ids(ids)  # [T]
         T = ids_t.numel()
@@ -381,15 +382,19 @@ class Model:
         cos, sin = rope.cos_sin(self.layout, torch.arange(P, P + T))  # [T, D]
         kv_dtype = self.layout.torch_dtype
         x = self.embed[ids_t]  # [T, hidden]
-        for i, lw in enumerate(self.layers):
-            h = _rms_norm(x, lw.attn_norm, c.rms_norm_eps)  # [T, hidden]
-            q = F.linear(h, lw.wq).view(T, H, D).transpose(0, 1)  # [H, T, D]
-            k = F.linear(h, lw.wk).view(T, Hkv, D).transpose(0, 1)  # [Hkv, T, D]
-            v = F.linear(h, lw.wv).view(T, Hkv, D).transpose(0, 1)  # [Hkv, T, D]
-            k_r = rope.rotate(k.to(kv_dtype).to(torch.float32), cos, sin)  # [Hkv, T, D]
-            session.update(k_r, v.to(kv_dtype).to(torch.float32), i)
-            attn = session.attention(rope.rotate(q, cos, sin), i)  # [H, T, D]
-            x = self._finish_layer(x, attn, lw)  # [T, hidden]
+        try:
+            for i, lw in enumerate(self.layers):
+                h = _rms_norm(x, lw.attn_norm, c.rms_norm_eps)  # [T, hidden]
+                q = F.linear(h, lw.wq).view(T, H, D).transpose(0, 1)  # [H, T, D]
+                k = F.linear(h, lw.wk).view(T, Hkv, D).transpose(0, 1)  # [Hkv, T, D]
+                v = F.linear(h, lw.wv).view(T, Hkv, D).transpose(0, 1)  # [Hkv, T, D]
+                k_r = rope.rotate(k.to(kv_dtype).to(torch.float32), cos, sin)  # [Hkv, T, D]
+                session.update(k_r, v.to(kv_dtype).to(torch.float32), i)
+                attn = session.attention(rope.rotate(q, cos, sin), i)  # [H, T, D]
+                x = self._finish_layer(x, attn, lw)  # [T, hidden]
+        except BaseException:
+            session.truncate(P)  # a step that failed part-way leaves the session as it was
+            raise
         return self._head(x, last_only)
 
     def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, lw: Any) -> torch.Tensor:

@@ -39,7 +39,11 @@ class Session:
     ``keys``/``values``: the context's KV, [L, Hkv, N, D], keys pre-RoPE (as the store keeps
     them) in the cache dtype. ``sparse``: the sparse-decode config (None: always full
     attention). ``indexes``: stored indexes covering the context (their first N tokens are
-    searched: the prefix filter); missing ones are built from the keys on first use.
+    searched: the prefix filter), used for layers whose plan names their kind (with their own
+    parameters); missing ones are built from the keys with ``sparse.spec`` on first use.
+    Unlike :class:`~engine.sparse.SparseDecoder`, which retrieves only from before the
+    window, the index is searched over the whole context and hits inside the window are
+    attended once, so of ``k`` results fewer may add tokens.
     ``capacity``: how many new tokens may follow the context.
 
     Attributes: ``context`` (N), ``length`` (tokens held now, per layer), ``attended[layer]``
@@ -93,13 +97,24 @@ class Session:
         """Append new tokens' KV to ``layer``: k (post-RoPE) and v [Hkv, T, D] float32."""
         n = self._len[layer]
         T = k.shape[1]
-        assert k.shape == v.shape and k.shape[0] == self._k.shape[1], (k.shape, v.shape)
+        if k.shape != v.shape or k.dim() != 3 or k.shape[0] != self._k.shape[1] \
+                or k.shape[2] != self._k.shape[3]:
+            raise ValueError(f"k and v must both be [{self._k.shape[1]}, T, "
+                             f"{self._k.shape[3]}], got {tuple(k.shape)} and {tuple(v.shape)}")
         if n + T > self.capacity:
             raise ValueError(f"the session holds {self.capacity} tokens at most "
                              f"(context {self.context} + capacity); {n + T} needed")
         self._k[layer, :, n:n + T] = k
         self._v[layer, :, n:n + T] = v
         self._len[layer] = n + T
+
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first ``length`` (context tokens stay): undoes a step
+        that failed part-way, so every layer holds the same tokens again."""
+        if not self.context <= length <= min(self._len):
+            raise ValueError(f"length must be in {self.context}..{min(self._len)}, got "
+                             f"{length!r}")
+        self._len = [length] * len(self._len)
 
     def attention(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention of the newest ``T`` tokens' queries q [H, T, D] (post-RoPE) over what

@@ -56,6 +56,10 @@ DEFAULT_WRITE_BUFFER_BYTES = 256 << 20  # 256 MiB
 DEFAULT_HBM_BYTES = 1 << 30  # 1 GiB
 
 
+class _KeysUnavailable(Exception):
+    """A context's keys could not be read to rebuild one of its index files."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StoreConfig:
     """Sizes and policy of a store; persisted at creation, sizes replaceable on reopen."""
@@ -326,10 +330,18 @@ class Store:
                 key = bytes.fromhex(name)
             except ValueError:
                 key = b""
-            if key in self._sessions:
+            live = key in self._sessions and os.path.isdir(full) and not os.path.islink(full)
+            if live and not self.readonly:  # a head rewrite a crash interrupted
+                for f in os.listdir(full):
+                    if ".tmp-" in f:
+                        os.unlink(os.path.join(full, f))
+            if live:
                 self._indexed[key] = directory_bytes(full)
             elif not self.readonly:
-                shutil.rmtree(full, ignore_errors=True)
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full, ignore_errors=True)
+                else:
+                    os.unlink(full)
                 self._counters["collected_indexes"] += 1
 
     # ------------------------------------------------------------------ helpers
@@ -673,9 +685,8 @@ class Store:
         toks = as_tokens(tokens)
         keys = self._check_kv("keys", keys, len(toks))
         values = self._check_kv("values", values, len(toks))
-        if index is not None and not isinstance(index, IndexSpec):
-            raise TypeError(f"index must be a kvstore.index.IndexSpec or None, got "
-                            f"{type(index).__name__}")
+        if index is not None:
+            self._check_index_spec(index, "index")
         kr = _raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
         vr = _raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
         self._write(toks, kr, vr, namespace)
@@ -694,10 +705,28 @@ class Store:
         s = self._sessions.get(pieces[-1].rec.key)
         return s if s is not None and s.n_tokens == len(toks) else None
 
+    def _check_index_spec(self, spec: object, name: str) -> None:
+        """Refuse a spec that cannot be built over this layout's keys, before anything is
+        written."""
+        if not isinstance(spec, IndexSpec):
+            raise TypeError(f"{name} must be a kvstore.index.IndexSpec, got "
+                            f"{type(spec).__name__}")
+        if spec.kind == "pq" and self.layout.head_dim % spec.pq_subspaces:
+            raise ValueError(f"{name}.pq_subspaces ({spec.pq_subspaces}) must divide the "
+                             f"layout's head_dim ({self.layout.head_dim})")
+        if spec.kind == "graph":
+            import hnswlib  # noqa: F401  (ImportError now, not after the KV is stored)
+
     def _attach_indexes(self, toks: np.ndarray, namespace: str | None, keys: torch.Tensor,
                         spec: IndexSpec) -> bool:
         """Build indexes over ``keys`` (pre-RoPE [L, H, T, D]) without the lock, stage their
-        files, then publish them under the context's session key if it is still stored."""
+        files, then publish them under the context's session key if it is still stored.
+        Nothing is built when no context of exactly ``toks`` is stored (they are served
+        through a longer context, whose indexes :meth:`indexes` then offers)."""
+        with self._mutex:
+            self._check_writable()
+            if self._exact_session(toks, namespace) is None:
+                return False
         built = ContextIndexes.build(positioned_keys(keys, self.layout), spec)
         tmp, nbytes = built.stage(self._index_root)
         try:
@@ -721,16 +750,18 @@ class Store:
         stored). Keys are indexed with RoPE at positions 0..T-1. The files live in the store
         directory under the context, checksummed, and are removed when the context is (delete,
         eviction, a longer put that supersedes it). Existing indexes are replaced. Returns
-        False if no context of exactly these tokens is stored (KeyError if not all stored).
+        False if no context of exactly these tokens is stored (or it left meanwhile).
         Thread-safe; the build runs without the store lock."""
-        if not isinstance(spec, IndexSpec):
-            raise TypeError(f"spec must be a kvstore.index.IndexSpec, got {type(spec).__name__}")
+        self._check_index_spec(spec, "spec")
         toks = as_tokens(tokens)
         with self._mutex:
             self._check_writable()
             if self._exact_session(toks, namespace) is None:
                 return False
-        keys, _ = self.get(toks, namespace=namespace)  # [L, H, T, D] pre-RoPE
+        try:
+            keys, _ = self.get(toks, namespace=namespace)  # [L, H, T, D] pre-RoPE
+        except KeyError:  # evicted since the check
+            return False
         return self._attach_indexes(toks, namespace, keys, spec)
 
     def indexes(self, tokens: object, *, namespace: str | None = None
@@ -742,7 +773,9 @@ class Store:
         Every file is checked: a head whose file is corrupt or missing is rebuilt from the
         stored keys (and rewritten, in a writable store; counted in ``stats()["indexes"]``);
         if the manifest itself is bad, the context's indexes are dropped and counted as
-        corrupt, and None is returned. Thread-safe (holds the store lock while loading).
+        corrupt, and None is returned; if the stored keys cannot be read for a rebuild (a
+        corrupt chunk), None is returned too. Thread-safe: files are read and heads rebuilt
+        without the store lock.
         """
         toks = as_tokens(tokens)
         with self._mutex:
@@ -750,34 +783,49 @@ class Store:
             pieces = self._resolve(toks, namespace)
             if not pieces or sum(p.use for p in pieces) != len(toks):
                 return None
-            cands = [self._sessions[k] for k in self._holders.get(pieces[-1].rec.key, ())
-                     if k in self._indexed]
+            last = pieces[-1]
+            ends = [last.rec.key]
+            if last.use < last.rec.n_tokens:  # the prefix ends inside a chunk: any sibling
+                tail = toks[last.start:]  # chunk that starts with the same tokens will do
+                ends = [c for c in self._children.get(last.rec.parent, ())
+                        if c not in self._corrupt
+                        and np.array_equal(self._chunks[c].tokens[:len(tail)], tail)]
+            cands = {k for c in ends for k in self._holders.get(c, ()) if k in self._indexed}
             if not cands:
                 return None
-            s = min(cands, key=lambda r: (r.n_tokens, r.key))  # the shortest covering context
-            full: list[np.ndarray] = []
-
-            def rebuild(layer: int, head: int, spec: IndexSpec):
-                if not full:  # the context's keys, read (and checked) once
-                    ctx = np.concatenate([self._chunks[c].tokens for c in s.chunks])
-                    keys, _ = self.get(ctx, namespace=namespace)
-                    full.append(positioned_keys(keys, self.layout))
-                return build_index(full[0][layer, head], spec)
-
+            s = min((self._sessions[k] for k in cands), key=lambda r: (r.n_tokens, r.key))
+            ctx = np.concatenate([self._chunks[c].tokens for c in s.chunks])
             path = self._index_path(s.key)
-            try:
-                ci, rebuilt = read_context_indexes(path, rebuild=rebuild,
-                                                   rewrite=not self.readonly)
-            except CorruptData:
+        full: list[np.ndarray] = []
+
+        def rebuild(layer: int, head: int, spec: IndexSpec):
+            if not full:  # the context's keys, read (and checked) once
+                try:
+                    keys, _ = self.get(ctx, namespace=namespace)
+                except (KeyError, CorruptData) as e:  # evicted, or a chunk failed its checksum
+                    raise _KeysUnavailable(str(e)) from e
+                full.append(positioned_keys(keys, self.layout))
+            return build_index(full[0][layer, head], spec)
+
+        try:
+            ci, rebuilt = read_context_indexes(path, rebuild=rebuild, rewrite=not self.readonly)
+            ok = (ci.n_tokens == s.n_tokens and ci.num_layers == self.layout.num_layers
+                  and ci.num_kv_heads == self.layout.num_kv_heads)
+        except CorruptData:
+            ok, rebuilt = False, []
+        except (_KeysUnavailable, OSError):  # unreadable keys, or the context left meanwhile
+            with self._mutex:
+                self._counters["unavailable_indexes"] += 1
+            return None
+        with self._mutex:
+            if s.key not in self._indexed:  # evicted or replaced while loading
+                return None
+            self._counters["rebuilt_index_heads"] += len(rebuilt)
+            if not ok:
                 self._counters["corrupt_indexes"] += 1
                 if not self.readonly:
                     self._indexed.pop(s.key, None)
                     shutil.rmtree(path, ignore_errors=True)
-                return None
-            self._counters["rebuilt_index_heads"] += len(rebuilt)
-            if ci.n_tokens != s.n_tokens or ci.num_layers != self.layout.num_layers \
-                    or ci.num_kv_heads != self.layout.num_kv_heads:
-                self._counters["corrupt_indexes"] += 1
                 return None
             return ci
 
@@ -1439,6 +1487,7 @@ class Store:
                     "built": cnt["indexes_built"],
                     "rebuilt_heads": cnt["rebuilt_index_heads"],
                     "corrupt": cnt["corrupt_indexes"],
+                    "unavailable": cnt["unavailable_indexes"],
                     "collected": cnt["collected_indexes"],
                 },
                 "corrupt": {

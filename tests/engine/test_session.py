@@ -61,6 +61,28 @@ def test_full_session_follows_model_forward(model, ctx):
         model.step([1] * 6, s2)
 
 
+def test_a_failed_step_leaves_the_session_as_it_was(model, ctx):
+    ids, lg, past, keys, values = ctx
+    s = Session(model.layout, keys, values, capacity=8)
+    good = Session(model.layout, keys, values, capacity=8)
+    attention = s.attention
+
+    def failing(q, layer):
+        if layer == 5:
+            raise RuntimeError("boom")
+        return attention(q, layer)
+
+    s.attention = failing
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
+        model.step([42], s)
+    assert s.length == len(ids) and set(s._len) == {len(ids)}
+    s.attention = attention
+    with torch.no_grad():
+        assert torch.equal(model.step([42], s), model.step([42], good))
+    with pytest.raises(ValueError, match="length"):
+        s.truncate(len(ids) - 1)
+
+
 def test_sparse_with_everything_retrieved_is_full(model, ctx):
     ids, lg, past, keys, values = ctx
     base, base_lg = _greedy_forward(model, lg, past, 4)
@@ -92,6 +114,12 @@ def test_sparse_budget_reads_few_tokens_and_short_contexts_stay_full(model, ctx)
     assert runs[0][1] == runs[1][1]
     with pytest.raises(ValueError, match="dipr_cap"):
         SparseConfig(dipr_cap=0)
+    # the cap holds for a PQ index that keeps no keys (ranked by its estimates)
+    pq1 = SparseConfig(index="pq", query="dipr", beta=1e9, dipr_cap=8, window=16,
+                       full_below=0, flat_layers=(), spec=IndexSpec(pq_rerank=1))
+    s = Session(model.layout, keys, values, sparse=pq1)
+    _greedy_session(model, lg, s, 1)
+    assert max(np.mean(v) for v in s.attended.values()) < 0.3
     short = Session(model.layout, keys, values, sparse=SparseConfig())  # full_below 1024
     _greedy_session(model, lg, short, 1)
     assert short.attended == {}  # the optimizer sent every layer to full attention

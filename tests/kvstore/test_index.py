@@ -198,3 +198,14 @@ def test_consistent_but_malformed_index_files_are_corrupt(data, tmp_path):
         rewrite(m)
         with pytest.raises(CorruptData):
             load_index(path)
+
+
+def test_graph_prefix_search_on_a_sparse_graph_falls_back(data):
+    """A weak graph cannot return k + excess results for an over-fetch; the search falls back
+    to the filter, then to the exact scan, and still returns k ids below the limit."""
+    keys, qs, flat = data
+    ix = build_index(keys[:300], IndexSpec(kind="graph", graph_m=4, graph_ef_construction=8,
+                                           graph_ef_search=8))
+    got = ix.topk_batch(qs[:3], 64, limit=44)
+    assert got.shape == (3, 44) and got.max() < 44
+    assert sorted(got[0].tolist()) == list(range(44))

@@ -210,3 +210,73 @@ def test_positioned_keys_match_the_runtime_rotation(layout):
     assert np.array_equal(kp, ref)
     ix = build_index(kp[0, 0], IndexSpec(kind="flat"))
     assert np.array_equal(ix.keys, kp[0, 0])
+
+
+def test_review_edge_cases(open_small, layout, tmp_path):
+    s = open_small()
+    k, v = causal_kv(layout, TOKENS)
+    s.put(TOKENS, k, v, index=IndexSpec(kind="flat"))
+    # a prefix already served by the longer context: nothing is built for it
+    kp, vp = causal_kv(layout, TOKENS[:30])
+    s.put(TOKENS[:30], kp, vp, index=IndexSpec(kind="graph"))
+    assert s.stats()["indexes"]["built"] == 1
+    assert s.indexes(TOKENS[:30]).spec.kind == "flat"
+    # a spec that cannot be built over this layout is refused before anything is stored
+    t3 = [9] * 20
+    k3, v3 = causal_kv(layout, t3)
+    with pytest.raises(ValueError, match="pq_subspaces"):
+        s.put(t3, k3, v3, index=IndexSpec(kind="pq", pq_subspaces=3))
+    assert s.match(t3) == 0
+
+
+def test_prefix_ending_inside_a_chunk_finds_any_indexed_sibling(open_small, layout):
+    s = open_small()
+    base = TOKENS[:8]
+    x, y = base + [5, 6, 7], base + [5, 6, 8]
+    kx, vx = causal_kv(layout, x)
+    s.put(x, kx, vx)
+    ky, vy = causal_kv(layout, y)
+    s.put(y, ky, vy, index=IndexSpec())
+    for _ in range(5):  # whichever sibling chunk the match walks into
+        ci = s.indexes(base + [5, 6])
+        assert ci is not None and ci.n_tokens == len(y)
+
+
+def test_unreadable_keys_make_indexes_unavailable_not_an_error(open_small, layout):
+    s = open_small()
+    k, v = causal_kv(layout, TOKENS)
+    s.put(TOKENS, k, v, index=IndexSpec(kind="pq", pq_subspaces=4))
+    d = _index_dir(s)
+    os.unlink(os.path.join(d, "L000H00.kvidx"))  # needs a rebuild from the keys
+    path = s.path
+    seg = os.path.join(path, "segments")
+    seg_file = os.path.join(seg, sorted(os.listdir(seg))[0])
+    s.close()
+    with open(seg_file, "r+b") as f:  # corrupt the first bytes of every (4 KiB) slot
+        for slot in range(40):
+            f.seek(slot * 4096)
+            f.write(b"\xff" * 8)
+    with kvstore.open(path, readonly=True) as ro:
+        assert ro.indexes(TOKENS) is None
+        assert ro.stats()["indexes"]["unavailable"] == 1
+
+
+def test_a_stray_file_in_the_index_root_does_not_break_open(open_small, layout):
+    s = open_small()
+    k, v = causal_kv(layout, TOKENS)
+    s.put(TOKENS, k, v, index=IndexSpec())
+    (key,) = s.index_dirs()
+    root = os.path.join(s.path, "indexes")
+    path = s.path
+    s.close()
+    import shutil
+    shutil.rmtree(os.path.join(root, key.hex()))
+    with open(os.path.join(root, key.hex()), "w") as f:  # a file where a directory belongs
+        f.write("x")
+    with open(os.path.join(root, "notes.txt"), "w") as f:
+        f.write("x")
+    with kvstore.open(path, readonly=True) as ro:
+        assert ro.indexes(TOKENS) is None
+    with kvstore.open(path) as s2:
+        assert os.listdir(root) == [] and s2.stats()["indexes"]["collected"] == 2
+        assert s2.indexes(TOKENS) is None and s2.match(TOKENS) == len(TOKENS)

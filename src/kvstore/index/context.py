@@ -79,7 +79,9 @@ class ContextIndexes:
     def stage(self, parent: str) -> tuple[str, int]:
         """Write every file, fsynced, into a new temporary directory under ``parent``; returns
         (its path, bytes written). :func:`publish` then renames it into place."""
-        os.makedirs(parent, exist_ok=True)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)
+            fsync_dir(os.path.dirname(os.path.abspath(parent)))  # the new directory's entry
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
         try:
             total = 0
@@ -110,11 +112,18 @@ class ContextIndexes:
 
 
 def publish(tmp: str, directory: str) -> None:
-    """Rename a staged directory into place, replacing an existing one, durably."""
+    """Rename a staged directory into place, replacing an existing one, durably. The old one
+    is renamed aside first: a crash between the two renames leaves the context without
+    indexes (the old ones a leftover collected at open), never with a mix of two."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    old = None
     if os.path.exists(directory):
-        shutil.rmtree(directory)
+        old = tempfile.mkdtemp(prefix=".tmp-old-", dir=parent)
+        os.rename(directory, os.path.join(old, "indexes"))
     os.rename(tmp, directory)
-    fsync_dir(os.path.dirname(os.path.abspath(directory)))
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def read_manifest(directory: str) -> dict[str, object]:

@@ -12,7 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 from kvstore.index import native
-from kvstore.index.spec import IndexSpec, check_k, check_keys, check_limit, check_query
+from kvstore.index.spec import (
+    IndexSpec,
+    check_k,
+    check_keys,
+    check_limit,
+    check_query,
+    top_ids,
+)
 
 
 def _lift(keys: np.ndarray) -> np.ndarray:
@@ -117,15 +124,22 @@ class GraphIndex:
         qt = np.concatenate([qs, np.zeros((len(qs), 1), np.float32)], axis=1)  # [G, D+1]
         excess = self.n - lim
         if excess <= OVERFETCH:
-            labels, _ = self.hnsw.knn_query(qt, k=k + excess, num_threads=1)  # [G, k+excess]
-            labels = labels.astype(np.int64)
-            if not excess:
-                return labels
-            keep = labels < lim  # at least k per row: only `excess` labels can be dropped
-            return np.stack([row[ok][:k] for row, ok in zip(labels, keep, strict=True)])
-        labels, _ = self.hnsw.knn_query(qt, k=k, filter=lambda label: label < lim,
-                                        num_threads=1)
-        return labels.astype(np.int64)
+            try:  # hnswlib raises if it finds fewer than k + excess (a sparse graph)
+                labels, _ = self.hnsw.knn_query(qt, k=k + excess, num_threads=1)  # [G, k+ex]
+            except RuntimeError:
+                labels = None
+            if labels is not None:
+                labels = labels.astype(np.int64)
+                if not excess:
+                    return labels
+                keep = labels < lim  # at least k per row: only `excess` labels are dropped
+                return np.stack([row[ok][:k] for row, ok in zip(labels, keep, strict=True)])
+        try:
+            labels, _ = self.hnsw.knn_query(qt, k=k, filter=lambda label: label < lim,
+                                            num_threads=1)
+            return labels.astype(np.int64)
+        except RuntimeError:  # still too few found: the exact scan of the prefix
+            return np.stack([top_ids(self.keys[:lim] @ q, k) for q in qs])
 
     def topk(self, q: object, k: int, *, limit: int | None = None) -> np.ndarray:
         """Approximate top-k by inner product (HNSW search, ``ef = max(ef_search, k)``),
