@@ -22,10 +22,12 @@ __all__ = [
     "FormatError",
 ]
 
+from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.layerwise import LayerLoad  # noqa: E402
+from kvstore.opening import open_store  # noqa: E402
 from kvstore.saving import SaveHandle  # noqa: E402
 from kvstore.schedule import Job  # noqa: E402
-from kvstore.store import Store, StoreConfig, open_store  # noqa: E402
+from kvstore.store import Store  # noqa: E402
 
 open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sqlite3.connect)
 

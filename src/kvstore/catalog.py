@@ -1,150 +1,79 @@
-"""The LMDB catalog: chunk records, session records and store metadata.
+"""The LMDB catalog: chunk and context records, reservations, index entries, store metadata.
 
-The catalog is the only writer of metadata. Records are fixed binary layouts (``struct`` +
-raw arrays) — no code-executing serialization format, so an untrusted store is safe to open.
-Write transactions are context managers: they commit on success and abort on exception.
+The catalog is the only writer of metadata and the truth every process of a store shares (LMDB
+locks it across processes: many readers, one write transaction at a time). Write transactions
+are context managers: they commit on success and abort on exception. Every write transaction
+that changes records appends the keys it changed to a change log under a new generation number,
+so a process catches up with the others' commits by reading only what changed since the
+generation it has seen (:meth:`ReadTxn.changes_since`); one that fell further behind than the
+log reaches reloads everything.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import lmdb
-import numpy as np
 
-from kvstore.errors import FormatError, StoreLocked
+from kvstore.errors import CapacityError, FormatError, KVStoreError, StoreLocked
 from kvstore.hashing import HASH_BYTES
+from kvstore.records import (
+    ChunkRecord,
+    ContextRecord,
+    Reservation,
+    decode_index_entry,
+    encode_index_entry,
+)
 
-FORMAT_VERSION = 1
-
-_CHUNK_HDR = struct.Struct("<B16sIII")  # version, parent, n_tokens, slot, num_layers
-_SESSION_HDR = struct.Struct("<BQQQI")  # version, n_tokens, created, last_access, n_chunks
-
-
-@dataclass(slots=True, eq=False)
-class ChunkRecord:
-    """Metadata of one stored chunk; its payload is one extent in a segment slot.
-
-    ``checksums[l]`` is the xxh3_64 of layer l's bytes (K then V) inside the extent, so a
-    layer-wise read is verified too. ``tokens`` are kept to answer partial-chunk matches and to
-    rule out hash collisions.
-    """
-
-    key: bytes
-    parent: bytes
-    n_tokens: int
-    slot: int
-    checksums: np.ndarray  # [num_layers] uint64
-    tokens: np.ndarray  # [n_tokens] uint32
-
-    def encode(self) -> bytes:
-        hdr = _CHUNK_HDR.pack(1, self.parent, self.n_tokens, self.slot, len(self.checksums))
-        return hdr + self.checksums.astype("<u8").tobytes() + self.tokens.astype("<u4").tobytes()
-
-    @classmethod
-    def decode(cls, key: bytes, raw: bytes) -> ChunkRecord:
-        try:
-            ver, parent, n, slot, nl = _CHUNK_HDR.unpack_from(raw)
-        except struct.error as e:
-            raise FormatError(f"chunk record {key.hex()} is truncated: {e}") from None
-        expect = _CHUNK_HDR.size + 8 * nl + 4 * n
-        if ver != 1 or len(raw) != expect or len(key) != HASH_BYTES:
-            raise FormatError(f"chunk record {key.hex()} is malformed (version {ver})")
-        o = _CHUNK_HDR.size
-        checks = np.frombuffer(raw, "<u8", nl, o).copy()
-        tokens = np.frombuffer(raw, "<u4", n, o + 8 * nl).copy()
-        return cls(key, parent, n, slot, checks, tokens)
+FORMAT_VERSION = 2
+LOG_KEEP = 4096  # change-log entries kept; a process further behind reloads everything
+HEADROOM = 256 << 10  # bytes of catalog file kept allocated ahead of use (see Catalog.write)
+TABLES = ("meta", "chunks", "contexts", "reservations", "indexes", "log")
+_KINDS = {b"C": "chunks", b"X": "contexts", b"I": "indexes"}
+_KIND_OF = {v: k for k, v in _KINDS.items()}
 
 
-@dataclass(slots=True, eq=False)
-class SessionRecord:
-    """A stored context: the ordered chunks of one put, keyed by its last chunk's address."""
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """Keys whose records changed (added, replaced or deleted) after some generation."""
 
-    key: bytes
-    n_tokens: int
-    created: int
-    last_access: int
-    chunks: tuple[bytes, ...]
-
-    def encode(self) -> bytes:
-        hdr = _SESSION_HDR.pack(1, self.n_tokens, self.created, self.last_access, len(self.chunks))
-        return hdr + b"".join(self.chunks)
-
-    @classmethod
-    def decode(cls, key: bytes, raw: bytes) -> SessionRecord:
-        try:
-            ver, n, created, last, nc = _SESSION_HDR.unpack_from(raw)
-        except struct.error as e:
-            raise FormatError(f"session record {key.hex()} is truncated: {e}") from None
-        if ver != 1 or len(raw) != _SESSION_HDR.size + HASH_BYTES * nc:
-            raise FormatError(f"session record {key.hex()} is malformed (version {ver})")
-        o = _SESSION_HDR.size
-        chunks = tuple(raw[o + i * HASH_BYTES : o + (i + 1) * HASH_BYTES] for i in range(nc))
-        return cls(key, n, created, last, chunks)
+    gen: int
+    chunks: frozenset[bytes]
+    contexts: frozenset[bytes]
+    indexes: frozenset[bytes]
 
 
-class WriteTxn:
-    """Typed operations inside one LMDB write transaction."""
+def _u64(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+class ReadTxn:
+    """Typed reads inside one LMDB transaction (a consistent snapshot)."""
 
     def __init__(self, txn: lmdb.Transaction, dbs: dict[str, object]) -> None:
         self._txn = txn
         self._dbs = dbs
 
-    def put_chunk(self, rec: ChunkRecord) -> None:
-        self._txn.put(rec.key, rec.encode(), db=self._dbs["chunks"])
+    def _get(self, table: str, key: bytes) -> bytes | None:
+        raw = self._txn.get(key, db=self._dbs[table])
+        return None if raw is None else bytes(raw)
 
-    def delete_chunk(self, key: bytes) -> None:
-        self._txn.delete(key, db=self._dbs["chunks"])
+    @property
+    def gen(self) -> int:
+        """The generation of the last commit that changed records (0 for a new store)."""
+        raw = self._get("meta", b"gen")
+        if raw is None:
+            return 0
+        if len(raw) != 8:
+            raise FormatError("catalog metadata 'gen' is malformed")
+        return int.from_bytes(raw, "big")
 
-    def put_session(self, rec: SessionRecord) -> None:
-        self._txn.put(rec.key, rec.encode(), db=self._dbs["sessions"])
-
-    def delete_session(self, key: bytes) -> None:
-        self._txn.delete(key, db=self._dbs["sessions"])
-
-    def put_meta(self, name: str, value: object) -> None:
-        self._txn.put(name.encode(), json.dumps(value, sort_keys=True).encode(),
-                      db=self._dbs["meta"])
-
-
-class Catalog:
-    """LMDB environment of a store. Thread-safety: the store serializes all calls."""
-
-    def __init__(self, path: str, *, readonly: bool, map_size: int = 1 << 34) -> None:
-        if not readonly:
-            os.makedirs(path, exist_ok=True)
-        try:
-            self._env = lmdb.open(
-                path, subdir=True, readonly=readonly, max_dbs=4, map_size=map_size,
-                sync=True, metasync=True, lock=True, create=not readonly,
-            )
-        except lmdb.Error as e:
-            if "already open" in str(e):
-                raise StoreLocked(f"the store catalog {path!r} is already open in this process"
-                                  ) from None
-            raise FormatError(f"cannot open catalog at {path!r}: {e}") from None
-        self._dbs = {}
-        for name in ("meta", "chunks", "sessions"):
-            try:
-                self._dbs[name] = self._env.open_db(name.encode(), create=not readonly)
-            except lmdb.NotFoundError:
-                self._env.close()
-                raise FormatError(f"catalog at {path!r} has no {name!r} table") from None
-
-    @contextmanager
-    def write(self) -> Iterator[WriteTxn]:
-        """A write transaction: commits (durably) on success, aborts on exception."""
-        with self._env.begin(write=True) as txn:
-            yield WriteTxn(txn, self._dbs)
-
-    def get_meta(self, name: str) -> object | None:
-        with self._env.begin() as txn:
-            raw = txn.get(name.encode(), db=self._dbs["meta"])
+    def meta(self, name: str) -> object | None:
+        raw = self._get("meta", name.encode())
         if raw is None:
             return None
         try:
@@ -152,16 +81,266 @@ class Catalog:
         except ValueError as e:
             raise FormatError(f"catalog metadata {name!r} is not valid JSON: {e}") from None
 
-    def load(self) -> tuple[dict[bytes, ChunkRecord], dict[bytes, SessionRecord]]:
-        """Every chunk and session record (one read transaction, consistent snapshot)."""
-        chunks: dict[bytes, ChunkRecord] = {}
-        sessions: dict[bytes, SessionRecord] = {}
-        with self._env.begin() as txn:
-            for k, v in txn.cursor(db=self._dbs["chunks"]):
-                chunks[bytes(k)] = ChunkRecord.decode(bytes(k), bytes(v))
-            for k, v in txn.cursor(db=self._dbs["sessions"]):
-                sessions[bytes(k)] = SessionRecord.decode(bytes(k), bytes(v))
-        return chunks, sessions
+    def chunk(self, key: bytes) -> ChunkRecord | None:
+        raw = self._get("chunks", key)
+        return None if raw is None else ChunkRecord.decode(key, raw)
+
+    def context(self, key: bytes) -> ContextRecord | None:
+        raw = self._get("contexts", key)
+        return None if raw is None else ContextRecord.decode(key, raw)
+
+    def index_bytes(self, key: bytes) -> int | None:
+        raw = self._get("indexes", key)
+        return None if raw is None else decode_index_entry(key, raw)
+
+    def _items(self, table: str) -> Iterator[tuple[bytes, bytes]]:
+        for k, v in self._txn.cursor(db=self._dbs[table]):
+            yield bytes(k), bytes(v)
+
+    def chunks(self) -> Iterator[ChunkRecord]:
+        for k, v in self._items("chunks"):
+            yield ChunkRecord.decode(k, v)
+
+    def contexts(self) -> Iterator[ContextRecord]:
+        for k, v in self._items("contexts"):
+            yield ContextRecord.decode(k, v)
+
+    def indexes(self) -> Iterator[tuple[bytes, int]]:
+        for k, v in self._items("indexes"):
+            yield k, decode_index_entry(k, v)
+
+    def reservations(self) -> list[Reservation]:
+        return [Reservation.decode(k, v) for k, v in self._items("reservations")]
+
+    def changes_since(self, gen: int) -> Changes | None:
+        """Keys changed by the commits after generation ``gen``; None if the log no longer
+        reaches back that far (or holds an entry it cannot read): reload everything."""
+        now = self.gen
+        if now == gen:
+            return Changes(now, frozenset(), frozenset(), frozenset())
+        if now < gen:
+            return None  # the catalog went back (replaced): reload
+        found: dict[str, set[bytes]] = {"chunks": set(), "contexts": set(), "indexes": set()}
+        cur = self._txn.cursor(db=self._dbs["log"])
+        if not cur.set_key(_u64(gen + 1)):
+            return None
+        expect = gen + 1
+        for k, v in cur:
+            if int.from_bytes(k, "big") != expect:
+                return None
+            raw = bytes(v)
+            if len(raw) % (1 + HASH_BYTES):
+                return None
+            for o in range(0, len(raw), 1 + HASH_BYTES):
+                table = _KINDS.get(raw[o : o + 1])
+                if table is None:
+                    return None
+                found[table].add(raw[o + 1 : o + 1 + HASH_BYTES])
+            expect += 1
+        if expect != now + 1:
+            return None
+        return Changes(now, frozenset(found["chunks"]), frozenset(found["contexts"]),
+                       frozenset(found["indexes"]))
+
+
+class WriteTxn(ReadTxn):
+    """Typed writes inside one LMDB write transaction; record changes are logged at commit."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, object]) -> None:
+        super().__init__(txn, dbs)
+        self._changed: dict[bytes, None] = {}  # kind + key, in order, deduplicated
+        self._base_gen = self.gen
+        self._clock: int | None = None
+
+    @property
+    def next_gen(self) -> int:
+        """The generation this transaction's record changes get when it commits."""
+        return self._base_gen + 1
+
+    def _log(self, table: str, key: bytes) -> None:
+        self._changed[_KIND_OF[table] + key] = None
+
+    def put_chunk(self, rec: ChunkRecord) -> None:
+        self._txn.put(rec.key, rec.encode(), db=self._dbs["chunks"])
+        self._log("chunks", rec.key)
+
+    def delete_chunk(self, key: bytes) -> None:
+        self._txn.delete(key, db=self._dbs["chunks"])
+        self._log("chunks", key)
+
+    def put_context(self, rec: ContextRecord) -> None:
+        self._txn.put(rec.key, rec.encode(), db=self._dbs["contexts"])
+        self._log("contexts", rec.key)
+
+    def delete_context(self, key: bytes) -> None:
+        self._txn.delete(key, db=self._dbs["contexts"])
+        self._log("contexts", key)
+
+    def put_index(self, key: bytes, nbytes: int) -> None:
+        self._txn.put(key, encode_index_entry(nbytes), db=self._dbs["indexes"])
+        self._log("indexes", key)
+
+    def delete_index(self, key: bytes) -> None:
+        if self._txn.delete(key, db=self._dbs["indexes"]):
+            self._log("indexes", key)
+
+    def put_reservation(self, res: Reservation) -> None:
+        self._txn.put(res.key, res.encode(), db=self._dbs["reservations"])
+
+    def delete_reservation(self, key: bytes) -> None:
+        self._txn.delete(key, db=self._dbs["reservations"])
+
+    def put_meta(self, name: str, value: object) -> None:
+        self._txn.put(name.encode(), json.dumps(value, sort_keys=True).encode(),
+                      db=self._dbs["meta"])
+
+    def advance_clock(self, clock: int) -> None:
+        """Record that logical time reached ``clock`` (the stored clock only moves forward)."""
+        self._clock = clock if self._clock is None else max(self._clock, clock)
+
+    def _finish(self) -> None:
+        if self._clock is not None:
+            stored = self.meta("clock")
+            if not isinstance(stored, int) or stored < self._clock:
+                self.put_meta("clock", self._clock)
+        if not self._changed:
+            return
+        gen = self.next_gen
+        self._txn.put(_u64(gen), b"".join(self._changed), db=self._dbs["log"])
+        self._txn.put(b"gen", _u64(gen), db=self._dbs["meta"])
+        old = gen - LOG_KEEP
+        if old > 0:
+            cur = self._txn.cursor(db=self._dbs["log"])
+            while cur.first() and int.from_bytes(cur.key(), "big") <= old:
+                cur.delete()
+
+
+def _lmdb_error(path: str, e: lmdb.Error) -> KVStoreError:
+    if isinstance(e, lmdb.MapFullError):
+        return CapacityError(f"the catalog {path!r} is full ({e})")
+    if isinstance(e, lmdb.DiskError) or "No space left" in str(e):
+        return CapacityError(f"the catalog {path!r} cannot grow: {e}")
+    return KVStoreError(f"catalog {path!r}: {type(e).__name__}: {e}")
+
+
+class Catalog:
+    """The LMDB environment of one store in one process.
+
+    Thread-safety: read transactions may run on any thread at once; write transactions are
+    serialized by LMDB (across threads and processes), so a writer must never wait for
+    something a thread holding a write transaction would need.
+    """
+
+    def __init__(self, path: str, *, readonly: bool, map_size: int = 1 << 34) -> None:
+        self.path = path
+        self.readonly = readonly
+        if not readonly:
+            os.makedirs(path, exist_ok=True)
+        try:
+            self._env = lmdb.open(
+                path, subdir=True, readonly=readonly, max_dbs=len(TABLES) + 1,
+                map_size=map_size, sync=True, metasync=True, lock=True, create=not readonly,
+            )
+        except lmdb.Error as e:
+            if "already open" in str(e):
+                raise StoreLocked(f"the store catalog {path!r} is already open in this process"
+                                  ) from None
+            raise FormatError(f"cannot open catalog at {path!r}: {e}") from None
+        self._env.reader_check()  # reader slots of dead processes pin no old pages
+        self._commits = 0
+        self._dbs: dict[str, object] = {}
+        try:
+            self._dbs["meta"] = self._open_db("meta")
+            self._dbs["sessions"] = self._open_db("sessions", create=False)  # format 1 only
+            for name in TABLES[1:]:
+                self._dbs[name] = self._open_db(name)
+        except BaseException:
+            self._env.close()
+            raise
+        self.keep_headroom()
+
+    def _open_db(self, name: str, *, create: bool | None = None) -> object | None:
+        create = not self.readonly if create is None else create
+        try:
+            return self._env.open_db(name.encode(), create=create)
+        except lmdb.NotFoundError:
+            if name == "sessions" or (name != "meta" and self._format() == 1):
+                return None  # absent in this format (checked by the opener)
+            raise FormatError(f"catalog at {self.path!r} has no {name!r} table") from None
+        except lmdb.Error as e:
+            raise _lmdb_error(self.path, e) from None
+
+    def _format(self) -> object | None:
+        with self.read() as txn:
+            return txn.meta("format")
+
+    @contextmanager
+    def read(self) -> Iterator[ReadTxn]:
+        """A read transaction: a consistent snapshot; never blocks on writers."""
+        try:
+            with self._env.begin(buffers=False) as txn:
+                yield ReadTxn(txn, self._dbs)
+        except lmdb.Error as e:
+            raise _lmdb_error(self.path, e) from None
+
+    @contextmanager
+    def write(self) -> Iterator[WriteTxn]:
+        """A write transaction: commits (durably) on success, aborts on exception.
+
+        The catalog file is kept allocated ``HEADROOM`` bytes ahead of what LMDB uses, so that
+        on a full device commits that free space (deletes, evictions) still find pages."""
+        try:
+            with self._env.begin(write=True) as txn:
+                w = WriteTxn(txn, self._dbs)
+                yield w
+                w._finish()
+        except lmdb.Error as e:
+            raise _lmdb_error(self.path, e) from None
+        self._commits += 1
+        if self._commits % 16 == 0:
+            self.keep_headroom()
+
+    def keep_headroom(self) -> None:
+        """Allocate the catalog file up to ``HEADROOM`` bytes beyond LMDB's last used page
+        (best effort: on a full device it allocates what it can)."""
+        if self.readonly:
+            return
+        info = self._env.info()
+        used = (info["last_pgno"] + 1) * self._env.stat()["psize"]
+        data = os.path.join(self.path, "data.mdb")
+        try:
+            fd = os.open(data, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            if os.fstat(fd).st_size >= used + HEADROOM // 2:
+                return
+            os.posix_fallocate(fd, 0, used + HEADROOM)
+        except OSError:
+            pass  # no room left: commits report it as CapacityError
+        finally:
+            os.close(fd)
+
+    def gen(self) -> int:
+        """The current generation (cheap: one read of one key)."""
+        with self.read() as txn:
+            return txn.gen
+
+    def get_meta(self, name: str) -> object | None:
+        with self.read() as txn:
+            return txn.meta(name)
+
+    def migrate_v1(self) -> None:
+        """Upgrade a format-1 catalog (contexts in a ``sessions`` table) in one transaction."""
+        old = self._dbs.get("sessions")
+        with self.write() as txn:
+            if old is not None:
+                for k, v in list(txn._txn.cursor(db=old)):
+                    rec = ContextRecord.decode(bytes(k), bytes(v))
+                    txn.put_context(rec)
+                txn._txn.drop(old, delete=True)
+            txn.put_meta("format", FORMAT_VERSION)
+        self._dbs["sessions"] = None
 
     def close(self) -> None:
         self._env.close()

@@ -1,76 +1,121 @@
 """The DRAM tier: one preallocated slab of fixed-size slots; no allocation per put or get.
 
-Slots hold chunk extents in the on-disk layout (the tier is an inclusive cache over the disk
-tier: every chunk is durable on disk, DRAM holds copies of the hot ones). Eviction order comes
-from an :class:`~kvstore.policy.EvictionPolicy`; the tier owns the heap.
+Slots hold chunk extents in the on-disk layout. The tier is this process's private, inclusive
+cache over the disk tier: every chunk is durable on disk, DRAM holds copies of the hot ones. An
+entry is tied to the chunk's generation (the commit that wrote it), so a copy of a chunk that
+another process evicted and stored again is never served. Eviction order comes from an
+:class:`~kvstore.policy.EvictionPolicy`; the tier owns the heap. An entry being filled
+(pending) or read without the store lock (pinned) is neither visible nor evictable; one
+discarded while pinned gives its slot back when the last pin goes.
+
+Thread-safety: none; the store calls it with its metadata lock held. The bytes of a pinned
+entry may be read without the lock.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvstore.policy import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued
 from kvstore.segments import PAGE, align_up
 
 
-class DramTier:
-    """Thread-safety: none; the store serializes all calls."""
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: bytes
+    gen: int
+    slot: int
+    nbytes: int
+    stats: AccessStats
+    queued: Queued | None
+    pending: bool
+    pins: int = 0
+    live: bool = True  # False once discarded (its slot returns when unpinned)
 
+
+class DramTier:
     def __init__(self, *, capacity_bytes: int, slot_bytes: int, policy: EvictionPolicy) -> None:
         self.slot_stride = align_up(slot_bytes)
         self.num_slots = capacity_bytes // self.slot_stride
         self.capacity_bytes = capacity_bytes
         self.policy = policy
-        # One slab, page-aligned (usable for O_DIRECT); a single extra slot is the IO buffer used
-        # when the cache has no room (capacity 0).
-        n = max(self.num_slots, 1)
-        raw = torch.empty(n * self.slot_stride + PAGE, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % PAGE
-        self._slab = raw[start : start + n * self.slot_stride].view(n, self.slot_stride)
-        self._free = list(range(self.num_slots - 1, -1, -1))
-        self._slot_of: dict[bytes, int] = {}
-        self._used_bytes: dict[bytes, int] = {}
-        self._stats: dict[bytes, AccessStats] = {}
-        self._queued: dict[bytes, Queued | None] = {}
-        self._pending: set[bytes] = set()  # slots being filled: invisible and not evictable
+        # One slab, page-aligned (usable for O_DIRECT), allocated by numpy so that it gets
+        # transparent huge pages; pages are touched as slots are first filled.
+        n = self.num_slots
+        raw = np.empty(n * self.slot_stride + PAGE, dtype=np.uint8)
+        start = (-raw.ctypes.data) % PAGE
+        self._slab = raw[start : start + n * self.slot_stride].reshape(n, self.slot_stride)
+        self._free = list(range(n - 1, -1, -1))
+        self._entries: dict[bytes, Entry] = {}
         self._heap = PriorityHeap()
+        self._bytes = 0
         self.evictions = 0
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._slot_of and key not in self._pending
+        e = self._entries.get(key)
+        return e is not None and not e.pending
 
     def __len__(self) -> int:
-        return len(self._slot_of) - len(self._pending)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
+        return sum(1 for e in self._entries.values() if not e.pending)
 
     @property
     def bytes_used(self) -> int:
-        return sum(self._used_bytes.values())
+        return self._bytes
 
-    def lookup(self, key: bytes, clock: int) -> torch.Tensor | None:
-        """The slot (uint8 [slot_stride]) holding ``key``, marking an access; None on a miss."""
-        slot = self._slot_of.get(key)
-        if slot is None or key in self._pending:
+    def buffer(self, entry: Entry) -> np.ndarray:
+        """The entry's slot bytes (uint8 [slot_stride])."""
+        return self._slab[entry.slot]
+
+    def _priority(self, e: Entry) -> Priority:
+        return self.policy.priority(e.stats, e.queued)
+
+    def _evictable(self, e: Entry) -> bool:
+        return e.live and not e.pending and e.pins == 0
+
+    def lookup(self, key: bytes, gen: int, clock: int) -> Entry | None:
+        """The ready entry of ``key`` at generation ``gen``, pinned, marking an access (unpin
+        it when done); None on a miss. A copy of an older generation is discarded."""
+        e = self._entries.get(key)
+        if e is None or e.pending:
             return None
-        st = self._stats[key]
-        st.touch(clock)
-        self._heap.push(key, self.policy.priority(st, self._queued[key]))
-        return self._slab[slot]
+        if e.gen != gen:
+            self.discard(key)
+            return None
+        e.stats.touch(clock)
+        self.pin(e)
+        return e
 
-    def peek(self, key: bytes) -> torch.Tensor | None:
-        """The slot holding ``key`` without counting an access, or None."""
-        slot = self._slot_of.get(key)
-        return None if slot is None or key in self._pending else self._slab[slot]
+    def peek(self, key: bytes, gen: int) -> Entry | None:
+        """Like :meth:`lookup` without counting an access."""
+        e = self._entries.get(key)
+        if e is None or e.pending or e.gen != gen:
+            return None
+        self.pin(e)
+        return e
+
+    def pin(self, e: Entry) -> None:
+        e.pins += 1
+        if e.pins == 1 and self._entries.get(e.key) is e:
+            self._heap.remove(e.key)
+
+    def unpin(self, e: Entry) -> None:
+        e.pins -= 1
+        if e.pins:
+            return
+        if not e.live:
+            self._release_slot(e)
+        elif not e.pending:
+            self._heap.push(e.key, self._priority(e))
 
     def requeue(self, key: bytes, queued: Queued | None) -> None:
         """Record where ``key`` is next needed in the job queue (re-prioritizes it)."""
-        if key in self._slot_of:
-            self._queued[key] = queued
-            if key not in self._pending:
-                self._heap.push(key, self.policy.priority(self._stats[key], queued))
+        e = self._entries.get(key)
+        if e is not None:
+            e.queued = queued
+            if self._evictable(e):
+                self._heap.push(key, self._priority(e))
 
     def victim_priority(self) -> Priority | None:
         """Priority of the entry an insert would evict now; None if a slot is free (or the
@@ -79,56 +124,69 @@ class DramTier:
             return None
         return self._heap.peek_priority()
 
-    def insert(self, key: bytes, nbytes: int, clock: int, queued: Queued | None = None, *,
-               pending: bool = False) -> torch.Tensor:
-        """A slot for ``key`` to be filled by the caller, evicting per policy if needed.
-
-        With ``pending`` the slot stays invisible to lookups and cannot be evicted until
-        :meth:`publish`. With no capacity, returns the shared IO buffer (valid until the next
-        insert) and caches nothing; with every slot pending, a scratch buffer. The caller must
-        :meth:`discard` the key if filling fails.
-        """
-        assert key not in self._slot_of and nbytes <= self.slot_stride
-        if self.num_slots == 0:
-            return self._slab[0]
-        if not self._free and not self._heap:
-            # Every slot is pending (being filled by puts): a scratch buffer, cached nowhere.
-            assert not pending
-            return torch.empty(self.slot_stride, dtype=torch.uint8)
-        if not self._free:
-            victim = self._heap.pop()
-            self._free.append(self._slot_of.pop(victim))
-            del self._used_bytes[victim], self._stats[victim], self._queued[victim]
-            self.evictions += 1
-        slot = self._free.pop()
-        self._slot_of[key] = slot
-        self._used_bytes[key] = nbytes
-        self._stats[key] = AccessStats(inserted=clock, last_access=clock)
-        self._queued[key] = queued
-        if pending:
-            self._pending.add(key)
-        else:
-            self._heap.push(key, self.policy.priority(self._stats[key], queued))
-        return self._slab[slot]
-
-    def publish(self, key: bytes) -> None:
-        """Make a pending slot visible and evictable."""
-        if key in self._pending:
-            self._pending.discard(key)
-            self._heap.push(key, self.policy.priority(self._stats[key], self._queued[key]))
-
     @property
     def evictable(self) -> int:
-        """Slots an insert may take: free ones plus filled, non-pending ones."""
+        """Slots an insert may take: free ones plus ready, unpinned ones."""
         return len(self._free) + len(self._heap)
 
+    def insert(self, key: bytes, gen: int, nbytes: int, clock: int,
+               queued: Queued | None = None) -> Entry | None:
+        """A pending entry for ``key``, pinned by the caller, who fills it then calls
+        :meth:`finish`; evicts per policy if needed. None if no slot can be had (no capacity,
+        every slot pending or pinned) or ``key`` is being filled already. A ready entry of
+        ``key`` is replaced."""
+        assert nbytes <= self.slot_stride
+        old = self._entries.get(key)
+        if old is not None:
+            if old.pending:
+                return None
+            self.discard(key)
+        if not self._free:
+            if not self._heap:
+                return None
+            victim = self._heap.pop()
+            self._drop(self._entries.pop(victim))  # type: ignore[arg-type]
+            self.evictions += 1
+        e = Entry(key=key, gen=gen, slot=self._free.pop(), nbytes=nbytes,
+                  stats=AccessStats(inserted=clock, last_access=clock), queued=queued,
+                  pending=True, pins=1)
+        self._entries[key] = e
+        self._bytes += nbytes
+        return e
+
+    def finish(self, e: Entry, *, ok: bool, gen: int | None = None) -> None:
+        """End the filling of a pending entry from :meth:`insert`: with ``ok`` it becomes
+        visible and evictable (at generation ``gen`` if given), else it is discarded."""
+        if ok and e.live:
+            e.pending = False
+            if gen is not None:
+                e.gen = gen
+        else:
+            self.discard_entry(e)
+        self.unpin(e)
+
     def discard(self, key: bytes) -> None:
-        slot = self._slot_of.pop(key, None)
-        if slot is not None:
-            self._free.append(slot)
-            del self._used_bytes[key], self._stats[key], self._queued[key]
-            self._pending.discard(key)
-            self._heap.remove(key)
+        e = self._entries.pop(key, None)
+        if e is not None:
+            self._drop(e)
+
+    def discard_entry(self, e: Entry) -> None:
+        """Discard ``e`` if it is still the entry of its key."""
+        if self._entries.get(e.key) is e:
+            self.discard(e.key)
+
+    def _drop(self, e: Entry) -> None:
+        e.live = False
+        self._heap.remove(e.key)
+        self._bytes -= e.nbytes
+        if e.pins == 0:
+            self._release_slot(e)
+
+    def _release_slot(self, e: Entry) -> None:
+        self._free.append(e.slot)
+
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
 
     def eviction_order(self) -> list[bytes]:
         return self._heap.ordered()  # type: ignore[return-value]

@@ -8,11 +8,18 @@ then one catalog commit), so nothing half-written ever becomes visible. The writ
 bounded (``write_buffer_bytes``): a new save waits for room only when the writer is that far
 behind. :meth:`Saver.flush` is the durability point; an error in the writer reaches the save's
 future and the next ``flush``.
+
+What a finished save is worth before ``flush()``: it is queued in this process's memory. It is
+written even if the program exits without closing the store: the writer thread is not a daemon
+and runs only while saves are queued, so a normal interpreter exit waits for it. A process that
+is killed (SIGKILL, power loss) loses the saves not yet written; each is stored whole or not at
+all.
 """
 
 from __future__ import annotations
 
-import queue
+import collections
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,8 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.errors import StoreClosed
+from kvstore.errors import CapacityError, StoreClosed
+from kvstore.extent import empty_kv, raw
+from kvstore.hashing import as_tokens
 from kvstore.layout import KVLayout
+from kvstore.workers import Helpers, copy_all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +46,13 @@ class _Job:
     nbytes: int
     held: list[bytes]
     future: Future[None]
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 62
 
 
 class SaveHandle:
@@ -53,20 +70,27 @@ class SaveHandle:
         self.tokens = tokens  # the prompt's ids; append() adds more
         self.namespace = namespace
         self.base = base  # tokens before this are stored already (held until the save ends)
-        self._extra: list[int] = []
+        self._extra: list[np.ndarray] = []
+        self._n_extra = 0
         self._held = held
         self._nbytes = nbytes
-        shape = (layout.num_layers, layout.num_kv_heads, capacity, layout.head_dim)
-        pin = torch.cuda.is_available()
-        self._k = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin)  # [L, H, cap, D]
-        self._v = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin)
+        self._state = "open"  # open -> finished | aborted
+        try:
+            if torch.cuda.is_available():  # pinned: the copies from the GPU are asynchronous
+                shape = (layout.num_layers, layout.num_kv_heads, capacity, layout.head_dim)
+                self._k = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=True)
+                self._v = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=True)
+            else:  # [L, H, cap, D], numpy-allocated (huge pages: fast first touch)
+                self._k, self._v = empty_kv(layout, capacity, 2)
+        except BaseException:
+            self.abort()
+            raise
         self._layers = np.zeros(layout.num_layers, dtype=bool)
         self._on_gpu = False
-        self._state = "open"  # open -> finished | aborted
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) + len(self._extra)
+        return len(self.tokens) + self._n_extra
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -76,34 +100,72 @@ class SaveHandle:
         if src.device.type == "cuda":
             self._on_gpu = True
             dst.copy_(src, non_blocking=True)
+        elif dst.device.type == "cpu" and src.dtype == dst.dtype:
+            np.copyto(raw(dst), raw(src.detach().contiguous()))  # one thread, GIL released
         else:
             dst.copy_(src)
+
+    def _check_kv(self, name: str, t: object) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != self._layout.torch_dtype:
+            raise TypeError(f"{name} must have dtype {self._layout.torch_dtype} (the layout's "
+                            f"{self._layout.dtype!r}), got {t.dtype}")
+        return t
 
     def layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Layer ``layer``'s KV of the prompt, [num_kv_heads, T_prompt, head_dim] each (keys
         pre-RoPE; the whole context or at least its tokens from ``base`` on, right-aligned)."""
         self._check_open()
         lay, T = self._layout, len(self.tokens)
-        if not 0 <= layer < lay.num_layers:
-            raise ValueError(f"layer must be in [0, {lay.num_layers}), got {layer}")
+        if isinstance(layer, bool) or not isinstance(layer, int) \
+                or not 0 <= layer < lay.num_layers:
+            raise ValueError(f"layer must be in [0, {lay.num_layers}), got {layer!r}")
         for name, t in (("keys", keys), ("values", values)):
+            t = self._check_kv(name, t)
             if (t.dim() != 3 or t.shape[0] != lay.num_kv_heads or t.shape[2] != lay.head_dim
                     or t.shape[1] < T - self.base):
                 raise ValueError(f"{name} must be [num_kv_heads={lay.num_kv_heads}, "
                                  f">= {T - self.base} tokens, head_dim={lay.head_dim}], got "
                                  f"{list(t.shape)}")
+        if keys.shape != values.shape:
+            raise ValueError(f"keys and values must have one shape, got {list(keys.shape)} and "
+                             f"{list(values.shape)}")
         n = T - self.base
-        assert keys.shape == values.shape
         self._copy(self._k[layer, :, :n], keys[:, keys.shape[1] - n :])  # [H, n, D]
         self._copy(self._v[layer, :, :n], values[:, values.shape[1] - n :])
         self._layers[layer] = True
 
+    def layers(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Every layer's KV of the prompt at once, [num_layers, num_kv_heads, T_prompt,
+        head_dim] each (keys pre-RoPE; at least the tokens from ``base`` on, right-aligned).
+        Large CPU copies use both cores."""
+        self._check_open()
+        lay, T = self._layout, len(self.tokens)
+        n = T - self.base
+        for name, t in (("keys", keys), ("values", values)):
+            t = self._check_kv(name, t)
+            if (t.dim() != 4 or t.shape[0] != lay.num_layers or t.shape[1] != lay.num_kv_heads
+                    or t.shape[3] != lay.head_dim or t.shape[2] < n):
+                raise ValueError(f"{name} must be [num_layers={lay.num_layers}, num_kv_heads="
+                                 f"{lay.num_kv_heads}, >= {n} tokens, head_dim={lay.head_dim}]"
+                                 f", got {list(t.shape)}")
+        ks, vs = keys[:, :, keys.shape[2] - n :], values[:, :, values.shape[2] - n :]
+        if ks.device.type == "cpu" and self._k.device.type == "cpu":
+            copy_all(self._saver.helpers, [(raw(self._k[:, :, :n]), raw(ks)),
+                                           (raw(self._v[:, :, :n]), raw(vs))])
+        else:
+            self._copy(self._k[:, :, :n], ks)
+            self._copy(self._v[:, :, :n], vs)
+        self._layers[:] = True
+
     def append(self, tokens: object, keys: torch.Tensor, values: torch.Tensor) -> None:
         """KV of more tokens after the prompt (decode steps, batched): [L, H, t, D] each."""
         self._check_open()
-        extra = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        extra = as_tokens(tokens)
         t, at = len(extra), self.num_tokens - self.base
         want = (self._layout.num_layers, self._layout.num_kv_heads, t, self._layout.head_dim)
+        keys, values = self._check_kv("keys", keys), self._check_kv("values", values)
         if tuple(keys.shape) != want or tuple(values.shape) != want:
             raise ValueError(f"keys/values must be {list(want)} for {t} tokens, got "
                              f"{list(keys.shape)} and {list(values.shape)}")
@@ -112,7 +174,8 @@ class SaveHandle:
                              f"({self._k.shape[2] - (len(self.tokens) - self.base)})")
         self._copy(self._k[:, :, at : at + t], keys)
         self._copy(self._v[:, :, at : at + t], values)
-        self._extra += [int(x) for x in extra]
+        self._extra.append(extra)
+        self._n_extra += t
 
     def finish(self) -> Future[None]:
         """Hand the context to the writer; the future completes when it is durable."""
@@ -121,7 +184,7 @@ class SaveHandle:
         if len(missing):
             raise ValueError(f"layers {missing.tolist()} were never given to layer()")
         self._state = "finished"
-        toks = np.concatenate([self.tokens, np.asarray(self._extra, dtype=self.tokens.dtype)])
+        toks = np.concatenate([self.tokens, *self._extra]) if self._extra else self.tokens
         n = len(toks) - self.base
         ready = None
         if self._on_gpu:
@@ -134,7 +197,7 @@ class SaveHandle:
         return job.future
 
     def abort(self) -> None:
-        """Drop the save; nothing of it is stored."""
+        """Drop the save; nothing of it is stored. Idempotent."""
         if self._state == "open":
             self._state = "aborted"
             self._saver._done(self._nbytes, self._held)
@@ -150,33 +213,38 @@ class SaveHandle:
 
 
 class Saver:
-    """The write buffer and the writer thread of one store (started on the first save).
+    """The write buffer and the writer thread of one store.
 
     ``write(tokens, keys, values, namespace, base)`` stores one context (the store's put);
-    ``release(held)`` lets go of the chunks a save held. Thread-safety: all methods may be
-    called from any thread.
+    ``release(held)`` lets go of the chunks a save held. The writer thread runs while saves
+    are queued and ends when the queue is empty. Thread-safety: all methods may be called from
+    any thread.
     """
 
     def __init__(self, *, capacity_bytes: int,
                  write: Callable[[np.ndarray, torch.Tensor, torch.Tensor, str | None, int], None],
-                 release: Callable[[list[bytes]], None]) -> None:
+                 release: Callable[[list[bytes]], None], helpers: Helpers | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.helpers = helpers  # for large copies into the write buffer
         self._write = write
         self._release = release
         self._cond = threading.Condition()
         self._used = 0  # bytes of write buffer held by open or queued saves
-        self._pending = 0  # finished saves not yet written
         self._errors: list[BaseException] = []
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
+        self._last: threading.Thread | None = None  # joined by close()
         self._closed = False
-        self._queued: dict[int, _Job] = {}  # finished saves not yet written, by id
         self.saved = 0
         self.failed = 0
 
     def reserve(self, nbytes: int) -> None:
         """Wait for ``nbytes`` of write buffer (a save bigger than the buffer waits until the
-        buffer is empty)."""
+        buffer is empty). Refuses a save larger than this machine's memory."""
+        if nbytes > physical_memory():
+            raise CapacityError(f"a save of {nbytes} bytes does not fit this machine's memory "
+                                f"({physical_memory()} bytes)")
         with self._cond:
             self._cond.wait_for(lambda: self._closed or self._used == 0
                                 or self._used + nbytes <= self.capacity_bytes)
@@ -188,68 +256,78 @@ class Saver:
     def used_bytes(self) -> int:
         return self._used
 
+    @property
+    def pending(self) -> int:
+        """Finished saves not yet written."""
+        with self._cond:
+            return len(self._queue) + (self._writing is not None)
+
     def _submit(self, job: _Job) -> None:
         with self._cond:
-            if self._closed:
-                self._done_locked(job.nbytes)
-                job.future.set_exception(StoreClosed("the store closed before this save"))
-                self._release(job.held)
-                raise StoreClosed("the store is closing")
-            self._pending += 1
-            self._queued[id(job)] = job
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-saver",
-                                                daemon=True)
-                self._thread.start()
-            # Under the lock: close() cannot slip its stop sentinel in ahead of this job.
-            self._queue.put(job)
-
-    def _done_locked(self, nbytes: int) -> None:
-        self._used -= nbytes
-        self._cond.notify_all()
+            closed = self._closed
+            if not closed:
+                self._queue.append(job)
+                if self._thread is None:
+                    self._thread = self._last = threading.Thread(target=self._run,
+                                                                 name="kvstore-saver")
+                    self._thread.start()
+        if closed:
+            self._retire(job, StoreClosed("the store closed before this save"))
+            raise StoreClosed("the store is closing")
 
     def _done(self, nbytes: int, held: list[bytes]) -> None:
         try:
             self._release(held)
-        finally:  # the accounting happens even if collecting orphans fails
+        finally:  # the accounting happens even if releasing fails
             with self._cond:
-                self._done_locked(nbytes)
+                self._used -= nbytes
+                self._cond.notify_all()
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                job = self._writing = self._queue.popleft()
+            error = None
             try:
                 if job.ready is not None:
                     job.ready.synchronize()  # the non-blocking copies from the GPU are done
                 self._write(job.tokens, job.keys, job.values, job.namespace, job.base)
             except BaseException as e:  # handed to the future and the next flush()
-                job.future.set_exception(e)
-                with self._cond:
-                    self._errors.append(e)
-                    self.failed += 1
-            else:
-                job.future.set_result(None)
-                self.saved += 1
-            finally:
-                self._retire(job)
+                error = e
+            self._retire(job, error)
 
-    def _retire(self, job: _Job) -> None:
-        """A queued save is over (written, failed or abandoned): release what it held."""
+    def _retire(self, job: _Job, error: BaseException | None) -> None:
+        """A queued save is over (written, failed or abandoned): release what it held, then
+        complete its future."""
         try:
             self._done(job.nbytes, job.held)
         except BaseException as e:  # reported by flush(); the writer keeps going
-            with self._cond:
-                self._errors.append(e)
-        finally:
-            with self._cond:
-                self._pending -= 1
-                self._queued.pop(id(job), None)
-                self._cond.notify_all()
+            error = error or e
+        with self._cond:
+            if error is None:
+                self.saved += 1
+            else:
+                self.failed += 1
+                if not isinstance(error, StoreClosed):
+                    self._errors.append(error)
+            if self._writing is job:
+                self._writing = None
+            self._cond.notify_all()
+        if error is None:
+            job.future.set_result(None)
+        else:
+            job.future.set_exception(error)
 
     def wait_for(self, tokens: np.ndarray, namespace: str | None) -> None:
         """Block until no finished-but-unwritten save shares a prefix with ``tokens`` (in
         ``namespace``); re-raise such a save's error."""
         with self._cond:
-            futs = [j.future for j in self._queued.values()
+            jobs = [*self._queue, *([self._writing] if self._writing else [])]
+            futs = [j.future for j in jobs
                     if j.namespace == namespace and len(j.tokens) and len(tokens)
                     and j.tokens[0] == tokens[0]]
         for f in futs:
@@ -259,28 +337,24 @@ class Saver:
         """Block until every finished save is durable; raise the first error since the last
         flush (the other failed saves' futures hold theirs)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._pending == 0)
+            self._cond.wait_for(lambda: not self._queue and self._writing is None)
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
 
     def close(self, *, abandon: bool) -> None:
-        """Finish (or with ``abandon``, drop) queued saves and stop the writer thread. A save
+        """Finish (or with ``abandon``, drop) queued saves and wait for the writer. A save
         being written completes or fails whole."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if abandon:
-            while True:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    continue
-                job.future.set_exception(StoreClosed("the store closed before this save"))
-                self._retire(job)
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+            dropped = list(self._queue) if abandon else []
+            if abandon:
+                self._queue.clear()
+        for job in dropped:
+            self._retire(job, StoreClosed("the store closed before this save"))
+        with self._cond:
+            self._cond.wait_for(lambda: self._thread is None)
+            last = self._last
+        if last is not None:
+            last.join()

@@ -69,8 +69,10 @@ class Windows:
 
 
 class Prefetcher:
-    """Runs ``step()`` on one background thread after each :meth:`kick`, until ``step`` returns
-    False (nothing left to do). The thread starts on the first kick; :meth:`close` joins it.
+    """Runs ``step()`` on a background thread after each :meth:`kick`, until ``step`` returns
+    False (nothing left to do). The thread exists only while there is work: it starts on a
+    kick and ends when every kick has been acted on, so it never keeps an idle process alive
+    and never holds queued work at exit (it is not a daemon). :meth:`close` joins it.
 
     Thread-safety: every method may be called from any thread. An exception from ``step`` is
     kept and re-raised by the next :meth:`wait_idle`.
@@ -85,6 +87,7 @@ class Prefetcher:
         self._stopped = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._last: threading.Thread | None = None  # joined by close()
 
     def kick(self) -> None:
         with self._cond:
@@ -92,15 +95,15 @@ class Prefetcher:
                 return
             self._requested += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = self._last = threading.Thread(target=self._run, name=self._name)
                 self._thread.start()
-            self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self._requested > self._served)
-                if self._stopped:
+                if self._stopped or self._served >= self._requested:
+                    self._thread = None
+                    self._cond.notify_all()
                     return
                 target = self._requested
             try:
@@ -127,6 +130,6 @@ class Prefetcher:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-            thread = self._thread
+            thread = self._last
         if thread is not None:
             thread.join()

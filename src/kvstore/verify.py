@@ -10,56 +10,60 @@ import numpy as np
 from kvstore.errors import CorruptData
 from kvstore.hashing import chunk_hash
 from kvstore.index.context import read_context_indexes
-from kvstore.store import Store, open_store
+from kvstore.opening import open_store
+from kvstore.store import Store
 
 
 def verify_store(store: Store) -> dict[str, object]:
     """Re-read every extent from disk and check its checksums and the catalog's invariants.
 
-    Returns a report; ``report["ok"]`` is False if anything is wrong. Orphan chunks (left by a
-    crash between an eviction and a put; collected at the next writable open) are reported but
-    are not corruption.
+    Returns a report; ``report["ok"]`` is False if anything is wrong. Orphan chunks (held by a
+    put in progress, or left by a process that died during one; collected by the survivors)
+    are reported but are not corruption. Safe while other processes use the store: a chunk
+    whose bytes fail their checksum because another process evicted it and reused its slot
+    during the check is skipped, not reported.
     """
     errors: list[str] = list(store.problems)
     chunks = {r.key: r for r in store.chunk_records()}
-    sessions = store.sessions()
+    contexts = store.contexts()
     c = store.config.chunk_tokens
     slots = Counter(r.slot for r in chunks.values())
     for slot, n in slots.items():
         if n > 1:
             errors.append(f"disk slot {slot} is claimed by {n} chunks")
     held: set[bytes] = set()
-    for s in sessions:
+    for s in contexts:
         total = 0
         for i, key in enumerate(s.chunks):
             rec = chunks.get(key)
             if rec is None:
-                errors.append(f"session {s.key.hex()} references missing chunk {key.hex()}")
+                errors.append(f"context {s.key.hex()} references missing chunk {key.hex()}")
                 break
             if i > 0 and rec.parent != s.chunks[i - 1]:
-                errors.append(f"session {s.key.hex()}: chunk {i} does not follow chunk {i - 1}")
+                errors.append(f"context {s.key.hex()}: chunk {i} does not follow chunk {i - 1}")
             if i < len(s.chunks) - 1 and rec.n_tokens != c:
-                errors.append(f"session {s.key.hex()}: inner chunk {i} is not full")
+                errors.append(f"context {s.key.hex()}: inner chunk {i} is not full")
             if chunk_hash(rec.parent, rec.tokens) != key:
                 errors.append(f"chunk {key.hex()}: address does not match its tokens")
             total += rec.n_tokens
             held.add(key)
         if total != s.n_tokens:
-            errors.append(f"session {s.key.hex()}: {total} tokens in chunks, record says "
+            errors.append(f"context {s.key.hex()}: {total} tokens in chunks, record says "
                           f"{s.n_tokens}")
         if s.chunks and s.chunks[-1] != s.key:
-            errors.append(f"session {s.key.hex()} is not keyed by its last chunk")
+            errors.append(f"context {s.key.hex()} is not keyed by its last chunk")
     checked = 0
     bad = 0
     for rec in chunks.values():
         try:
             raw = store.read_extent(rec)
         except CorruptData as e:
-            errors.append(str(e))
-            bad += 1
+            if store.is_current(rec):
+                errors.append(str(e))
+                bad += 1
             continue
         sums = store.checksums_of(raw)
-        if not np.array_equal(sums, rec.checksums):
+        if not np.array_equal(sums, rec.checksums) and store.is_current(rec):
             layers = np.flatnonzero(sums != rec.checksums).tolist()
             errors.append(f"chunk {rec.key.hex()} (disk slot {rec.slot}) failed its checksum "
                           f"at layers {layers}")
@@ -71,14 +75,14 @@ def verify_store(store: Store) -> dict[str, object]:
         try:
             read_context_indexes(path)  # every file's checksums and the manifest
         except CorruptData as e:
-            errors.append(f"indexes of session {key.hex()}: {e}")
+            errors.append(f"indexes of context {key.hex()}: {e}")
             bad_indexes += 1
     return {
         "ok": not errors,
         "path": store.path,
         "chunks_checked": checked,
         "corrupt_chunks": bad,
-        "sessions": len(sessions),
+        "contexts": len(contexts),
         "orphan_chunks": len(orphans),
         "indexed_contexts": len(store.index_dirs()),
         "corrupt_indexes": bad_indexes,
@@ -96,8 +100,8 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, object]:
     """A JSON-able summary of a store: layout, config, contexts, chunks and bytes per tier."""
     with open_store(path, readonly=True) as store:
         st = store.stats()
-        sessions = store.sessions()
-        lengths = sorted(s.n_tokens for s in sessions)
+        contexts = store.contexts()
+        lengths = sorted(s.n_tokens for s in contexts)
         seg_dir = os.path.join(store.path, "segments")
         seg_bytes = sum(os.path.getsize(os.path.join(seg_dir, f)) for f in os.listdir(seg_dir)) \
             if os.path.isdir(seg_dir) else 0
@@ -106,8 +110,8 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, object]:
             "layout": store.layout.to_dict(),
             "layout_fingerprint": store.layout.fingerprint.hex(),
             "config": store.config.to_dict(),
-            "sessions": len(sessions),
-            "session_tokens": {
+            "contexts": len(contexts),
+            "context_tokens": {
                 "total": sum(lengths),
                 "min": lengths[0] if lengths else 0,
                 "median": lengths[len(lengths) // 2] if lengths else 0,

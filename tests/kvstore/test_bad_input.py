@@ -14,7 +14,7 @@ from tests.kvstore.kvgen import SMALL, causal_kv
 
 def _snapshot(s):
     st = s.stats()
-    return (st["disk"], sorted((x.key, x.n_tokens) for x in s.sessions()))
+    return (st["disk"], sorted((x.key, x.n_tokens) for x in s.contexts()))
 
 
 @pytest.fixture
@@ -117,23 +117,38 @@ def test_layout_mismatch_on_reopen(tmp_path):
         assert_get_exact(s, list(range(5)))
 
 
-def test_second_writer_process_gets_store_locked(tmp_path):
+def _try_open(path, **kw):
+    """Open ``path`` in a subprocess; (exit code, stdout): 3 = StoreLocked, 0 = opened (prints
+    what it matched of range(5))."""
+    code = (
+        "import sys, kvstore\n"
+        "try:\n"
+        f"    s = kvstore.open({str(path)!r}, **{kw!r})\n"
+        "except kvstore.StoreLocked as e:\n"
+        "    print('locked:', e); sys.exit(3)\n"
+        "print('matched', s.match(list(range(5)))); s.close()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode in (0, 3), r.stderr
+    return r.returncode, r.stdout
+
+
+@pytest.mark.parametrize("first_exclusive", [False, True])
+def test_exclusive_open_keeps_other_processes_out(tmp_path, first_exclusive):
     path = tmp_path / "st"
-    with kvstore.open(path, layout=SMALL, chunk_tokens=4, disk_bytes=1 << 20) as s:
+    with kvstore.open(path, layout=SMALL, chunk_tokens=4, disk_bytes=1 << 20,
+                      exclusive=first_exclusive) as s:
         put_causal(s, list(range(5)))
-        code = (
-            "import sys, kvstore\n"
-            "try:\n"
-            f"    kvstore.open({str(path)!r})\n"
-            "except kvstore.StoreLocked as e:\n"
-            "    print('locked:', e); sys.exit(3)\n"
-        )
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 3, r.stderr
-        assert "another process" in r.stdout
-        # and in-process a second open is refused too
+        code, out = _try_open(path)
+        if first_exclusive:
+            assert code == 3 and "exclusively" in out
+        else:  # shared: a second process opens it and sees the committed put
+            assert code == 0 and "matched 5" in out
+        code, out = _try_open(path, exclusive=True)  # never while anyone else has it open
+        assert code == 3 and "another process" in out
+        # in-process a second open is refused (share the Store object between threads)
         with pytest.raises(kvstore.StoreLocked):
             kvstore.open(path)
-    with kvstore.open(path) as s:  # released on close
+    with kvstore.open(path, exclusive=True) as s:  # released on close
         assert s.match(list(range(5))) == 5

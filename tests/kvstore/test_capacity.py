@@ -28,10 +28,10 @@ def test_churn_stays_within_budget(open_small, tmp_path):
         sizes.append(_dir_bytes(tmp_path / "store" / "segments"))
     assert max(sizes) <= 10 * SLOT
     st = s.stats()
-    assert st["evictions"]["disk_sessions"] > 0 and st["evictions"]["disk_chunks"] > 0
+    assert st["evictions"]["disk_contexts"] > 0 and st["evictions"]["disk_chunks"] > 0
     # the catalog does not grow without bound either: LMDB reuses freed pages
     assert _dir_bytes(tmp_path / "store" / "catalog") < 2 << 20
-    for x in s.sessions():
+    for x in s.contexts():
         assert x.n_tokens > 0
     from kvstore.verify import verify_store
 
@@ -51,7 +51,7 @@ def test_shared_prefix_survives_eviction_of_one_holder(open_small):
     assert s.match(a) == 8
     assert_get_exact(s, b)
     assert_get_exact(s, c)
-    assert s.stats()["evictions"]["disk_sessions"] == 1
+    assert s.stats()["evictions"]["disk_contexts"] == 1
 
 
 @pytest.mark.parametrize("policy, survivor, victim", [("lru", "a", "b"), ("fifo", "b", "a")])
@@ -95,7 +95,7 @@ def test_shrinking_disk_budget_on_reopen(tmp_path):
     with kvstore.open(path, disk_bytes=8 * SLOT) as s:
         st = s.stats()
         assert st["disk"]["chunks"] <= 8
-        assert st["evictions"]["disk_sessions"] >= 6 and st["corrupt"]["dropped_sessions"] == 0
+        assert st["evictions"]["disk_contexts"] >= 6 and st["corrupt"]["dropped_contexts"] == 0
         for x in range(10):
             n = s.match([x] * 8)
             assert n in (0, 8)
@@ -132,7 +132,7 @@ def test_put_that_cannot_fit_with_its_prefix_changes_nothing(open_small):
     put_causal(s, a)
     with pytest.raises(kvstore.CapacityError, match="needs 5 chunk slots"):
         put_causal(s, a + list(range(100, 112)))
-    assert len(s.sessions()) == 1 and s.stats()["evictions"]["disk_sessions"] == 0
+    assert len(s.contexts()) == 1 and s.stats()["evictions"]["disk_contexts"] == 0
     assert_get_exact(s, a)
     put_causal(s, [7] * 12)  # 3 chunks: fits after evicting a, which frees both its slots
     assert_get_exact(s, [7] * 12)

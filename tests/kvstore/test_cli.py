@@ -22,13 +22,13 @@ def test_verify_and_inspect(tmp_path):
     r = _cli("verify", str(path))
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert report["ok"] and report["chunks_checked"] == 4 and report["sessions"] == 2
+    assert report["ok"] and report["chunks_checked"] == 4 and report["contexts"] == 2
     r = _cli("inspect", str(path))
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["layout"] == SMALL.to_dict()
-    assert info["sessions"] == 2 and info["chunks"] == 4
-    assert info["session_tokens"]["total"] == 21
+    assert info["contexts"] == 2 and info["chunks"] == 4
+    assert info["context_tokens"]["total"] == 21
     assert info["tiers"]["disk"]["payload_bytes"] == 13 * SMALL.token_bytes
 
 

@@ -52,7 +52,7 @@ def test_flipped_byte_detected_on_get(tmp_path):
         with pytest.raises(kvstore.CorruptData, match="failed its checksum at layer 0"):
             s.get(A)
         st = s.stats()
-        assert st["corrupt"]["chunks"] == 1 and st["corrupt"]["dropped_sessions"] == 1
+        assert st["corrupt"]["chunks"] == 1 and st["corrupt"]["dropped_contexts"] == 1
         assert s.match(A) == 0  # the whole context holding it is gone
         assert_get_exact(s, B)  # others intact
         put_causal(s, A)  # and it can be stored again
@@ -100,7 +100,7 @@ def test_deleted_segment(tmp_path):
     assert not verify_path(path)["ok"]
     with kvstore.open(path) as s:
         assert s.match(A) == 0 and s.match(B) == 0
-        assert s.stats()["corrupt"]["dropped_sessions"] == 2
+        assert s.stats()["corrupt"]["dropped_contexts"] == 2
         put_causal(s, B)
         assert_get_exact(s, B)
     assert verify_path(path)["ok"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.hashing import as_tokens
+from kvstore.hashing import as_tokens, chain_seed, chunk_hash
 from kvstore.verify import verify_path
 from tests.kvstore.crash_writer import context
 from tests.kvstore.kvgen import SMALL, causal_kv, lcp
@@ -39,6 +39,15 @@ def _run_and_kill(path, seed, slots, max_tokens, rng, index=None):
     assert proc.returncode == -signal.SIGKILL
     acked = [int(x.split()[1]) for x in out.splitlines() if x.startswith("ok ")]
     return acked
+
+
+def _context_key(toks, chunk=4):
+    """The key of the stored context of exactly ``toks`` (its last chunk's chained address)."""
+    t = as_tokens(toks)
+    key = chain_seed(SMALL.fingerprint, None)
+    for i in range(0, len(t), chunk):
+        key = chunk_hash(key, t[i : i + chunk])
+    return key
 
 
 def _exact(store, toks):
@@ -108,15 +117,14 @@ def test_sigkill_writer_with_indexes(tmp_path):
             assert report["ok"], report["errors"]
         with kvstore.open(path) as s:
             dirs = s.index_dirs()
-            assert set(dirs) <= {r.key for r in s.sessions()}
+            assert set(dirs) <= {r.key for r in s.contexts()}
             assert len(list((path / "indexes").iterdir())) == len(dirs)  # no leftovers
             if acked:
                 seed, i = acked[-1]
                 toks = context(seed, i, 60)
                 assert s.match(toks) == len(toks)
-                with s._mutex:
-                    exact = s._exact_session(as_tokens(toks), None)
-                if exact is not None and exact.key in dirs:
+                key = _context_key(toks)
+                if key in {r.key for r in s.contexts()} and key in dirs:
                     ci = s.indexes(toks)
                     assert ci is not None and ci.n_tokens == len(toks)
             assert s.stats()["indexes"]["rebuilt_heads"] == 0

@@ -148,9 +148,9 @@ def test_pinned_chunks_survive_eviction_during_load(tmp_path):
             for layer in range(LAYOUT.num_layers):
                 lk, lv = load.wait(layer)
                 assert torch.equal(lk, ka[layer]) and torch.equal(lv, va[layer])
-        evictions = s.stats()["evictions"]["disk_sessions"]
+        evictions = s.stats()["evictions"]["disk_contexts"]
         put_causal(s, [4] * 8)  # A's slots are free again: no eviction needed
-        assert s.stats()["evictions"]["disk_sessions"] == evictions
+        assert s.stats()["evictions"]["disk_contexts"] == evictions
         assert s.match([3] * 8) == 8
     finally:
         s.close()

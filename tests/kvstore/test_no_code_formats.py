@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import kvstore
-from kvstore.catalog import ChunkRecord, SessionRecord
+from kvstore.records import ChunkRecord, ContextRecord
 
 SRC = Path(kvstore.__file__).parent
 FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle", "joblib"}
@@ -44,4 +44,4 @@ def test_hostile_record_bytes_are_rejected_not_run():
     with pytest.raises(kvstore.FormatError):
         ChunkRecord.decode(b"k" * 16, payload)
     with pytest.raises(kvstore.FormatError):
-        SessionRecord.decode(b"k" * 16, payload)
+        ContextRecord.decode(b"k" * 16, payload)

@@ -111,7 +111,7 @@ class ExactModel(_Base):
 
     @invariant()
     def same_contexts(self):
-        got = sorted(s.n_tokens for s in self.store.sessions())
+        got = sorted(s.n_tokens for s in self.store.contexts())
         assert got == sorted(len(e) for m in self.model.values() for e in m)
 
 

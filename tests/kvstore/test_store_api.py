@@ -55,14 +55,14 @@ def test_extension_supersedes_prefix_context(open_small):
     put_causal(s, turn1)
     turn2 = turn1 + [77, 78, 79, 80, 81]
     put_causal(s, turn2)
-    sess = s.sessions()
+    sess = s.contexts()
     assert [x.n_tokens for x in sess] == [15]  # turn 1's context is covered by turn 2
     assert s.stats()["disk"]["chunks"] == 4  # 3 full + partial; turn 1's partial was freed
     assert_get_exact(s, turn1)
     assert_get_exact(s, turn2)
     # re-putting a covered prefix writes nothing and keeps one context
     put_causal(s, turn1)
-    assert len(s.sessions()) == 1
+    assert len(s.contexts()) == 1
 
 
 def test_partial_chunk_served_from_longer_chunk(open_small):

@@ -1,0 +1,88 @@
+"""A store's sizes and policy: one typed, validated object.
+
+``disk_bytes`` and ``chunk_tokens`` are shared by every process of a store (they fix where each
+chunk's bytes live); the other sizes and the policy belong to each process (its DRAM tier, its
+execution buffers, its write buffer, its eviction order), and may differ between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from kvstore.layout import KVLayout
+from kvstore.policy import make_policy
+from kvstore.records import MAX_SLOT
+from kvstore.segments import align_up
+
+DEFAULT_DRAM_BYTES = 1 << 30  # 1 GiB
+DEFAULT_DISK_BYTES = 16 << 30  # 16 GiB
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_WRITE_BUFFER_BYTES = 256 << 20  # 256 MiB
+DEFAULT_HBM_BYTES = 1 << 30  # 1 GiB
+
+SIZES = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
+
+
+def check_size(name: str, v: object) -> int | None:
+    """A byte-size argument: None (not given) or an int >= 0."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | np.integer):
+        raise TypeError(f"{name} must be an int number of bytes, got {type(v).__name__}")
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return int(v)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Sizes and policy of a store; persisted at creation, replaceable on reopen."""
+
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    dram_bytes: int = DEFAULT_DRAM_BYTES
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    hbm_bytes: int = DEFAULT_HBM_BYTES
+    write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES
+    policy: str = "scheduler"
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_tokens", *SIZES):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            low = 1 if name == "chunk_tokens" else 0
+            if v < low:
+                raise ValueError(f"{name} must be >= {low}, got {v}")
+            object.__setattr__(self, name, int(v))
+        make_policy(self.policy)
+
+    def slot_bytes(self, layout: KVLayout) -> int:
+        """Bytes of one disk (and DRAM) slot: a full chunk's extent, page-aligned."""
+        return align_up(layout.chunk_bytes(self.chunk_tokens))
+
+    def check_budget(self, layout: KVLayout) -> None:
+        """Refuse budgets the layout cannot use: a disk tier smaller than one chunk, or one
+        with more slots than the catalog can address."""
+        slot = self.slot_bytes(layout)
+        if self.disk_bytes < slot:
+            raise ValueError(
+                f"disk_bytes={self.disk_bytes} is smaller than one chunk ({slot} bytes for "
+                f"chunk_tokens={self.chunk_tokens}); the disk tier must hold at least one chunk")
+        if self.disk_bytes // slot > MAX_SLOT:
+            raise ValueError(f"disk_bytes={self.disk_bytes} holds more than {MAX_SLOT} slots of "
+                             f"{slot} bytes; use larger chunk_tokens or a smaller budget")
+
+    def to_dict(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: object) -> StoreConfig:
+        if not isinstance(d, dict):
+            raise TypeError(f"store config must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"unknown store config fields: {sorted(extra)}")
+        return cls(**d)

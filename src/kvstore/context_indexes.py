@@ -1,0 +1,255 @@
+"""Per-head indexes kept with stored contexts: building, publishing, reading, removing.
+
+A context's indexes live in ``indexes/<context key hex>/`` (see :mod:`kvstore.index.context`),
+and the catalog holds an entry per indexed context. A directory is published (renamed into
+place) and its entry committed inside one catalog write transaction, and one is retired
+(renamed aside, removed after the commit) inside the transaction that deletes its context, so
+processes that publish and remove the indexes of one context never interleave. Directories
+with no entry (a crash between a rename and a commit) and staging leftovers are collected by a
+process that opens the store alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvstore.core import Core
+from kvstore.errors import CorruptData
+from kvstore.fsutil import fsync_dir
+from kvstore.index.context import (
+    ContextIndexes,
+    positioned_keys,
+    publish,
+    read_context_indexes,
+)
+from kvstore.index.spec import IndexSpec, build_index
+from kvstore.mirror import writing
+from kvstore.tree import served
+
+
+class _KeysUnavailable(Exception):
+    """A context's keys could not be read to rebuild one of its index files."""
+
+
+class IndexFiles:
+    """The ``indexes/`` directory of a store. Thread-safety: any thread (file operations on
+    distinct names; callers order publishing and retiring with catalog transactions)."""
+
+    def __init__(self, root: str, *, readonly: bool) -> None:
+        self.root = os.path.join(root, "indexes")
+        self.readonly = readonly
+
+    def path(self, key: bytes) -> str:
+        return os.path.join(self.root, key.hex())
+
+    def retire(self, keys: list[bytes]) -> list[str]:
+        """Rename the directories of contexts ``keys`` aside (inside the transaction that
+        deletes their entries); returns what :meth:`purge` removes after the commit."""
+        trash = []
+        for k in keys:
+            src = self.path(k)
+            if not os.path.isdir(src) or os.path.islink(src):
+                continue
+            dst = tempfile.mkdtemp(prefix=".tmp-dead-", dir=self.root)
+            os.rename(src, os.path.join(dst, "x"))
+            trash.append(dst)
+        return trash
+
+    @staticmethod
+    def purge(trash: list[str]) -> None:
+        for t in trash:
+            shutil.rmtree(t, ignore_errors=True)
+
+    def collect(self, live: set[bytes]) -> int:
+        """Remove every entry of ``indexes/`` that is not the directory of a context in
+        ``live`` (only by a process holding the store alone). Returns how many."""
+        if not os.path.isdir(self.root):
+            return 0
+        n = 0
+        for name in sorted(os.listdir(self.root)):
+            full = os.path.join(self.root, name)
+            try:
+                key = bytes.fromhex(name)
+            except ValueError:
+                key = b""
+            is_dir = os.path.isdir(full) and not os.path.islink(full)
+            if key in live and is_dir:
+                for f in os.listdir(full):  # a head rewrite a crash interrupted
+                    if ".tmp-" in f:
+                        os.unlink(os.path.join(full, f))
+                continue
+            if is_dir:
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                os.unlink(full)
+            n += 1
+        return n
+
+
+def check_spec(spec: object, name: str, head_dim: int) -> IndexSpec:
+    """Refuse a spec that cannot be built over this layout's keys, before anything is
+    written."""
+    if not isinstance(spec, IndexSpec):
+        raise TypeError(f"{name} must be a kvstore.index.IndexSpec, got {type(spec).__name__}")
+    if spec.kind == "pq" and head_dim % spec.pq_subspaces:
+        raise ValueError(f"{name}.pq_subspaces ({spec.pq_subspaces}) must divide the layout's "
+                         f"head_dim ({head_dim})")
+    if spec.kind == "graph":
+        import hnswlib  # noqa: F401  (ImportError now, not after the KV is stored)
+    return spec
+
+
+def check_keys(keys: torch.Tensor) -> None:
+    """Keys an index can be built over: finite (checked before the KV is stored)."""
+    if not bool(torch.isfinite(keys).all()):
+        raise ValueError("keys must be finite to build indexes over them (index=...)")
+
+
+class ContextIndexStore:
+    """Thread-safety: every method may be called from any thread; builds, loads and rebuilds
+    run without the metadata lock."""
+
+    def __init__(self, core: Core, files: IndexFiles,
+                 get: Callable[[np.ndarray, str | None], tuple[torch.Tensor, torch.Tensor]]
+                 ) -> None:
+        self.core = core
+        self.files = files
+        self._get = get  # the store's get: keys of a stored context (for builds and rebuilds)
+
+    def attach(self, toks: np.ndarray, namespace: str | None, keys: torch.Tensor,
+               spec: IndexSpec) -> bool:
+        """Build indexes over ``keys`` (pre-RoPE [L, H, T, D]) without the lock, stage their
+        files, then publish them under the stored context of exactly ``toks`` if it is still
+        stored. Nothing is built when no such context is stored (they are served through a
+        longer context, whose indexes :meth:`read` then offers)."""
+        core = self.core
+        with core.mutex:
+            core.check_writable()
+            core.mirror.catch_up()
+            if core.tree.exact_context(toks, namespace) is None:
+                return False
+        built = ContextIndexes.build(positioned_keys(keys, core.layout), spec)
+        if not os.path.isdir(self.files.root):
+            os.makedirs(self.files.root, exist_ok=True)
+            fsync_dir(core.path)
+        tmp, nbytes = built.stage(self.files.root)
+        trash: list[str] = []
+        try:
+            with writing(core.catalog, core.mirror, core.mutex) as txn:
+                with core.mutex:
+                    core.check_writable()
+                    core.mirror.catch_up(txn)
+                    ctx = core.tree.exact_context(toks, namespace)
+                if ctx is None:  # evicted (or superseded) while the indexes were built
+                    return False
+                path = self.files.path(ctx.key)
+                if os.path.exists(path):
+                    trash = self.files.retire([ctx.key])
+                publish(tmp, path)
+                txn.put_index(ctx.key, nbytes)
+            with core.mutex:
+                core.counters.indexes_built += 1
+                core.mirror.catch_up()
+            return True
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            self.files.purge(trash)
+
+    def build(self, toks: np.ndarray, namespace: str | None, spec: IndexSpec) -> bool:
+        core = self.core
+        with core.mutex:
+            core.check_writable()
+            core.mirror.catch_up()
+            if core.tree.exact_context(toks, namespace) is None:
+                return False
+        try:
+            keys, _ = self._get(toks, namespace)  # [L, H, T, D] pre-RoPE
+        except KeyError:  # evicted since the check
+            return False
+        return self.attach(toks, namespace, keys, spec)
+
+    def read(self, toks: np.ndarray, namespace: str | None) -> ContextIndexes | None:
+        core = self.core
+        tree = core.tree
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            pieces = tree.resolve(toks, namespace)
+            if not pieces or served(pieces) != len(toks):
+                return None
+            last = pieces[-1]
+            ends = [last.rec.key]
+            if last.use < last.rec.n_tokens:  # the prefix ends inside a chunk: any sibling
+                tail = toks[last.start:]  # chunk that starts with the same tokens will do
+                ends = [c for c in tree.children.get(last.rec.parent, ())
+                        if c not in tree.corrupt
+                        and np.array_equal(tree.chunks[c].tokens[: len(tail)], tail)]
+            cands = {k for c in ends for k in tree.holders.get(c, ()) if k in tree.indexed}
+            if not cands:
+                return None
+            s = min((tree.contexts[k] for k in cands), key=lambda r: (r.n_tokens, r.key))
+            ctx_toks = np.concatenate([tree.chunks[c].tokens for c in s.chunks])
+            path = self.files.path(s.key)
+        full: list[np.ndarray] = []
+
+        def rebuild(layer: int, head: int, spec: IndexSpec):
+            if not full:  # the context's keys, read (and checked) once
+                try:
+                    keys, _ = self._get(ctx_toks, namespace)
+                except (KeyError, CorruptData) as e:  # evicted, or a chunk failed its checksum
+                    raise _KeysUnavailable(str(e)) from e
+                full.append(positioned_keys(keys, core.layout))
+            return build_index(full[0][layer, head], spec)
+
+        try:
+            ci, rebuilt = read_context_indexes(path, rebuild=rebuild, rewrite=not core.readonly)
+            ok = (ci.n_tokens == s.n_tokens and ci.num_layers == core.layout.num_layers
+                  and ci.num_kv_heads == core.layout.num_kv_heads)
+        except CorruptData:
+            ok, rebuilt = False, []
+        except (_KeysUnavailable, OSError):  # unreadable keys, or the context left meanwhile
+            with core.mutex:
+                core.counters.unavailable_indexes += 1
+            return None
+        with core.mutex:
+            core.mirror.catch_up()
+            if s.key not in tree.indexed:  # evicted or replaced while loading
+                return None
+            core.counters.rebuilt_index_heads += len(rebuilt)
+            if ok:
+                return ci
+            core.counters.corrupt_indexes += 1
+        if not core.readonly:
+            self._drop(s.key)
+        return None
+
+    def _drop(self, key: bytes) -> None:
+        """Drop a context's indexes (its manifest is bad): entry and directory."""
+        core = self.core
+        trash: list[str] = []
+        with writing(core.catalog, core.mirror, core.mutex) as txn:
+            if txn.index_bytes(key) is not None:
+                txn.delete_index(key)
+                trash = self.files.retire([key])
+        self.files.purge(trash)
+        with core.mutex:
+            core.mirror.catch_up()
+
+    def dirs(self) -> dict[bytes, str]:
+        with self.core.mutex:
+            return {k: self.files.path(k) for k in self.core.tree.indexed}
+
+    def stats(self) -> dict[str, int]:
+        """With the lock held."""
+        c, tree = self.core.counters, self.core.tree
+        return {"contexts": len(tree.indexed), "bytes": sum(tree.indexed.values()),
+                "built": c.indexes_built, "rebuilt_heads": c.rebuilt_index_heads,
+                "corrupt": c.corrupt_indexes, "unavailable": c.unavailable_indexes,
+                "collected": c.collected_indexes}

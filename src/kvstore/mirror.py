@@ -1,0 +1,205 @@
+"""Keeps this process's view of the store (the tree, the free slots, the DRAM copies) equal to
+the catalog, which every process of the store shares.
+
+:meth:`Mirror.catch_up` applies what other processes (and this one) committed since the
+generation the view has seen, reading only the changed keys from the change log, or reloads
+every record when the log no longer reaches back. Removals this process decides (evictions,
+deletes, quarantines) are written into the caller's write transaction and applied to the view
+at once (:meth:`Mirror.drop_contexts`): a context leaves the view no later than it leaves the
+catalog. Additions reach the view only through catch-up after their commit, so nothing is
+served before it is committed. If a commit fails, the view is marked stale and the next
+catch-up reloads it.
+
+No lock of its own: the store calls it with its metadata lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from kvstore.catalog import Catalog, ReadTxn, WriteTxn
+from kvstore.dram import DramTier
+from kvstore.records import ChunkRecord
+from kvstore.recovery import plan as recovery_plan
+from kvstore.slots import SlotAllocator
+from kvstore.stats import Counters
+from kvstore.tree import ContextTree
+
+
+class Mirror:
+    def __init__(self, *, catalog: Catalog, tree: ContextTree, slots: SlotAllocator,
+                 dram: DramTier, counters: Counters) -> None:
+        self.catalog = catalog
+        self.tree = tree
+        self.slots = slots
+        self.dram = dram
+        self.counters = counters
+        self.seen_gen = -1  # nothing loaded yet: the first catch-up reloads
+        self.stale = True
+        self.clock = 0  # logical time: this process's ticks, merged with the catalog's
+        self.dirty: set[bytes] = set()  # contexts whose access time the catalog lacks
+        self.problems: list[str] = []  # what the last full reload refused to load
+        self.decisions = 0  # removals this process applied ahead of their commit
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    # ------------------------------------------------------------------ catching up
+    def catch_up(self, txn: ReadTxn | None = None) -> None:
+        """Apply every commit after the seen generation (inside ``txn`` if given: a write
+        transaction sees the newest state)."""
+        if txn is None:
+            with self.catalog.read() as t:
+                if t.gen != self.seen_gen or self.stale:
+                    self._catch_up(t)
+            return
+        if txn.gen != self.seen_gen or self.stale:
+            self._catch_up(txn)
+
+    def _catch_up(self, txn: ReadTxn) -> None:
+        changes = None if self.stale else txn.changes_since(self.seen_gen)
+        if changes is None:
+            self.reload(txn)
+            return
+        self.counters.catch_ups += 1
+        tree = self.tree
+        gone_chunks = []
+        for key in changes.chunks:  # additions first: contexts need their chunks
+            rec = txn.chunk(key)
+            if rec is None:
+                gone_chunks.append(key)
+            elif rec.slot < self.slots.total:
+                self._set_chunk(rec)
+        for key in changes.contexts:
+            ctx = txn.context(key)
+            if ctx is not None and all(c in tree.chunks for c in ctx.chunks):
+                tree.add_context(ctx)
+            else:
+                self._forget_context(key)
+        for key in gone_chunks:
+            self._forget_chunk(key)
+        for key in changes.indexes:
+            n = txn.index_bytes(key)
+            if n is None or key not in tree.contexts:
+                tree.indexed.pop(key, None)
+            else:
+                tree.indexed[key] = n
+        self._merge_clock(txn)
+        self.seen_gen = changes.gen
+
+    def reload(self, txn: ReadTxn) -> None:
+        """Rebuild the view from every record (what recovery would keep)."""
+        self.counters.full_reloads += 1
+        chunks = {r.key: r for r in txn.chunks()}
+        contexts = {c.key: c for c in txn.contexts()}
+        held = {k for r in txn.reservations() for k in r.held}
+        p = recovery_plan(chunks, contexts, total_slots=self.slots.total, held=held)
+        self.problems = p.problems
+        tree = self.tree
+        old_access = {k: c.last_access for k, c in tree.contexts.items()}
+        tree.clear()
+        for rec in p.keep_chunks.values():
+            tree.add_chunk(rec)
+        for ctx in p.keep_contexts.values():
+            ctx.last_access = max(ctx.last_access, old_access.get(ctx.key, 0))
+            tree.add_context(ctx)
+        for key, n in txn.indexes():
+            if key in tree.contexts:
+                tree.indexed[key] = n
+        self.slots.reset(r.slot for r in tree.chunks.values())
+        for key in self.dram.keys():
+            rec = tree.chunks.get(key)
+            if rec is None:
+                self.dram.discard(key)
+        self.dirty &= tree.contexts.keys()
+        self._merge_clock(txn)
+        self.seen_gen = txn.gen
+        self.stale = False
+
+    def _merge_clock(self, txn: ReadTxn) -> None:
+        stored = txn.meta("clock")
+        if isinstance(stored, int) and stored > self.clock:
+            self.clock = stored
+
+    def _set_chunk(self, rec: ChunkRecord) -> None:
+        old = self.tree.add_chunk(rec)
+        if old is not None and (old.slot, old.gen) != (rec.slot, rec.gen):
+            self.dram.discard(rec.key)
+            if old.slot != rec.slot:
+                self.slots.mark_free(old.slot)
+        self.slots.mark_used(rec.slot)
+
+    def _forget_chunk(self, key: bytes) -> ChunkRecord | None:
+        rec = self.tree.remove_chunk(key)
+        if rec is not None:
+            self.dram.discard(key)
+            self.slots.mark_free(rec.slot)
+        return rec
+
+    def _forget_context(self, key: bytes) -> None:
+        self.tree.remove_context(key)
+        self.tree.indexed.pop(key, None)
+        self.dirty.discard(key)
+
+    # ------------------------------------------------------------------ this process's changes
+    def drop_contexts(self, txn: WriteTxn, keys: Iterable[bytes],
+                      keep: frozenset[bytes] | set[bytes] = frozenset()) -> tuple[int, list[bytes]]:
+        """Delete contexts ``keys`` (and their index entries) in ``txn`` together with the
+        chunks nothing else holds (``keep``: chunks other processes' puts hold), and remove
+        them from the view now. Returns (chunks freed, contexts whose index directories the
+        caller removes once the transaction has committed)."""
+        keys = [k for k in dict.fromkeys(keys) if k in self.tree.contexts]
+        if not keys:
+            return 0, []
+        self.decisions += 1
+        freed = self.tree.freed_by(keys, keep)
+        with_indexes = [k for k in keys if k in self.tree.indexed]
+        for k in keys:
+            txn.delete_context(k)
+            txn.delete_index(k)
+            self._forget_context(k)
+        for c in freed:
+            txn.delete_chunk(c)
+            self._forget_chunk(c)
+        return len(freed), with_indexes
+
+    def collect_orphans(self, txn: WriteTxn, candidates: Iterable[bytes],
+                        keep: frozenset[bytes] | set[bytes]) -> int:
+        """Delete chunks among ``candidates`` that no context, hold or ``keep`` needs."""
+        dead = self.tree.unheld_orphans(candidates, keep)
+        self.decisions += bool(dead)
+        for c in dead:
+            txn.delete_chunk(c)
+            self._forget_chunk(c)
+        return len(dead)
+
+    def flush_access(self, txn: WriteTxn) -> None:
+        """Write the access times this process recorded into ``txn`` (other processes merge
+        them into their eviction order when they catch up)."""
+        for k in self.dirty:
+            local = self.tree.contexts.get(k)
+            stored = txn.context(k)
+            if local is not None and stored is not None \
+                    and stored.last_access < local.last_access:
+                stored.last_access = local.last_access
+                txn.put_context(stored)
+        self.dirty.clear()
+        txn.advance_clock(self.clock)
+
+
+@contextmanager
+def writing(catalog: Catalog, mirror: Mirror, mutex) -> Iterator[WriteTxn]:
+    """A catalog write transaction whose removals the caller applies to ``mirror`` ahead of
+    the commit: if the body or the commit fails after one was applied, the mirror is marked
+    stale (the next catch-up reloads it from what the catalog really holds)."""
+    before = mirror.decisions
+    try:
+        with catalog.write() as txn:
+            yield txn
+    except BaseException:
+        with mutex:
+            if mirror.decisions != before:
+                mirror.stale = True
+        raise

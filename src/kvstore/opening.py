@@ -1,0 +1,243 @@
+"""Opening a store directory: the lock, the format checks, repair, and the assembled parts.
+
+An opener that finds the store unused by any other process (it holds it *alone* while it sets
+up) may create it, upgrade its format, change its disk budget, resize segment files, and repair
+everything a crash left: reservations of dead processes, contexts whose chunks are missing or
+corrupt, orphan chunks, index directories without an entry and staging leftovers. An opener
+that joins processes already using the store repairs only what is provably dead (reservations
+of processes that are gone, records no process can still be writing), and must agree with them
+on the settings they share (``disk_bytes``, ``chunk_tokens``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from kvstore.catalog import FORMAT_VERSION, Catalog
+from kvstore.config import StoreConfig, check_size
+from kvstore.context_indexes import IndexFiles
+from kvstore.core import Core
+from kvstore.dram import DramTier
+from kvstore.errors import FormatError, LayoutMismatch
+from kvstore.layout import KVLayout
+from kvstore.lock import DirLock, acquire
+from kvstore.mirror import Mirror
+from kvstore.owners import Owner, collect_dead
+from kvstore.policy import make_policy
+from kvstore.recovery import apply as apply_recovery
+from kvstore.recovery import plan as recovery_plan
+from kvstore.segments import SegmentFiles, SegmentGeometry
+from kvstore.slots import SlotAllocator
+from kvstore.stats import Counters
+from kvstore.store import Store
+from kvstore.tree import ContextTree
+from kvstore.workers import Helpers
+from kvstore.write import reclaim_dead
+
+
+def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
+               dram_bytes: int | None = None, disk_bytes: int | None = None,
+               hbm_bytes: int | None = None, write_buffer_bytes: int | None = None,
+               chunk_tokens: int | None = None, policy: str | None = None,
+               readonly: bool = False, exclusive: bool = False) -> Store:
+    """Open (or create) the store directory ``path``.
+
+    On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
+    hbm 1 GiB of execution buffers, write buffer 256 MiB, chunk_tokens 256, policy
+    "scheduler"). On reopen, ``layout`` and ``chunk_tokens`` may be omitted (stored values are
+    used) but must match if given (:class:`LayoutMismatch`); sizes and policy given replace the
+    stored ones.
+
+    Sharing: any number of processes may open one store at once, all reading and writing; each
+    keeps a private DRAM tier and sees the others' committed puts. ``disk_bytes`` can change
+    only while no other process has the store open (ValueError otherwise); the other sizes and
+    the policy are each process's own. ``exclusive=True`` refuses to open while any other
+    process has the store open, and keeps every later opener out (:class:`StoreLocked`).
+    ``readonly`` opens a store that must exist and never writes to it; it may share the store
+    with readers and writers.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if layout is not None and not isinstance(layout, KVLayout):
+        raise TypeError(f"layout must be a kvstore.KVLayout, got {type(layout).__name__}")
+    sizes = {"dram_bytes": check_size("dram_bytes", dram_bytes),
+             "disk_bytes": check_size("disk_bytes", disk_bytes),
+             "hbm_bytes": check_size("hbm_bytes", hbm_bytes),
+             "write_buffer_bytes": check_size("write_buffer_bytes", write_buffer_bytes)}
+    if chunk_tokens is not None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
+            raise TypeError(f"chunk_tokens must be an int, got {type(chunk_tokens).__name__}")
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if policy is not None:
+        make_policy(policy)
+    for name, flag in (("readonly", readonly), ("exclusive", exclusive)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if readonly and exclusive:
+        raise ValueError("readonly and exclusive cannot both be set")
+    given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy}.items()
+             if v is not None}
+    if readonly:
+        if not os.path.isdir(os.path.join(path, "catalog")):
+            raise FileNotFoundError(f"no kvstore at {path!r}")
+    else:
+        os.makedirs(path, exist_ok=True)
+    lock = acquire(path, exclusive=exclusive, readonly=readonly)
+    try:
+        catalog = Catalog(os.path.join(path, "catalog"), readonly=readonly)
+        try:
+            layout, config = _settle_format(path, catalog, layout, given, lock, readonly)
+            store = _assemble(path, catalog, lock, layout, config, readonly)
+        except BaseException:
+            catalog.close()
+            raise
+    except BaseException:
+        lock.release()
+        raise
+    lock.settle()
+    return store
+
+
+def _settle_format(path: str, catalog: Catalog, layout: KVLayout | None,
+                   given: dict[str, object], lock: DirLock,
+                   readonly: bool) -> tuple[KVLayout, StoreConfig]:
+    """The store's layout and this opener's config; creates or upgrades the catalog when this
+    opener holds the store alone."""
+    fmt = catalog.get_meta("format")
+    writable_alone = lock.alone and not readonly
+    if fmt is None:
+        if readonly:
+            raise FormatError(f"{path!r} holds no initialized kvstore")
+        if not lock.alone:
+            raise FormatError(f"{path!r} is being created by another process; open it again "
+                              f"once that process has opened it")
+        if layout is None:
+            raise ValueError(f"layout is required to create a new store at {path!r}")
+        config = StoreConfig(**given)  # type: ignore[arg-type]
+        config.check_budget(layout)
+        with catalog.write() as txn:
+            txn.put_meta("layout", layout.to_dict())
+            txn.put_meta("config", config.to_dict())
+            txn.put_meta("clock", 0)
+            txn.put_meta("format", FORMAT_VERSION)  # last: marks the store initialized
+        return layout, config
+    if fmt == 1:
+        if not writable_alone:
+            raise FormatError(f"store {path!r} has format 1; open it for writing, with no other "
+                              f"process using it, once to upgrade it to format {FORMAT_VERSION}")
+        catalog.migrate_v1()
+    elif fmt != FORMAT_VERSION:
+        raise FormatError(f"store format {fmt!r} is not supported (expected {FORMAT_VERSION})")
+    try:
+        stored = KVLayout.from_dict(catalog.get_meta("layout"))  # type: ignore[arg-type]
+        stored_cfg = StoreConfig.from_dict(catalog.get_meta("config"))
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"store metadata at {path!r} is invalid: {e}") from None
+    if layout is not None and layout != stored:
+        raise LayoutMismatch(f"store at {path!r} was created for {stored}, not {layout}")
+    if "chunk_tokens" in given and given["chunk_tokens"] != stored_cfg.chunk_tokens:
+        raise LayoutMismatch(f"store at {path!r} uses chunk_tokens={stored_cfg.chunk_tokens}, "
+                             f"not {given['chunk_tokens']}")
+    if not lock.alone and given.get("disk_bytes", stored_cfg.disk_bytes) != stored_cfg.disk_bytes:
+        raise ValueError(f"disk_bytes={given['disk_bytes']} differs from the store's "
+                         f"{stored_cfg.disk_bytes}, and other processes have {path!r} open: the "
+                         f"disk budget can change only when no other process uses the store")
+    config = replace(stored_cfg, **given)  # type: ignore[arg-type]
+    config.check_budget(stored)
+    if config != stored_cfg and writable_alone:
+        with catalog.write() as txn:
+            txn.put_meta("config", config.to_dict())
+    return stored, config
+
+
+def _assemble(path: str, catalog: Catalog, lock: DirLock, layout: KVLayout,
+              config: StoreConfig, readonly: bool) -> Store:
+    policy = make_policy(config.policy)
+    geo = SegmentGeometry.for_budget(slot_bytes=layout.chunk_bytes(config.chunk_tokens),
+                                     disk_bytes=config.disk_bytes)
+    counters = Counters()
+    tree = ContextTree(fingerprint=layout.fingerprint, chunk_tokens=config.chunk_tokens,
+                       priority=lambda rec: 0.0)  # the store sets the policy's priority
+    slots = SlotAllocator(geo.total_slots)
+    dram = DramTier(capacity_bytes=config.dram_bytes, slot_bytes=geo.slot_stride,
+                    policy=policy)
+    mirror = Mirror(catalog=catalog, tree=tree, slots=slots, dram=dram, counters=counters)
+    segments = SegmentFiles(os.path.join(path, "segments"), geo, readonly=readonly)
+    files = IndexFiles(path, readonly=readonly)
+    owner = None
+    try:
+        if not readonly:
+            if lock.alone:
+                _repair_alone(path, catalog, segments, files, geo, layout, counters)
+            owner = Owner(path)
+        core = Core(path=path, layout=layout, config=config, readonly=readonly, geo=geo,
+                    catalog=catalog, segments=segments, tree=tree, slots=slots, dram=dram,
+                    mirror=mirror, counters=counters, helpers=Helpers(2, "kvstore-io"),
+                    owner=owner)
+        if not readonly and not lock.alone:
+            _repair_joining(core)
+        store = Store(core, lock=lock, policy=policy, files=files)
+        with core.mutex:
+            with catalog.read() as txn:
+                mirror.reload(txn)
+    except BaseException:
+        segments.close()
+        if owner is not None:
+            owner.close()
+        raise
+    return store
+
+
+def _repair_alone(path: str, catalog: Catalog, segments: SegmentFiles, files: IndexFiles,
+                  geo: SegmentGeometry, layout: KVLayout, counters: Counters) -> None:
+    """Repair what crashes left, with no other process using the store."""
+    present = segments.existing()
+
+    def extent_end(rec):
+        seg, off = geo.locate(rec.slot)
+        return seg, off + rec.n_tokens * layout.token_bytes
+
+    with catalog.write() as txn:
+        stale = txn.reservations()  # every owner is gone: nobody else has the store open
+        for r in stale:
+            txn.delete_reservation(r.key)
+        counters.reclaimed_reservations += len(stale)
+        chunks = {r.key: r for r in txn.chunks()}
+        contexts = {c.key: c for c in txn.contexts()}
+        p = recovery_plan(chunks, contexts, total_slots=geo.total_slots, extent_end=extent_end,
+                          segment_sizes=present)
+        apply_recovery(p, txn)
+        indexed = {k for k, _ in txn.indexes() if k in p.keep_contexts}
+        for k, _ in list(txn.indexes()):
+            if k not in indexed:
+                txn.delete_index(k)
+    counters.corrupt_chunks += p.bad_chunks
+    counters.dropped_contexts += len(p.dropped)
+    counters.evicted_contexts += len(p.evicted)
+    counters.collected_orphans += len(p.orphans)
+    counters.collected_indexes += files.collect(indexed)
+    collect_dead(path)
+    # Segment files are created lazily on first write; existing ones of the wrong size
+    # (truncated, or the budget changed) are resized now; files beyond the budget go.
+    for seg, size in present.items():
+        if seg >= geo.num_segments:
+            segments.remove(seg)
+        elif size == geo.segment_size(seg):
+            segments.mark_ready(seg)
+        else:
+            segments.prepare(seg)
+
+
+def _repair_joining(core: Core) -> None:
+    """Reclaim what processes that died while others used the store left behind."""
+    with core.catalog.write() as txn:
+        with core.mutex:
+            core.mirror.reload(txn)
+            reclaim_dead(core, txn)
+    present = core.segments.existing()
+    for seg, size in present.items():
+        if seg < core.geo.num_segments and size == core.geo.segment_size(seg):
+            core.segments.mark_ready(seg)

@@ -1,0 +1,401 @@
+"""The get pipeline: resolve under the lock, copy and read without it.
+
+A get takes, under the metadata lock, the pieces serving its tokens, a pin on each DRAM copy it
+will read and on each disk slot it will read, and pending DRAM entries to cache what it reads
+from disk. Then, without the lock, it copies the DRAM hits out (over both cores when large) and
+reads the misses (whole extents, on helper threads, each verified layer by layer), and finally
+releases its pins under the lock. Pins keep this process's evictions from reusing a slot under
+a read; another process may still reuse it, which the read sees as a checksum failure: the
+chunk's record is then checked again in the catalog, and if it changed (evicted, or stored
+again elsewhere) the get starts over (a race, counted in ``stats()``), else the chunk is
+corrupt and quarantined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore import extent
+from kvstore.context_indexes import IndexFiles
+from kvstore.core import Core
+from kvstore.dram import Entry
+from kvstore.errors import CorruptData
+from kvstore.mirror import writing
+from kvstore.records import ChunkRecord
+from kvstore.tree import Piece, served
+from kvstore.workers import copy_all
+
+READ_ATTEMPTS = 3  # a get that loses this many races with other processes is a miss
+
+
+class Raced(Exception):
+    """Bytes read from disk failed their checksum because another process changed the chunk's
+    slot under the read (not corruption)."""
+
+
+def is_current(core: Core, rec: ChunkRecord) -> bool:
+    """Whether the catalog still holds ``rec`` at the same slot and generation."""
+    with core.catalog.read() as txn:
+        cur = txn.chunk(rec.key)
+    return cur is not None and (cur.slot, cur.gen) == (rec.slot, rec.gen)
+
+
+def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
+    """Read ``rec``'s whole extent from disk into ``buf`` (uint8) and verify every layer.
+    Raises :class:`Raced` if the slot was reused by another process, :class:`CorruptData` if
+    the bytes are corrupt (the caller quarantines)."""
+    n = core.extent_bytes(rec.n_tokens)
+    try:
+        core.segments.read(rec.slot, [buf[:n]])
+        extent.verify(rec, extent.checksums(buf[:n], core.layout.num_layers))
+    except CorruptData:
+        if not is_current(core, rec):
+            raise Raced(rec.key.hex()) from None
+        raise
+
+
+def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles) -> None:
+    """Drop every context holding a corrupt chunk (durably), so no process claims it again.
+    The chunk is never served by this process again either way."""
+    with core.mutex:
+        core.counters.corrupt_chunks += 1
+        core.tree.corrupt.add(rec.key)
+        core.dram.discard(rec.key)
+    if core.readonly or core.closed:
+        return
+    victims: list[bytes] = []
+    with writing(core.catalog, core.mirror, core.mutex) as txn:
+        with core.mutex:
+            core.mirror.catch_up(txn)
+            cur = core.tree.chunks.get(rec.key)
+            if cur is not None and (cur.slot, cur.gen) == (rec.slot, rec.gen):
+                core.tree.corrupt.add(rec.key)
+                victims = sorted(core.tree.holders.get(rec.key, ()))
+                keep = {k for r in txn.reservations() for k in r.held}
+                _, dirs = core.mirror.drop_contexts(txn, victims, keep)
+                core.counters.dropped_contexts += len(victims)
+            else:  # stored again meanwhile: the new extent is not the corrupt one
+                dirs = []
+        trash = files.retire(dirs)
+    files.purge(trash)
+    err.add_note(f"dropped {len(victims)} stored context(s) that included this chunk")
+
+
+@dataclass(slots=True)
+class _Miss:
+    piece: Piece
+    cache: Entry | None  # the pending DRAM entry it is read into, if DRAM had room
+    buf: np.ndarray
+
+
+class Reader:
+    """Thread-safety: every method may be called from any thread; gets run in parallel."""
+
+    def __init__(self, core: Core, queued: Callable[[bytes], object], files: IndexFiles) -> None:
+        self.core = core
+        self._queued = queued  # chunk key -> where the job queue next needs it
+        self._files = files
+
+    # ------------------------------------------------------------------ pins
+    @contextmanager
+    def _pinned(self, toks: np.ndarray, namespace: str | None
+                ) -> Iterator[tuple[list[tuple[Piece, Entry]], list[_Miss], set[int]]]:
+        """Under the lock: resolve ``toks`` (KeyError if not all stored) and pin what the get
+        reads: DRAM entries of hits, disk slots of misses (plus a pending DRAM entry to cache
+        each into). Everything is released on exit, whatever happens."""
+        core = self.core
+        hits: list[tuple[Piece, Entry]] = []
+        misses: list[_Miss] = []
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            pieces = core.tree.resolve(toks, namespace)
+            if served(pieces) < len(toks):
+                core.counters.get_misses += 1
+                raise KeyError(f"only {served(pieces)} of the {len(toks)} tokens are stored")
+            now = core.mirror.tick()
+            for p in pieces:
+                e = core.dram.lookup(p.rec.key, p.rec.gen, now)
+                if e is not None:
+                    hits.append((p, e))
+                    continue
+                core.slots.pin(p.rec.slot)
+                nbytes = core.extent_bytes(p.rec.n_tokens)
+                cache = core.dram.insert(p.rec.key, p.rec.gen, nbytes, now,
+                                         self._queued(p.rec.key))
+                buf = (core.dram.buffer(cache) if cache is not None
+                       else np.empty(nbytes, dtype=np.uint8))
+                misses.append(_Miss(p, cache, buf))
+            if not core.readonly:
+                ctx = pieces[-1].rec.key
+                for k in core.tree.holders.get(ctx, ()):
+                    core.tree.touch(k, now)
+                    core.mirror.dirty.add(k)
+        ok: set[int] = set()  # misses read and verified: their DRAM entries become visible
+        try:
+            yield hits, misses, ok
+        finally:
+            with core.mutex:
+                for _, e in hits:
+                    core.dram.unpin(e)
+                for i, m in enumerate(misses):
+                    core.slots.unpin(m.piece.rec.slot)
+                    if m.cache is not None:
+                        core.dram.finish(m.cache, ok=i in ok)
+
+    # ------------------------------------------------------------------ get
+    def get(self, toks: np.ndarray, namespace: str | None,
+            out: tuple[torch.Tensor, torch.Tensor] | None,
+            device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        core = self.core
+        n_tok = len(toks)
+        for _ in range(READ_ATTEMPTS):
+            try:
+                with self._pinned(toks, namespace) as (hits, misses, ok):
+                    if out is None:
+                        k_out, v_out = self._allocate(n_tok, device)
+                    else:
+                        k_out, v_out = out
+                    self._copy_hits(hits, k_out, v_out, parallel=not misses)
+                    self._read_misses(misses, k_out, v_out, ok)
+            except Raced:
+                with core.mutex:
+                    core.counters.read_races += 1
+                continue
+            with core.mutex:
+                core.counters.dram_hits += len(hits)
+                core.counters.disk_hits += len(misses)
+                core.counters.gets += 1
+                core.counters.served_tokens += n_tok
+            return k_out, v_out
+        with core.mutex:
+            core.counters.get_misses += 1
+        raise KeyError(f"the stored context changed {READ_ATTEMPTS} times under this get "
+                       f"(other processes evicting it): a miss")
+
+    def _allocate(self, n_tok: int, device: torch.device | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        if device is None or device.type == "cpu":
+            k, v = extent.empty_kv(self.core.layout, n_tok, 2)
+            return k, v
+        shape = self.core.layout.kv_shape(n_tok)
+        dt = self.core.layout.torch_dtype
+        return (torch.empty(shape, dtype=dt, device=device),
+                torch.empty(shape, dtype=dt, device=device))
+
+    def _copy_out(self, buf: np.ndarray, p: Piece, k_out: torch.Tensor, v_out: torch.Tensor,
+                  pairs: list) -> None:
+        """Copy the ``p.use`` leading tokens of the extent in ``buf`` into the output (CPU
+        outputs: add the numpy copies to ``pairs``; other devices: copy now)."""
+        a, b = p.start, p.start + p.use
+        ext = extent.view(self.core.layout, buf, p.rec.n_tokens)  # [L, 2, H, n, D]
+        if k_out.device.type == "cpu":
+            pairs.append((extent.raw(k_out)[:, :, a:b], ext[:, 0, :, : p.use]))
+            pairs.append((extent.raw(v_out)[:, :, a:b], ext[:, 1, :, : p.use]))
+        else:
+            t = torch.from_numpy(ext).view(self.core.layout.torch_dtype)
+            k_out[:, :, a:b].copy_(t[:, 0, :, : p.use])
+            v_out[:, :, a:b].copy_(t[:, 1, :, : p.use])
+
+    def _copy_hits(self, hits: list[tuple[Piece, Entry]], k_out: torch.Tensor,
+                   v_out: torch.Tensor, *, parallel: bool) -> None:
+        pairs: list = []
+        for p, e in hits:
+            self._copy_out(self.core.dram.buffer(e), p, k_out, v_out, pairs)
+        copy_all(self.core.helpers if parallel else None, pairs)
+
+    def _read_misses(self, misses: list[_Miss], k_out: torch.Tensor, v_out: torch.Tensor,
+                     ok: set[int]) -> None:
+        """Read the misses on the helper threads, copying each out as it arrives."""
+        core = self.core
+        futs = [core.helpers.submit(read_verified, core, m.piece.rec, m.buf) for m in misses]
+        error: BaseException | None = None
+        for i, (m, f) in enumerate(zip(misses, futs, strict=True)):
+            try:
+                f.result()
+            except BaseException as e:
+                error = error or e
+                continue
+            if error is None:
+                pairs: list = []
+                self._copy_out(m.buf, m.piece, k_out, v_out, pairs)
+                copy_all(None, pairs)
+            ok.add(i)
+        if isinstance(error, CorruptData):
+            rec = next(m.piece.rec for m, f in zip(misses, futs, strict=True)
+                       if f.exception() is error)
+            quarantine(core, rec, error, self._files)
+        if error is not None:
+            raise error
+
+
+class _CudaCopy:
+    """Host-to-device copies of a layer-wise load: each layer is read into pinned host memory,
+    then copied on a side stream; the layer's event tells compute when it has arrived."""
+
+    def __init__(self, k_dev: torch.Tensor, v_dev: torch.Tensor) -> None:
+        self.k_dev, self.v_dev = k_dev, v_dev  # [L, H, T, D] on the GPU
+        self.host_k = torch.empty(k_dev.shape, dtype=k_dev.dtype, pin_memory=True)
+        self.host_v = torch.empty(v_dev.shape, dtype=v_dev.dtype, pin_memory=True)
+        self.stream = torch.cuda.Stream(device=k_dev.device)
+
+    def layer(self, layer: int) -> torch.cuda.Event:
+        with torch.cuda.stream(self.stream):
+            self.k_dev[layer].copy_(self.host_k[layer], non_blocking=True)
+            self.v_dev[layer].copy_(self.host_v[layer], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+
+class Loads:
+    """Layer-wise loads (AttentionStore §3.2.1): a loader thread per load fills layer 0, 1, ...
+    of an execution buffer; compute waits on each layer. The disk slots of the load's chunks
+    are pinned until it ends; DRAM copies are pinned one layer at a time.
+
+    Thread-safety: every method may be called from any thread."""
+
+    def __init__(self, core: Core, files: IndexFiles) -> None:
+        self.core = core
+        self._files = files
+        self._loads: set[object] = set()
+        self._hbm_tiers: dict[str, object] = {}
+
+    def hbm(self, device: torch.device):
+        """The hbm tier (execution buffers) on ``device``; created on first use (under the
+        metadata lock)."""
+        from kvstore.hbm import HbmTier
+
+        key = str(device)
+        tier = self._hbm_tiers.get(key)
+        if tier is None:
+            tier = HbmTier(capacity_bytes=self.core.config.hbm_bytes, device=device)
+            self._hbm_tiers[key] = tier
+        return tier
+
+    def tiers(self) -> list:
+        return list(self._hbm_tiers.values())
+
+    def running(self) -> list:
+        with self.core.mutex:
+            return list(self._loads)
+
+    def start(self, toks: np.ndarray, namespace: str | None, *, buffer_layers: int | None,
+              out: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device):
+        from kvstore.errors import StoreClosed
+        from kvstore.layerwise import LayerLoad
+
+        core = self.core
+        n_tok = len(toks)
+        with core.mutex:
+            core.check_open()
+            if core.closing:
+                raise StoreClosed(f"store {core.path!r} is closing")
+            core.mirror.catch_up()
+            pieces = core.tree.resolve(toks, namespace)
+            if served(pieces) < n_tok:
+                core.counters.get_misses += 1
+                raise KeyError(f"only {served(pieces)} of the {n_tok} tokens are stored")
+            hbm = self.hbm(device) if out is None else None
+            for p in pieces:
+                core.slots.pin(p.rec.slot)
+                hit = p.rec.key in core.dram
+                if hit:
+                    core.counters.dram_hits += 1
+                else:
+                    core.counters.disk_hits += 1
+            now = core.mirror.tick()
+            if not core.readonly:
+                for k in core.tree.holders.get(pieces[-1].rec.key, ()):
+                    core.tree.touch(k, now)
+                    core.mirror.dirty.add(k)
+            core.counters.gets += 1
+            core.counters.served_tokens += n_tok
+        slots = [p.rec.slot for p in pieces]
+
+        def unpin() -> None:
+            with core.mutex:
+                for s in slots:
+                    core.slots.unpin(s)
+
+        buf = None
+        try:
+            if out is None:
+                buf = hbm.acquire(core.extent_bytes(n_tok))  # K and V
+                kv = buf.view(core.layout.torch_dtype).view(2, *core.layout.kv_shape(n_tok))
+                k_out, v_out = kv[0], kv[1]  # [L, H, T, D] each
+            else:
+                k_out, v_out = out
+            copy = _CudaCopy(k_out, v_out) if k_out.device.type == "cuda" else None
+        except BaseException:
+            if buf is not None:
+                hbm.release(buf)
+            unpin()
+            raise
+        kr, vr = ((extent.raw(copy.host_k), extent.raw(copy.host_v)) if copy is not None
+                  else (extent.raw(k_out), extent.raw(v_out)))
+
+        def load_layer(layer: int) -> torch.cuda.Event | None:
+            self._load_layer(pieces, kr, vr, layer)
+            return None if copy is None else copy.layer(layer)
+
+        def done() -> None:
+            unpin()
+            with core.mutex:
+                self._loads.discard(load)
+
+        load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
+                         on_close=None if buf is None else (lambda: hbm.release(buf)))
+        with core.mutex:
+            self._loads.add(load)
+        try:
+            return load.start()
+        except BaseException:
+            done()
+            load.close()
+            raise
+
+    def _load_layer(self, pieces: list[Piece], kr: np.ndarray, vr: np.ndarray,
+                    layer: int) -> None:
+        """Fill layer ``layer`` of the raw outputs kr/vr [L, H, T, D] (loader thread)."""
+        core = self.core
+        lay = core.layout
+        for p in pieces:
+            rec, n, a, b = p.rec, p.rec.n_tokens, p.start, p.start + p.use
+            with core.mutex:
+                core.check_open()
+                e = core.dram.peek(rec.key, rec.gen)
+            if e is not None:
+                try:
+                    ext = extent.view(lay, core.dram.buffer(e), n)  # [L, 2, H, n, D]
+                    # numpy, not torch: torch's copy would run on the intra-op thread pool
+                    # that the compute thread's matmuls use (measured 2x slower prefill)
+                    np.copyto(kr[layer, :, a:b], ext[layer, 0, :, : p.use])  # [H, use, D]
+                    np.copyto(vr[layer, :, a:b], ext[layer, 1, :, : p.use])
+                finally:
+                    with core.mutex:
+                        core.dram.unpin(e)
+                continue
+            lbytes = n * lay.layer_token_bytes
+            if p.use == n:  # straight into the output: K of each head, then V
+                bufs = extent.pieces(kr, vr, a, n, range(layer, layer + 1))
+            else:
+                bufs = [np.empty(lbytes, dtype=np.uint8)]
+            try:
+                core.segments.read(rec.slot, bufs, layer * lbytes)
+                extent.verify(rec, extent.piece_checksums(bufs, 1), layer)
+            except CorruptData as err:
+                if not is_current(core, rec):
+                    raise KeyError(f"chunk {rec.key.hex()} was evicted by another process "
+                                   f"during this layer-wise load: a miss") from None
+                quarantine(core, rec, err, self._files)
+                raise
+            if p.use != n:
+                part = bufs[0].view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
+                np.copyto(kr[layer, :, a:b], part[0, :, : p.use])
+                np.copyto(vr[layer, :, a:b], part[1, :, : p.use])

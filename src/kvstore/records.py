@@ -1,0 +1,144 @@
+"""The catalog's record formats: fixed binary layouts (``struct`` + raw arrays).
+
+No code-executing serialization format, so an untrusted store is safe to open: every decoder
+checks version and lengths before building a record and raises :class:`FormatError` otherwise.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.errors import FormatError
+from kvstore.hashing import HASH_BYTES
+
+_CHUNK_V1 = struct.Struct("<B16sIII")  # version 1: parent, n_tokens, slot, num_layers
+_CHUNK_V2 = struct.Struct("<B16sIIQI")  # version 2: + gen (the commit that wrote the extent)
+_CONTEXT = struct.Struct("<BQQQI")  # version, n_tokens, created, last_access, n_chunks
+_RESERVATION = struct.Struct("<BII")  # version, n_slots, n_held
+_INDEX = struct.Struct("<BQ")  # version, bytes of the context's index directory
+OWNER_BYTES = 16
+MAX_SLOT = (1 << 32) - 1  # slots are stored as uint32
+
+
+@dataclass(slots=True, eq=False)
+class ChunkRecord:
+    """Metadata of one stored chunk; its payload is one extent in a disk slot.
+
+    ``checksums[l]`` is the xxh3_64 of layer l's bytes (K then V) inside the extent, so a
+    layer-wise read is verified too. ``tokens`` are kept to answer partial-chunk matches and to
+    rule out hash collisions. ``gen`` is the catalog generation of the commit that made the
+    chunk visible: a reader that finds bytes failing their checksum re-checks (slot, gen) to
+    tell a slot reused by another process (a miss) from corruption.
+    """
+
+    key: bytes
+    parent: bytes
+    n_tokens: int
+    slot: int
+    gen: int
+    checksums: np.ndarray  # [num_layers] uint64
+    tokens: np.ndarray  # [n_tokens] uint32
+
+    def encode(self) -> bytes:
+        hdr = _CHUNK_V2.pack(2, self.parent, self.n_tokens, self.slot, self.gen,
+                             len(self.checksums))
+        return hdr + self.checksums.astype("<u8").tobytes() + self.tokens.astype("<u4").tobytes()
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> ChunkRecord:
+        if len(raw) < 1 or raw[0] not in (1, 2):
+            raise FormatError(f"chunk record {key.hex()} is malformed (unknown version)")
+        try:
+            if raw[0] == 1:
+                _, parent, n, slot, nl = _CHUNK_V1.unpack_from(raw)
+                gen, o = 0, _CHUNK_V1.size
+            else:
+                _, parent, n, slot, gen, nl = _CHUNK_V2.unpack_from(raw)
+                o = _CHUNK_V2.size
+        except struct.error as e:
+            raise FormatError(f"chunk record {key.hex()} is truncated: {e}") from None
+        if len(raw) != o + 8 * nl + 4 * n or len(key) != HASH_BYTES or n == 0:
+            raise FormatError(f"chunk record {key.hex()} is malformed (version {raw[0]})")
+        checks = np.frombuffer(raw, "<u8", nl, o).copy()
+        tokens = np.frombuffer(raw, "<u4", n, o + 8 * nl).copy()
+        return cls(key, parent, n, slot, gen, checks, tokens)
+
+
+@dataclass(slots=True, eq=False)
+class ContextRecord:
+    """A stored context: the ordered chunks of one put, keyed by its last chunk's address."""
+
+    key: bytes
+    n_tokens: int
+    created: int
+    last_access: int
+    chunks: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        hdr = _CONTEXT.pack(1, self.n_tokens, self.created, self.last_access, len(self.chunks))
+        return hdr + b"".join(self.chunks)
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> ContextRecord:
+        try:
+            ver, n, created, last, nc = _CONTEXT.unpack_from(raw)
+        except struct.error as e:
+            raise FormatError(f"context record {key.hex()} is truncated: {e}") from None
+        if ver != 1 or len(raw) != _CONTEXT.size + HASH_BYTES * nc or nc == 0 \
+                or len(key) != HASH_BYTES:
+            raise FormatError(f"context record {key.hex()} is malformed (version {ver})")
+        o = _CONTEXT.size
+        chunks = tuple(raw[o + i * HASH_BYTES : o + (i + 1) * HASH_BYTES] for i in range(nc))
+        return cls(key, n, created, last, chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Disk slots a put in progress is writing, and the stored chunks it reuses (held: no
+    process may free them until the put commits or aborts). Keyed by (owner, seq); the owner
+    is the process (see :mod:`kvstore.owners`), so a dead owner's reservations are reclaimed."""
+
+    owner: bytes
+    seq: int
+    slots: tuple[int, ...]
+    held: tuple[bytes, ...]
+
+    @property
+    def key(self) -> bytes:
+        return self.owner + self.seq.to_bytes(8, "big")
+
+    def encode(self) -> bytes:
+        return (_RESERVATION.pack(1, len(self.slots), len(self.held))
+                + np.asarray(self.slots, dtype="<u4").tobytes() + b"".join(self.held))
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> Reservation:
+        try:
+            ver, ns, nh = _RESERVATION.unpack_from(raw)
+        except struct.error as e:
+            raise FormatError(f"reservation record {key.hex()} is truncated: {e}") from None
+        o = _RESERVATION.size
+        if ver != 1 or len(key) != OWNER_BYTES + 8 or len(raw) != o + 4 * ns + HASH_BYTES * nh:
+            raise FormatError(f"reservation record {key.hex()} is malformed")
+        slots = tuple(int(s) for s in np.frombuffer(raw, "<u4", ns, o))
+        o += 4 * ns
+        held = tuple(raw[o + i * HASH_BYTES : o + (i + 1) * HASH_BYTES] for i in range(nh))
+        return cls(key[:OWNER_BYTES], int.from_bytes(key[OWNER_BYTES:], "big"), slots, held)
+
+
+def encode_index_entry(nbytes: int) -> bytes:
+    return _INDEX.pack(1, nbytes)
+
+
+def decode_index_entry(key: bytes, raw: bytes) -> int:
+    """Bytes of a context's index directory, from its catalog entry."""
+    try:
+        ver, nbytes = _INDEX.unpack(raw)
+    except struct.error:
+        raise FormatError(f"index entry {key.hex()} is malformed") from None
+    if ver != 1 or len(key) != HASH_BYTES:
+        raise FormatError(f"index entry {key.hex()} is malformed (version {ver})")
+    return nbytes

@@ -1,0 +1,87 @@
+"""What of a store's records can be trusted: a pure plan, computed from the records alone.
+
+Contexts are the durable truth: a context whose chain is incomplete (a chunk record missing or
+unreadable) is dropped; one whose chunk lies beyond the disk budget (the budget shrank) is
+evicted; one whose chunk lies in a missing or truncated segment file is dropped as corrupt.
+Chunks that no kept context holds and no put in progress (of any process) holds are orphans.
+The plan is applied at open by a writable store (:func:`apply`), and the same filter keeps a
+read-only store, or a process reloading a catalog another process damaged, from serving what
+the plan would drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from kvstore.catalog import WriteTxn
+from kvstore.records import ChunkRecord, ContextRecord
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryPlan:
+    keep_chunks: dict[bytes, ChunkRecord]
+    keep_contexts: dict[bytes, ContextRecord]
+    dropped: list[bytes] = field(default_factory=list)  # broken or corrupt contexts
+    evicted: list[bytes] = field(default_factory=list)  # beyond a smaller disk budget
+    orphans: list[bytes] = field(default_factory=list)  # chunks nothing holds
+    bad_chunks: int = 0  # chunks in missing or truncated segment files
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def dead_chunks(self) -> list[bytes]:
+        """Chunk records to delete: every chunk no kept context holds (orphans included)."""
+        return [k for k in self.all_chunks if k not in self.keep_chunks]
+
+    all_chunks: tuple[bytes, ...] = ()
+
+
+def plan(chunks: Mapping[bytes, ChunkRecord], contexts: Mapping[bytes, ContextRecord], *,
+         total_slots: int, extent_end: Callable[[ChunkRecord], tuple[int, int]] | None = None,
+         segment_sizes: Mapping[int, int] | None = None,
+         held: frozenset[bytes] | set[bytes] = frozenset()) -> RecoveryPlan:
+    """Decide what to keep. ``extent_end(rec)`` gives (segment, end offset) of a chunk's
+    extent; with ``segment_sizes`` (segment -> file size, for the files present) chunks in
+    missing or short files count as corrupt. ``held``: chunks puts in progress hold."""
+    problems: list[str] = []
+    broken = set()
+    for ctx in contexts.values():
+        missing = [c for c in ctx.chunks if c not in chunks]
+        if missing or not ctx.chunks or ctx.chunks[-1] != ctx.key:
+            broken.add(ctx.key)
+            problems.append(f"context {ctx.key.hex()} references a missing chunk"
+                            if missing else f"context {ctx.key.hex()} is malformed")
+    bad, lost = set(), set()
+    for k, rec in chunks.items():
+        if rec.slot >= total_slots:
+            lost.add(k)
+        elif segment_sizes is not None and extent_end is not None:
+            seg, end = extent_end(rec)
+            if segment_sizes.get(seg, -1) < end:
+                bad.add(k)
+                problems.append(f"chunk {k.hex()} lies in a missing or truncated segment file")
+    dropped, evicted = [], []
+    for ctx in contexts.values():
+        if ctx.key in broken or any(c in bad for c in ctx.chunks):
+            dropped.append(ctx.key)
+        elif any(c in lost for c in ctx.chunks):
+            evicted.append(ctx.key)
+    gone = set(dropped) | set(evicted)
+    keep_contexts = {k: c for k, c in contexts.items() if k not in gone}
+    live = {c for ctx in keep_contexts.values() for c in ctx.chunks}
+    referenced = {c for ctx in contexts.values() if ctx.key not in broken for c in ctx.chunks}
+    keep_chunks = {k: r for k, r in chunks.items()
+                   if (k in live or (k in held and k not in lost and k not in bad))}
+    orphans = [k for k in chunks if k not in referenced and k not in held]
+    return RecoveryPlan(keep_chunks=keep_chunks, keep_contexts=keep_contexts, dropped=dropped,
+                        evicted=evicted, orphans=orphans, bad_chunks=len(bad),
+                        problems=problems, all_chunks=tuple(chunks))
+
+
+def apply(p: RecoveryPlan, txn: WriteTxn) -> None:
+    """Delete what the plan drops, in one transaction."""
+    for k in (*p.dropped, *p.evicted):
+        txn.delete_context(k)
+        txn.delete_index(k)
+    for k in p.dead_chunks:
+        txn.delete_chunk(k)

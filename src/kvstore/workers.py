@@ -1,0 +1,125 @@
+"""Helper threads for fork-join parallelism: disk IO overlapped with checksums, large copies
+split over both cores.
+
+A caller hands tasks to :meth:`Helpers.submit` and waits for their futures before it returns, so
+a helper never holds work that no live thread is waiting for. That is why the helpers may be
+daemon threads: at interpreter exit nothing queued is dropped (the threads that queued work are
+still waiting on it), and an idle pool does not keep the process alive. The threads start on
+first use, not in the constructor. (``concurrent.futures`` is not used: its pools refuse new
+work once interpreter shutdown begins, while a store's writer thread may still be finishing
+queued saves then.)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+
+class Helpers:
+    """``n`` helper threads. Thread-safety: every method may be called from any thread."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self.n = n
+        self._name = name
+        self._q: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Future] | None] = \
+            queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("helpers are closed")
+            while len(self._threads) < self.n:
+                t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fn, args, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiting caller through the future
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if len(self._threads) < self.n:
+            self._start()
+        fut: Future = Future()
+        self._q.put((fn, args, fut))
+        return fut
+
+    def run_all(self, tasks: list[Callable[[], Any]]) -> list[Any]:
+        """Run ``tasks``: the first on this thread, the rest on helpers; wait for all, then
+        raise the first error (every task has finished by then)."""
+        futs = [self.submit(t) for t in tasks[1:]]
+        first: BaseException | None = None
+        results: list[Any] = []
+        try:
+            results.append(tasks[0]() if tasks else None)
+        except BaseException as e:
+            first = e
+        for f in futs:
+            try:
+                results.append(f.result())
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
+        return results if tasks else []
+
+    def close(self) -> None:
+        """Stop the threads once the queued tasks are done. Idempotent."""
+        with self._lock:
+            self._closed = True
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._q.put(None)
+        for t in threads:
+            t.join()
+
+
+PARALLEL_COPY_BYTES = 4 << 20  # below this a second thread costs more than it saves
+
+
+def copy_all(helpers: Helpers | None, pairs: list[tuple[Any, Any]]) -> None:
+    """``np.copyto(dst, src)`` for every (dst, src) pair of numpy arrays, split over this
+    thread and the helpers when the total is large (numpy copies release the GIL). Pairs are
+    split along their first axis so that the halves carry equal bytes."""
+    import numpy as np
+
+    total = sum(d.nbytes for d, _ in pairs)
+    ways = 1 + (helpers.n if helpers is not None else 0)
+    if total < PARALLEL_COPY_BYTES or ways == 1:
+        for d, s in pairs:
+            np.copyto(d, s)
+        return
+    share = total / ways
+    jobs: list[list[tuple[Any, Any]]] = [[] for _ in range(ways)]
+    load = [0.0] * ways
+    for d, s in pairs:
+        # big pairs are cut along axis 0 into pieces of about a share each
+        cuts = max(1, min(d.shape[0] if d.ndim else 1, round(d.nbytes / share)))
+        step = -(-d.shape[0] // cuts) if d.ndim else 1
+        for a in range(0, d.shape[0] if d.ndim else 1, step):
+            dd, ss = (d[a : a + step], s[a : a + step]) if d.ndim else (d, s)
+            i = load.index(min(load))
+            jobs[i].append((dd, ss))
+            load[i] += dd.nbytes
+
+    def run(job: list[tuple[Any, Any]]) -> Callable[[], None]:
+        def go() -> None:
+            for d, s in job:
+                np.copyto(d, s)
+        return go
+
+    helpers.run_all([run(j) for j in jobs if j])  # type: ignore[union-attr]

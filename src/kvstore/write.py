@@ -1,0 +1,391 @@
+"""The put pipeline and its commit order.
+
+1. **Plan** (one catalog write transaction): reclaim the reservations of dead processes, catch
+   up with the catalog, resolve what is stored already, evict whole contexts (policy order)
+   until enough disk slots are free, and record a *reservation*: the slots this put will write
+   and the stored chunks it reuses (which no process may free meanwhile). Disk budget is hard
+   across processes because slots are only ever taken inside a write transaction.
+2. **Write** (no lock): the new extents go into the reserved slots and are made durable
+   (``fdatasync``), while this thread computes checksums and fills DRAM copies.
+3. **Commit** (one catalog write transaction): the chunk records and the context record become
+   visible together and the reservation is deleted. A chunk another process committed in the
+   meantime is not stored twice (its slot goes back). Contexts that are strict prefixes of this
+   one are superseded.
+
+A crash at any instant is safe: extent bytes are durable before the commit that points to them;
+freed slots are reserved (and written) only in transactions after the one that freed them; a
+dead process's reservation points to no record and is reclaimed by the survivors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import wait
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvstore import extent
+from kvstore.catalog import WriteTxn
+from kvstore.context_indexes import IndexFiles
+from kvstore.core import Core
+from kvstore.dram import Entry
+from kvstore.errors import CapacityError, CorruptData, KVStoreError, StoreClosed
+from kvstore.mirror import writing
+from kvstore.owners import owner_alive
+from kvstore.policy import Queued
+from kvstore.records import ChunkRecord, ContextRecord, Reservation
+from kvstore.tree import served
+
+
+@dataclass(slots=True, kw_only=True)
+class PutPlan:
+    """A put between planning and commit."""
+
+    toks: np.ndarray
+    namespace: str | None
+    now: int
+    chain: list[bytes]  # every chunk of the context
+    specs: list[tuple[bytes, bytes, int]]  # (key, parent, chunk index) of each new chunk
+    reused: list[ChunkRecord]  # the stored prefix chunks it reuses (held)
+    reservation: Reservation
+    staged: dict[bytes, Entry]  # pending DRAM copies of new chunks
+    records: list[ChunkRecord] = field(default_factory=list)
+
+    @property
+    def keys(self) -> list[bytes]:
+        return [k for k, _, _ in self.specs]
+
+    @property
+    def held(self) -> list[bytes]:
+        return [r.key for r in self.reused]
+
+
+class _Refused(Exception):
+    """A commit found the plan no longer valid; nothing was written (``error`` says why)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def reclaim_dead(core: Core, txn: WriteTxn) -> int:
+    """Delete the reservations of processes that died with a put in progress, and the chunks
+    they alone held. Returns how many reservations went. Caller holds the mutex."""
+    mine = core.owner.id if core.owner is not None else b""
+    dead = [r for r in txn.reservations()
+            if r.owner != mine and not owner_alive(core.path, r.owner)]
+    if not dead:
+        return 0
+    for r in dead:
+        txn.delete_reservation(r.key)
+    still = {k for r in txn.reservations() for k in r.held}
+    core.counters.collected_orphans += core.mirror.collect_orphans(
+        txn, {k for r in dead for k in r.held}, still)
+    core.counters.reclaimed_reservations += len(dead)
+    return len(dead)
+
+
+class Writer:
+    """Puts, from any thread (several at once: their IO runs in parallel)."""
+
+    def __init__(self, core: Core, *, queued: Callable[[bytes], Queued | None],
+                 exempt: Callable[[bytes], bool],
+                 refresh_hints: Callable[[], None], files: IndexFiles,
+                 on_commit: Callable[[], None]) -> None:
+        self.core = core
+        self._queued = queued
+        self._exempt = exempt  # context -> whether the look-ahead window protects it
+        self._refresh_hints = refresh_hints
+        self._files = files
+        self._on_commit = on_commit
+        self._cond = threading.Condition(core.mutex)  # signals the end of a put's writing
+        self._inflight: set[bytes] = set()  # new chunks puts of this process are writing
+        self._writers = 0  # puts between plan and end
+        self._seq = itertools.count()
+
+    def wait_idle(self) -> None:
+        """Block until no put is writing (they hold no lock while they do)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._writers == 0)
+
+    # ------------------------------------------------------------------ put
+    def put(self, toks: np.ndarray, kr: np.ndarray, vr: np.ndarray, namespace: str | None,
+            base: int = 0) -> None:
+        """Store ``toks`` given raw KV kr/vr [L, H, T - base, D] of tokens [base, T)."""
+        plan = self._plan(toks, namespace, base)
+        if plan is None:
+            return
+        try:
+            try:
+                self._write_extents(plan, kr, vr, base)
+            except BaseException:
+                self._abort(plan)
+                raise
+            self._commit(plan)
+        finally:
+            with self._cond:
+                self._writers -= 1
+                self._cond.notify_all()
+
+    def _already_stored(self, toks: np.ndarray, namespace: str | None) -> bool:
+        """Under the lock: whether ``toks`` is servable now (then only recency is refreshed)."""
+        core = self.core
+        pieces = core.tree.resolve(toks, namespace)
+        if served(pieces) != len(toks):
+            return False
+        core.counters.put_tokens += len(toks)
+        now = core.mirror.tick()
+        for k in core.tree.holders.get(pieces[-1].rec.key, ()):
+            core.tree.touch(k, now)
+            core.mirror.dirty.add(k)
+        return True
+
+    def _plan(self, toks: np.ndarray, namespace: str | None, base: int) -> PutPlan | None:
+        core = self.core
+        with core.mutex:
+            core.check_writable()
+            core.mirror.catch_up()
+            if self._already_stored(toks, namespace):
+                return None
+        while True:
+            dirs: list[bytes] = []
+            with writing(core.catalog, core.mirror, core.mutex) as txn:
+                with core.mutex:
+                    core.check_writable()
+                    plan = self._plan_locked(txn, toks, namespace, base, dirs)
+                trash = self._files.retire(dirs)
+            self._files.purge(trash)
+            if plan is None:
+                return None
+            if not isinstance(plan, set):
+                break
+            busy = plan
+            with self._cond:  # another put of this process writes the same chunks: wait
+                self._cond.wait_for(lambda: not (busy & self._inflight) or core.closed)  # noqa: B023
+                core.check_writable()
+        try:
+            core.segments.ensure_ready(list(plan.reservation.slots))
+        except BaseException:
+            self._abort(plan)
+            with self._cond:
+                self._writers -= 1
+                self._cond.notify_all()
+            raise
+        return plan
+
+    def _plan_locked(self, txn: WriteTxn, toks: np.ndarray, namespace: str | None, base: int,
+                     dirs: list[bytes]) -> PutPlan | set[bytes] | None:
+        """Inside the plan transaction, under the lock: the plan, None if nothing is to be
+        written, or the set of new chunk keys another put of this process is writing."""
+        core = self.core
+        tree, c = core.tree, core.config.chunk_tokens
+        reclaim_dead(core, txn)
+        core.mirror.catch_up(txn)
+        if self._already_stored(toks, namespace):
+            core.mirror.flush_access(txn)
+            return None
+        pieces = tree.resolve(toks, namespace)
+        reused = [p.rec for p in pieces if p.use == p.rec.n_tokens == c]
+        specs = tree.chain(toks, namespace, reused)
+        keys = {k for k, _, _ in specs}
+        if keys & self._inflight:
+            return keys
+        core.counters.put_tokens += len(toks)
+        for key, _, _ in specs:
+            if key in tree.corrupt:
+                raise CorruptData(f"chunk {key.hex()} of this context's stored prefix failed its "
+                                  f"checksum; nothing was stored")
+            if key in tree.chunks:
+                raise CorruptData(f"chunk address collision at {key.hex()}")
+        if specs[0][2] * c < base:
+            raise KVStoreError(f"the stored prefix of this context (first {base} tokens, whose "
+                               f"KV was not kept for saving) is no longer stored")
+        chain = [r.key for r in reused] + [k for k, _, _ in specs]
+        if len(chain) > core.geo.total_slots:  # the reused prefix stays on disk too
+            raise CapacityError(
+                f"a context of {len(toks)} tokens needs {len(chain)} chunk slots; disk_bytes="
+                f"{core.config.disk_bytes} holds {core.geo.total_slots}")
+        reservations = txn.reservations()
+        reserved = {s for r in reservations for s in r.slots}
+        held = {k for r in reservations for k in r.held} | {r.key for r in reused}
+        self._make_room(txn, len(specs), reserved, held, dirs)
+        slots = core.slots.take(len(specs), reserved)
+        res = Reservation(core.owner.id, next(self._seq), tuple(slots),  # type: ignore[union-attr]
+                          tuple(r.key for r in reused))
+        txn.put_reservation(res)
+        core.mirror.flush_access(txn)
+        now = core.mirror.tick()
+        staged: dict[bytes, Entry] = {}
+        if core.dram.num_slots:
+            for key, _, i in specs:
+                n = min(c, len(toks) - i * c)
+                e = core.dram.insert(key, 0, core.extent_bytes(n), now, self._queued(key))
+                if e is None:
+                    break
+                staged[key] = e
+        tree.hold(res.held)
+        self._inflight |= keys
+        self._writers += 1
+        return PutPlan(toks=toks, namespace=namespace, now=now, chain=chain, specs=specs,
+                       reused=reused, reservation=res, staged=staged)
+
+    def _make_room(self, txn: WriteTxn, need: int, reserved: set[int], held: set[bytes],
+                   dirs: list[bytes]) -> None:
+        """Evict whole contexts (least valuable first) until ``need`` slots are free and not
+        reserved. With a queue-aware policy, contexts inside the look-ahead eviction window go
+        last; a put is not refused because of hints. Refuses before evicting anything if
+        not enough can be freed (held or pinned chunks)."""
+        core = self.core
+        tree, slots = core.tree, core.slots
+        if slots.available(reserved) >= need:
+            return
+        self._refresh_hints()
+        reclaimable = slots.available(reserved) + sum(
+            1 for k, r in tree.chunks.items()
+            if k not in held and k not in tree.held and not slots.pinned(r.slot))
+        if reclaimable < need:
+            raise CapacityError(
+                f"need {need} free disk slots but at most {reclaimable} can be freed now (the "
+                f"rest hold chunks that puts, saves or layer-wise loads in progress use)")
+        while slots.available(reserved) < need:
+            victim = tree.heap.peek()
+            if victim is None:
+                raise CapacityError(f"need {need} free disk slots, but only "
+                                    f"{slots.available(reserved)} can be freed")
+            if self._exempt(victim):
+                core.counters.evicted_in_window += 1
+            core.counters.evicted_contexts += 1
+            freed, d = core.mirror.drop_contexts(txn, [victim], held)
+            core.counters.evicted_chunks += freed
+            dirs += d
+
+    # ------------------------------------------------------------------ write
+    def _write_extents(self, plan: PutPlan, kr: np.ndarray, vr: np.ndarray, base: int) -> None:
+        """Without the lock: write the new extents into the reserved slots and make them
+        durable on a helper thread (one pwritev per chunk straight from the caller's arrays,
+        then fdatasync), while this thread computes checksums and fills the DRAM copies from
+        the same bytes. Fills ``plan.records``."""
+        core = self.core
+        lay, c = core.layout, core.config.chunk_tokens
+        n_tok = len(plan.toks)
+        jobs = [(slot, extent.pieces(kr, vr, i * c - base, min(c, n_tok - i * c)))
+                for slot, (_, _, i) in zip(plan.reservation.slots, plan.specs, strict=True)]
+
+        def write_all() -> None:
+            # One task: buffered writes to one file serialize in the kernel anyway, and two
+            # concurrent writers measured slower here.
+            for slot, parts in jobs:
+                core.segments.write(slot, parts)
+            core.segments.sync(list(plan.reservation.slots))
+
+        fut = core.helpers.submit(write_all)
+        try:
+            for (key, parent, i), (slot, parts) in zip(plan.specs, jobs, strict=True):
+                n, t0 = min(c, n_tok - i * c), i * c - base
+                sums = extent.piece_checksums(parts, lay.num_layers)
+                e = plan.staged.get(key)
+                if e is not None:
+                    ext = extent.view(lay, core.dram.buffer(e), n)  # [L, 2, H, n, D]
+                    np.copyto(ext[:, 0], kr[:, :, t0 : t0 + n])  # [L, H, n, D]
+                    np.copyto(ext[:, 1], vr[:, :, t0 : t0 + n])
+                tokens = plan.toks[i * c : i * c + n].copy()
+                plan.records.append(ChunkRecord(key, parent, n, slot, 0, sums, tokens))
+        finally:
+            wait([fut])  # the helper is done with the slots before anything reuses them
+        fut.result()  # durable (or the IO error, re-raised here)
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, plan: PutPlan) -> None:
+        """Make a written plan visible in one catalog transaction."""
+        core = self.core
+        tree = core.tree
+        body_done = False
+        dirs: list[bytes] = []
+        trash: list[str] = []
+        dup: set[bytes] = set()
+        try:
+            with writing(core.catalog, core.mirror, core.mutex) as txn:
+                with core.mutex:
+                    if core.failed is not None or core.closed:
+                        raise _Refused(StoreClosed(f"store {core.path!r} is closed")
+                                       if core.closed else KVStoreError("writes are refused"))
+                    core.mirror.catch_up(txn)
+                    for r in plan.reused:
+                        cur = tree.chunks.get(r.key)
+                        if r.key in tree.corrupt or cur is None or cur.gen != r.gen:
+                            raise _Refused(CorruptData(
+                                f"chunk {r.key.hex()} of this context's stored prefix failed its "
+                                f"checksum while the put was written; nothing was stored"))
+                    new = []
+                    for rec in plan.records:
+                        cur = tree.chunks.get(rec.key)
+                        if cur is None:
+                            rec.gen = txn.next_gen
+                            new.append(rec)
+                        elif cur.parent == rec.parent and np.array_equal(cur.tokens, rec.tokens):
+                            dup.add(rec.key)  # another process stored it meanwhile
+                        else:
+                            raise _Refused(CorruptData(f"chunk address collision at "
+                                                       f"{rec.key.hex()}"))
+                    others = [r for r in txn.reservations()
+                              if r.key != plan.reservation.key]
+                    keep = set(plan.chain) | {k for r in others for k in r.held}
+                    superseded = tree.prefix_contexts(plan.toks, plan.chain, plan.namespace)
+                    for rec in new:
+                        txn.put_chunk(rec)
+                    txn.put_context(ContextRecord(plan.chain[-1], len(plan.toks), plan.now,
+                                                  plan.now, tuple(plan.chain)))
+                    _, dirs = core.mirror.drop_contexts(txn, superseded, keep)
+                    txn.delete_reservation(plan.reservation.key)
+                    core.mirror.flush_access(txn)
+                trash = self._files.retire(dirs)
+                body_done = True
+        except _Refused as r:
+            self._abort(plan)
+            raise r.error from None
+        except BaseException as e:
+            if body_done:  # the commit itself failed: it may or may not have reached the disk
+                with core.mutex:
+                    core.failed = e
+                self._end(plan, give_back=False)
+            else:
+                self._abort(plan)
+            raise
+        with core.mutex:
+            core.mirror.catch_up()
+            gens = {r.key: r.gen for r in plan.records}
+            core.slots.give_back(r.slot for r in plan.records if r.key in dup)
+            for key, e in plan.staged.items():
+                core.dram.finish(e, ok=key not in dup, gen=gens.get(key))
+            plan.staged.clear()
+            core.counters.put_chunks_written += len(plan.records) - len(dup)
+            core.counters.put_chunks_deduplicated += len(dup)
+            self._end_locked(plan, give_back=False)
+        self._files.purge(trash)
+        self._on_commit()
+
+    def _abort(self, plan: PutPlan) -> None:
+        """Undo a plan that did not commit: its reservation goes, its slots come back."""
+        try:
+            with writing(self.core.catalog, self.core.mirror, self.core.mutex) as txn:
+                txn.delete_reservation(plan.reservation.key)
+        finally:
+            self._end(plan, give_back=True)
+
+    def _end(self, plan: PutPlan, *, give_back: bool) -> None:
+        with self.core.mutex:
+            self._end_locked(plan, give_back=give_back)
+
+    def _end_locked(self, plan: PutPlan, *, give_back: bool) -> None:
+        core = self.core
+        if give_back:
+            core.slots.give_back(plan.reservation.slots)
+        for e in plan.staged.values():
+            core.dram.finish(e, ok=False)
+        plan.staged.clear()
+        core.tree.release(plan.held)
+        plan.reused = []
+        self._inflight -= set(plan.keys)
+        self._cond.notify_all()
