@@ -7,12 +7,20 @@ top-k, DIPR(beta) (Definition 3: every key within ``beta`` of the best inner pro
 prefix filter (only tokens ``< limit``).
 """
 
+from kvstore.index import spec as _spec
+from kvstore.index.build import build_index
 from kvstore.index.context import ContextIndexes
 from kvstore.index.flat import FlatIndex
 from kvstore.index.graph import GraphIndex
 from kvstore.index.persist import load_index, save_index
 from kvstore.index.pq import PQIndex
-from kvstore.index.spec import IndexSpec, build_index, recall
+from kvstore.index.spec import IndexSpec, recall
+
+# Transitional alias: kvstore/store.py (being split up in a concurrent change) still does
+# `from kvstore.index.spec import build_index`. The package sets the name so that spec.py
+# itself imports no index type (no import cycle); remove once store.py imports it from
+# kvstore.index.build.
+_spec.build_index = build_index
 
 __all__ = ["ContextIndexes", "FlatIndex", "GraphIndex", "IndexSpec", "PQIndex", "build_index",
            "load_index", "recall", "save_index"]
