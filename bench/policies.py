@@ -6,7 +6,10 @@ input, and after the turn the history grows by the input and a reply. Conversati
 with Zipf-like popularity. Before each job the scheduler hands the store the next ``--lookahead``
 waiting jobs (``belady`` gets the whole remaining trace: the offline optimum's knowledge) and the
 prefetcher acts; then the job's history is classified as a DRAM hit, a disk hit, or a miss.
-Policies: scheduler (AttentionStore), lru, fifo, belady. JSON to --out.
+Every hit is read and checked byte for byte against the KV that was put (keys and values are
+distinct random tensors; a context's KV extends its history's, as real KV does), so a policy
+that serves wrong bytes fails the run. Policies: scheduler (AttentionStore), lru, fifo, belady.
+JSON to --out.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ def run(policy: str, trace, args, root: str) -> dict[str, float]:
     slot = 4096  # a 16-token chunk of LAYOUT fits one page-aligned slot
     rng = np.random.default_rng(0)
     hist: dict[int, list[int]] = {}
+    # The oracle: the KV [L, H, T, D] of each conversation's history as it was put. The KV of a
+    # context extends its history's (KV is causal), so the prefix the store shares is exact.
+    oracle: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    gen = torch.Generator().manual_seed(args.seed)
     counts = {"dram": 0, "disk": 0, "miss": 0, "first_turn": 0}
     prompts = []
     # The prompts of all jobs are known up front (the new input is in the queue already).
@@ -64,15 +71,26 @@ def run(policy: str, trace, args, root: str) -> dict[str, float]:
                 kind = "miss" if r["missing"] else ("dram" if r["disk"] == 0 else "disk")
                 counts[kind] += 1
                 if kind != "miss":
-                    s.get(h)
+                    k, v = s.get(h)
+                    ek, ev = oracle[c]
+                    if not (torch.equal(k, ek) and torch.equal(v, ev)):
+                        raise RuntimeError(f"{policy}: job {i} was served KV of conversation "
+                                           f"{c}'s {len(h)}-token history that differs from "
+                                           f"what was put")
             full = (h or [c + 10**6]) + prompts[i][1] + [int(x) for x in
                                                         rng.integers(10**7, 2 * 10**7, n_reply)]
-            kv = torch.randn(LAYOUT.kv_shape(len(full))).to(LAYOUT.torch_dtype)
-            s.put(full, kv, kv)
+            shape = LAYOUT.kv_shape(len(full) - len(h))
+            new_k = torch.randn(shape, generator=gen).to(LAYOUT.torch_dtype)
+            new_v = torch.randn(shape, generator=gen).to(LAYOUT.torch_dtype)
+            if h:
+                new_k = torch.cat([oracle[c][0], new_k], dim=2)
+                new_v = torch.cat([oracle[c][1], new_v], dim=2)
+            s.put(full, new_k, new_v)
             hist[c] = full
+            oracle[c] = (new_k, new_v)
     shutil.rmtree(path, ignore_errors=True)
     reuse = len(trace) - counts["first_turn"]
-    return {**counts, "reuse_jobs": reuse,
+    return {**counts, "reuse_jobs": reuse, "hits_checked": counts["dram"] + counts["disk"],
             "hit_rate": (counts["dram"] + counts["disk"]) / reuse,
             "dram_hit_rate": counts["dram"] / reuse}
 

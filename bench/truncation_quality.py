@@ -8,7 +8,8 @@ reads continuation tokens c_0..c_{M-1} and the NLL of c_1..c_M is measured (M pr
 of continuation tokens). Methods (K = number of kept history tokens):
 
   as        AttentionStore decoupled truncation: KV of all W tokens computed once (positions
-            0..W-1, keys stored pre-RoPE), newest half kept (kvstore.rope.Truncation.apply),
+            0..W-1, keys stored pre-RoPE), newest half kept (Truncation.apply from
+            kvstore.truncation: the history fills a window of W, the next token overflows it),
             re-positioned to 0..K-1; continuation at K..K+M-1. No recompute.
   as_sink   the same keeping the first --sink tokens (default 4) as well (Truncation(sink=4)).
   tt        token truncation + recompute: KV of the kept tokens recomputed alone from scratch
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 
 import engine
 from engine.model import Model, split_kv, stack_kv
-from kvstore.rope import Truncation
+from kvstore.truncation import Truncation
 
 METHODS = ("as", "as_sink", "tt", "tt_sink", "nkvt", "full", "none")
 SINK = 4  # default sink tokens of as_sink / tt_sink
@@ -109,15 +110,17 @@ def evaluate_sample(model: Model, ids: Sequence[int], window: int, m: int,
         del kv
     for n_sink, sfx in ((0, ""), (sink, "_sink")):
         trunc = Truncation(drop_ratio=drop_ratio, sink=n_sink)
+        # The history fills a window of W and the next token overflows it: one drop.
+        kept = trunc.kept(window, needed=1, window=window)
         if f"as{sfx}" in methods or (sfx == "" and "nkvt" in methods):
-            _, k, v = trunc.apply(hist, keys, values)  # [L, H, K, D]
+            _, k, v = trunc.apply(hist, keys, values, needed=1, window=window)  # [L, H, K, D]
             past = split_kv(k, v)
             if f"as{sfx}" in methods:  # decoupled: re-positioned to 0..K-1 (the default)
                 out[f"as{sfx}"] = cont_nll(past)
             if sfx == "" and "nkvt" in methods:  # RoPE baked in at the original positions
-                out["nkvt"] = cont_nll(past, past_positions=trunc.kept(window))
+                out["nkvt"] = cont_nll(past, past_positions=kept)
         if f"tt{sfx}" in methods:  # recompute the kept tokens alone at 0..K-1
-            kept_ids = [hist[i] for i in trunc.kept(window).tolist()]
+            kept_ids = [hist[i] for i in kept.tolist()]
             _, kv = model.forward(kept_ids, last_only=True)
             out[f"tt{sfx}"] = cont_nll(kv)
     if "full" in methods:
@@ -162,8 +165,8 @@ def run(model: Model, window: int, m: int, n_samples: int, *, skip: int = 0,
         if verbose:
             ppl = "  ".join(f"{k}={math.exp(statistics.fmean(v)):.2f}" for k, v in nll.items())
             print(f"  W={window} sample {j} (convs {convs[0]}..{convs[-1]}): {ppl}", flush=True)
-    return {"window": window, "continuation": m, "kept": len(
-        Truncation(drop_ratio=drop_ratio).kept(window)), "samples": samples,
+    return {"window": window, "continuation": m, "kept": Truncation(
+        drop_ratio=drop_ratio).kept_length(window, needed=1, window=window), "samples": samples,
         "summary": summarize([s["nll"] for s in samples], methods),
         "seconds": time.perf_counter() - t0}
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvstore.cli import add_store_commands, run
+from kvstore.fsutil import atomic_write
 
 
 def _conversation_path(store_dir: str, name: str) -> str:
@@ -17,24 +18,14 @@ def _conversation_path(store_dir: str, name: str) -> str:
 
 def _save_json_atomic(path: str, obj: object) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic_write(path, json.dumps(obj))
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     import kvstore
     from engine.generate import Conversation, Generator, SamplingConfig
     from engine.model import load_model
-    from kvstore.rope import Truncation
+    from kvstore.truncation import Truncation
 
     model = load_model()
     state_path = _conversation_path(args.store, args.conversation)

@@ -3,8 +3,9 @@
 ``Generator.generate(ids)`` is one request. ``Conversation`` is a multi-turn chat on top of it:
 it keeps the conversation's token ids (so every turn's prompt extends the last one exactly and
 the store serves the whole history), and when the history would overflow the context window it
-truncates the *stored KV* (drop the oldest half, keep sink tokens) and re-positions the rest —
-no recompute (AttentionStore §3.4).
+truncates the *stored KV* (the plan of :class:`kvstore.truncation.Truncation`: keep the sink
+tokens, drop the oldest half of the rest until the turn fits) and re-positions the rest — no
+recompute (AttentionStore §3.4).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import kvstore
 from engine.model import KV, Model, split_kv, stack_kv
 from kvstore.layerwise import LayerLoad
-from kvstore.rope import Truncation
+from kvstore.truncation import Truncation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,9 +278,10 @@ class Conversation:
     """A multi-turn chat whose history lives in the store.
 
     ``ids`` are the conversation's token ids so far (the context the next turn extends). When a
-    turn would overflow the window, the stored KV of ``ids`` is truncated (``truncation``) and
-    stored again under the conversation's own namespace (the kept KV was computed with the
-    dropped history, so it must not be served to another context with the same tokens).
+    turn would overflow the window, the stored KV of ``ids`` is truncated once to what the
+    ``truncation`` plan keeps and stored again under the conversation's own namespace (the kept
+    KV was computed with the dropped history, so it must not be served to another context with
+    the same tokens). ``truncations`` counts the turns that truncated.
     """
 
     generator: Generator
@@ -306,14 +308,16 @@ class Conversation:
              sampling: SamplingConfig | None = None) -> tuple[str, GenerationResult]:
         """Add a user message, generate the reply, store the context. Returns (text, result)."""
         new = self._message_ids("user", user_text, first=not self.ids)
-        window = self.window
-        while len(self.ids) + len(new) + max_new_tokens > window:
-            if not self.ids:
+        needed = len(new) + max_new_tokens
+        if len(self.ids) + needed > self.window:
+            try:
+                keep = self.truncation.kept(len(self.ids), needed, self.window)
+            except ValueError as e:
                 raise ValueError(
-                    f"a message of {len(new)} tokens + {max_new_tokens} new tokens does not fit "
-                    f"the context window of {window}"
-                )
-            self._truncate()
+                    f"a message of {len(new)} tokens + max_new_tokens={max_new_tokens} does not "
+                    f"fit the conversation's window of {self.window} tokens even after "
+                    f"truncating its history: {e}") from e
+            self._truncate(keep)
         r = self.generator.generate(self.ids + new, max_new_tokens, sampling=sampling,
                                     namespace=self.namespace)
         # History = prompt + the assistant's content; a final stop token is re-added by the
@@ -324,12 +328,13 @@ class Conversation:
             [t for t in r.tokens if t not in self.generator.stop_ids], skip_special=True)
         return text, r
 
-    def _truncate(self) -> None:
-        """Drop the oldest part of the stored history KV and re-store the rest (re-positioned
-        to 0..K-1 on use). History tokens without stored KV (the last generated token, or a
-        tail the store evicted) are computed on top of the stored prefix first."""
+    def _truncate(self, keep: torch.Tensor) -> None:
+        """Keep the history tokens at indices ``keep`` (the truncation plan): the stored KV of
+        the history is loaded, the kept part stored again under the conversation's namespace
+        (re-positioned to 0..K-1 on use). History tokens without stored KV (the last generated
+        token, or a tail the store evicted) are computed on top of the stored prefix first."""
         ns = f"conversation:{self.name}"
-        kept, _ = self.generator.truncate_stored(self.ids, self.truncation.kept(len(self.ids)),
-                                                 namespace=self.namespace, new_namespace=ns)
+        kept, _ = self.generator.truncate_stored(self.ids, keep, namespace=self.namespace,
+                                                 new_namespace=ns)
         self.ids, self.namespace = kept, ns
         self.truncations += 1

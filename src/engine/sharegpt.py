@@ -265,6 +265,8 @@ def token_table(model, *, path: str | None = None, max_message_chars: int = 16_0
     written there atomically."""
     import pyarrow.parquet as pq
 
+    from kvstore.fsutil import atomic_write  # here: `import kvstore` loads torch
+
     path = path or dataset_path()
     key = (f"{file_hash(path)}-r{RULES_VERSION}-{model.layout.model_id}-m{max_message_chars}")
     cache = None
@@ -276,11 +278,8 @@ def token_table(model, *, path: str | None = None, max_message_chars: int = 16_0
     table = turn_table(model, convs)
     if cache is not None:
         os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{cache}.tmp-{os.getpid()}"
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, cache)  # never a half-written cache under the final name
+        # never a half-written cache under the final name
+        atomic_write(cache, lambda f: pq.write_table(table, f))
     return table
 
 

@@ -22,13 +22,14 @@ import torch
 from kvstore.core import Core
 from kvstore.errors import CorruptData
 from kvstore.fsutil import fsync_dir
+from kvstore.index.build import build_index
 from kvstore.index.context import (
     ContextIndexes,
     positioned_keys,
     publish,
     read_context_indexes,
 )
-from kvstore.index.spec import IndexSpec, build_index
+from kvstore.index.spec import IndexSpec
 from kvstore.mirror import writing
 from kvstore.tree import served
 

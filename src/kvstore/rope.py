@@ -1,15 +1,15 @@
-"""Rotary position encoding at arbitrary positions, and truncation of stored contexts.
+"""Rotary position encoding at arbitrary positions (and its inverse).
 
 The store keeps keys *before* RoPE, so a context can be re-positioned (truncated, shifted,
-reused at another offset) by applying RoPE at the new positions when it is loaded. Convention:
-half-split ("rotate_half", as HF Llama), angles ``pos * theta ** (-2i / D)`` computed in
-float64 so that any position is exact to float32, then the rotation in float32 (or float64).
+reused at another offset) by applying RoPE at the new positions when it is loaded; which tokens
+a truncation keeps is :mod:`kvstore.truncation`'s rule. Convention: half-split ("rotate_half",
+as HF Llama), angles ``pos * theta ** (-2i / D)`` computed in float64 so that any position is
+exact to float32, then the rotation in float32 (or float64).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -97,38 +97,3 @@ def remove_rope(x: torch.Tensor, positions: torch.Tensor | Sequence[int] | int,
                 layout: KVLayout) -> torch.Tensor:
     """Undo :func:`apply_rope` (keys as HF caches them -> keys as the store keeps them)."""
     return apply_rope(x, positions, layout, inverse=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Truncation:
-    """Which tokens of an overflowing context to keep: the first ``sink`` tokens, then drop
-    the oldest ``drop_ratio`` of the rest (AttentionStore keeps the newest half)."""
-
-    drop_ratio: float = 0.5
-    sink: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.drop_ratio < 1.0:
-            raise ValueError(f"drop_ratio must be in (0, 1), got {self.drop_ratio}")
-        if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
-            raise ValueError(f"sink must be a non-negative int, got {self.sink!r}")
-
-    def kept(self, n_tokens: int) -> torch.Tensor:
-        """Indices [K] of the tokens kept out of ``n_tokens`` (ascending)."""
-        sink = min(self.sink, n_tokens)
-        drop = int((n_tokens - sink) * self.drop_ratio)
-        return torch.cat([torch.arange(sink), torch.arange(sink + drop, n_tokens)])
-
-    def apply(self, tokens: Sequence[int], keys: torch.Tensor, values: torch.Tensor
-              ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Truncate a stored context: tokens [T], keys/values [L, H, T, D] pre-RoPE.
-
-        Returns the kept tokens and KV; the kept keys get positions 0..K-1 when RoPE is applied
-        on use — no recompute. (The kept KV was computed with the dropped history, so it should
-        be stored under the conversation's own namespace.)
-        """
-        n = len(tokens)
-        assert keys.shape[2] == n and values.shape[2] == n, "KV must have one entry per token"
-        idx = self.kept(n)
-        toks = [int(tokens[i]) for i in idx.tolist()]
-        return toks, keys.index_select(2, idx), values.index_select(2, idx)

@@ -1,6 +1,8 @@
 """Generation with reuse: exactly the tokens of a full recompute; truncation without recompute."""
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +11,10 @@ import pytest
 import torch
 
 import kvstore
-from engine.generate import Conversation, Generator, SamplingConfig
+from engine.generate import Conversation, Generator, SamplingConfig, message_ids
 from engine.model import split_kv, stack_kv
-from kvstore.rope import Truncation, apply_rope
+from kvstore.rope import apply_rope
+from kvstore.truncation import Truncation
 from tests.engine.test_model_reference import (
     read_sharegpt_records,
     sharegpt_messages,
@@ -124,6 +127,59 @@ def test_conversation_overflow_truncates_kv_without_recompute(model, tmp_path):
         assert store.match(conv.ids, namespace=conv.namespace) >= len(conv.ids) - 1
         # the truncated KV lives only in the conversation's namespace
         assert store.match(conv.ids) < len(conv.ids) // 2
+
+
+@contextlib.contextmanager
+def deadline(seconds):
+    """Raise TimeoutError in the main thread after ``seconds`` (a loop that never ends fails
+    the test instead of hanging the suite)."""
+    def _raise(signum, frame):
+        raise TimeoutError(f"did not finish within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_conversation_truncates_a_history_of_sink_plus_one_tokens(model, tmp_path):
+    """A history of sink + 1 tokens and a turn that overflows the window by one: the token
+    after the sink goes, once. (The old loop kept all sink + 1 tokens and truncated forever.)
+    The sink tokens' KV depends on them alone, so the reply equals a full recompute of the
+    kept prompt."""
+    history = model.chat_template([{"role": "user", "content": "Hello there"}])[:5]
+    q, m = "Name a color.", 4
+    new = message_ids(model, "user", q, first=False)
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28) as store:
+        gen = Generator(model, store)
+        conv = Conversation(gen, "tiny", ids=list(history), window=5 + len(new) + m - 1,
+                            truncation=Truncation(sink=4))
+        with deadline(120):
+            _, r = conv.turn(q, m)
+        assert conv.truncations == 1 and conv.namespace == "conversation:tiny"
+        assert r.reused_tokens == 4  # the kept sink tokens came from the store
+        ref = gen.generate(history[:4] + new, m, store=False, reuse=False)
+        assert r.tokens == ref.tokens
+        gen.flush()
+
+
+def test_conversation_that_cannot_fit_raises_instead_of_looping(model, tmp_path):
+    """Only sink tokens in the history (nothing droppable) and a turn that still overflows:
+    a ValueError naming the arguments, no truncation attempted."""
+    history = model.chat_template([{"role": "user", "content": "Hello there"}])[:3]
+    q, m = "Name a color.", 4
+    new = message_ids(model, "user", q, first=False)
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28) as store:
+        conv = Conversation(Generator(model, store), "small", ids=list(history),
+                            window=len(new) + m + 2, truncation=Truncation(sink=4))
+        with deadline(120), pytest.raises(ValueError, match=r"max_new_tokens=4.*window of "
+                                                             r".*needed.*history.*sink=4"):
+            conv.turn(q, m)
+        assert conv.truncations == 0 and conv.ids == history
+        assert store.stats()["disk"]["chunks"] == 0  # nothing was stored
 
 
 def test_sampling_is_seeded(model, tmp_path):

@@ -7,16 +7,14 @@ import random
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from engine.replay.costs import PRESETS, parse_bytes
 from engine.replay.metrics import rows, summarize
 from engine.replay.run import ReplayConfig, plan, replay
-from engine.replay.server import Method, kept_length, serve
+from engine.replay.server import Method, serve
 from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import WorkloadConfig, build_trace
-from kvstore.rope import Truncation
+from tests.kvstore.test_truncation import reference_kept
 
 
 def synthetic_table(n_convs, seed=0, mean_user=120, mean_reply=300):
@@ -53,16 +51,21 @@ def trace():
                        context_window=COST.context_window)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(0, 9000), st.integers(1, 3000), st.integers(0, 8))
-def test_kept_length_is_repeated_truncation(history, needed, sink):
-    window = 4096
-    n = kept_length(history, needed, window, 0.5, sink)
-    t, m = Truncation(drop_ratio=0.5, sink=sink), history
-    while m + needed > window and m > sink:
-        k = len(t.kept(m))
-        m = k if k < m else sink  # a history of sink + 1 token drops its last one
-    assert n == m
+@pytest.mark.parametrize("ratio", [0.5, 0.2])
+def test_jobs_keep_what_the_truncation_rule_keeps(ratio):
+    """Every turn fits the window; a turn's history is truncated exactly when it overflows,
+    to the length the step-by-step reference of the rule (tests/kvstore/test_truncation.py)
+    keeps."""
+    table = synthetic_table(200, mean_user=300, mean_reply=500)
+    wl = WorkloadConfig(context_window=2048, truncation_ratio=ratio, sink_tokens=4)
+    tr = build_trace(table, wl, context_window=4096)
+    jobs, _ = sim(tr, "as")
+    assert sum(j.truncated for j in jobs) > 20
+    for j in jobs:
+        needed = j.user_len + j.reply_len
+        assert j.context_after <= 2048
+        assert j.truncated == (j.history + needed > 2048)
+        assert j.kept == len(reference_kept(j.history, needed, 2048, ratio, 4))
 
 
 def test_trace_is_deterministic_and_follows_the_rules():

@@ -17,22 +17,37 @@ def _dir_bytes(path):
 
 
 def test_churn_stays_within_budget(open_small, tmp_path):
+    """60 contexts of 2-3 chunks through a 10-slot disk. No two share a prefix (distinct first
+    tokens) and each is read right after its put, so LRU order is put order: the stored set is
+    exactly what an LRU model of whole contexts predicts (evict the oldest until the new one's
+    chunks fit), and each one stored is served byte for byte."""
     s = open_small(disk_bytes=10 * SLOT, dram_bytes=2 * SLOT)
     sizes = []
+    model: list[list[int]] = []  # stored contexts, least recently used first
+    evicted = []
     for i in range(60):
         toks = [1000 + i] + list(range(i % 7, i % 7 + 6 + i % 5))
+        need = -(-len(toks) // 4)  # chunk slots, the last partial chunk included
+        while sum(-(-len(c) // 4) for c in model) + need > 10:
+            evicted.append(model.pop(0))
+        model.append(toks)
         put_causal(s, toks)
         assert_get_exact(s, toks)  # the newest context is always servable
         st = s.stats()
-        assert st["disk"]["chunks"] <= 10
+        assert st["disk"]["chunks"] == sum(-(-len(c) // 4) for c in model) <= 10
         sizes.append(_dir_bytes(tmp_path / "store" / "segments"))
     assert max(sizes) <= 10 * SLOT
     st = s.stats()
-    assert st["evictions"]["disk_contexts"] > 0 and st["evictions"]["disk_chunks"] > 0
+    assert st["evictions"]["disk_contexts"] == len(evicted) > 0
+    assert st["evictions"]["disk_chunks"] == sum(-(-len(c) // 4) for c in evicted)
     # the catalog does not grow without bound either: LMDB reuses freed pages
     assert _dir_bytes(tmp_path / "store" / "catalog") < 2 << 20
-    for x in s.contexts():
-        assert x.n_tokens > 0
+    assert sorted(x.n_tokens for x in s.contexts()) == sorted(len(c) for c in model)
+    for c in model:
+        assert s.match(c) == len(c)
+        assert_get_exact(s, c)
+    for c in evicted:
+        assert s.match(c) == 0
     from kvstore.verify import verify_store
 
     assert verify_store(s)["ok"]

@@ -1,10 +1,10 @@
-"""RoPE at arbitrary positions, its inverse, scaling, and truncation of stored contexts."""
+"""RoPE at arbitrary positions, its inverse, scaling."""
 
 import pytest
 import torch
 
 from kvstore import KVLayout
-from kvstore.rope import Truncation, apply_rope, inv_freq, remove_rope
+from kvstore.rope import apply_rope, inv_freq, remove_rope
 
 LAY = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, rope_theta=100000.0)
 
@@ -76,18 +76,3 @@ def test_positions_validation():
         apply_rope(x, [1, 2], LAY)
     with pytest.raises(TypeError, match="integers"):
         apply_rope(x, torch.zeros(4), LAY)
-
-
-def test_truncation_keeps_sink_and_newest():
-    t = Truncation(drop_ratio=0.5, sink=4)
-    assert t.kept(20).tolist() == [0, 1, 2, 3] + list(range(12, 20))
-    assert Truncation().kept(9).tolist() == list(range(4, 9))
-    toks = list(range(100, 120))
-    k = torch.arange(20.0).reshape(1, 1, 20, 1).expand(2, 3, 20, 64).contiguous()
-    kt, kk, vv = t.apply(toks, k, k.clone())
-    assert kt == [100, 101, 102, 103] + list(range(112, 120))
-    assert kk[0, 0, :, 0].tolist() == [0, 1, 2, 3] + list(range(12, 20))
-    with pytest.raises(ValueError, match="drop_ratio"):
-        Truncation(drop_ratio=1.0)
-    with pytest.raises(ValueError, match="sink"):
-        Truncation(sink=-1)

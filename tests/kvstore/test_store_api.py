@@ -1,5 +1,9 @@
 """The public API of DESIGN.md on small real stores: put/match/get/delete/stats/reopen."""
 
+import os
+import stat
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -190,15 +194,57 @@ def test_closed_store_raises(open_small):
         s.match([1])
 
 
+def snapshot(root):
+    """Every entry under ``root``: kind, mode, mtime (ns) and, for files, the bytes."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            body = None
+            if stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    body = f.read()
+            out[os.path.relpath(p, root)] = (stat.S_IFMT(st.st_mode), st.st_mode & 0o7777,
+                                             st.st_mtime_ns, body)
+    st = os.lstat(root)
+    out["."] = (stat.S_IFMT(st.st_mode), st.st_mode & 0o7777, st.st_mtime_ns, None)
+    return out
+
+
 def test_readonly_open_never_writes(tmp_path):
+    """Byte for byte and mtime for mtime, a read-only open, its reads and its close leave
+    every file and directory of the store as they were."""
+    from kvstore.index import IndexSpec
+
     path = tmp_path / "st"
+    a, b = list(range(9)), [7] * 6
     with kvstore.open(path, layout=SMALL, chunk_tokens=4, disk_bytes=1 << 20) as s:
-        put_causal(s, list(range(9)))
+        put_causal(s, a)
+        k, v = causal_kv(SMALL, b)
+        s.put(b, k, v, index=IndexSpec())
+    before = snapshot(path)
+    assert any(name.startswith("indexes") for name in before)  # indexes are covered too
+    time.sleep(0.05)  # a write now would get a later mtime, even on a coarse clock
     with kvstore.open(path, readonly=True) as r1:
-        assert_get_exact(r1, list(range(9)))
+        assert r1.match(a + [1]) == 9 and r1.match([5]) == 0
+        assert_get_exact(r1, a)
+        assert_get_exact(r1, b[:5])
+        assert r1.indexes(b) is not None
+        r1.stats()
         with pytest.raises(PermissionError):
             put_causal(r1, [1, 2])
         with pytest.raises(kvstore.StoreLocked):
             kvstore.open(path)  # no writer while a reader has it open
+    after = snapshot(path)
+    assert after.keys() == before.keys(), "entries created or removed"
+    # LMDB's lock file is its shared reader table: every reader, a read-only one too, takes a
+    # slot in it (that is how a writer knows which pages are still being read). Only its
+    # contents may change; the catalog's data and everything else may not.
+    lock = os.path.join("catalog", "lock.mdb")
+    assert len(after[lock][3]) == len(before[lock][3])
+    changed = sorted(n for n in before if n != lock and before[n] != after[n])
+    assert not changed, f"changed by a read-only open: {changed}"
     with pytest.raises(FileNotFoundError):
         kvstore.open(tmp_path / "nothing", readonly=True)
+    assert not (tmp_path / "nothing").exists()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from engine.replay.server import Job, ServerStats
+from kvstore.fsutil import atomic_write
 
 COLUMNS = ("method", "conv", "conv_id", "turn", "seq", "warmup", "arrival_s", "start_s",
            "first_token_s", "finish_s", "ttft_s", "queue_s", "load_s", "compute_s", "decode_s",
@@ -95,9 +95,8 @@ def write_turns(path: str, tables: Sequence[dict[str, list]]) -> None:
     for t in tables:
         for c in COLUMNS:
             merged[c].extend(t[c])
-    tmp = f"{path}.tmp-{os.getpid()}"
-    pq.write_table(pa.table(merged), tmp)
-    os.replace(tmp, path)
+    table = pa.table(merged)
+    atomic_write(path, lambda f: pq.write_table(table, f))
 
 
 def _finite(obj: object) -> object:
@@ -112,11 +111,8 @@ def _finite(obj: object) -> object:
 
 
 def write_json(path: str, obj: object) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(_finite(obj), f, indent=2, default=float, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    """``obj`` as JSON (NaN/inf as null), written atomically."""
+    atomic_write(path, json.dumps(_finite(obj), indent=2, default=float, allow_nan=False) + "\n")
 
 
 def plot_ttft_cdf(path: str, tables: Sequence[dict[str, list]]) -> None:

@@ -20,6 +20,7 @@ import kvstore
 from engine.generate import Generator
 from engine.model import Model
 from engine.replay.server import Job, Method
+from kvstore.truncation import Truncation
 
 HINT_JOBS = 64  # waiting jobs handed to the store as hints
 
@@ -31,24 +32,18 @@ class _ConvState:
     truncations: int = 0
 
 
-def keep_indices(n: int, kept: int, sink: int) -> torch.Tensor:
-    """Indices of the ``kept`` of ``n`` tokens a truncation keeps: the first ``sink``, then the
-    newest (what repeated :class:`kvstore.rope.Truncation` leaves)."""
-    s = min(sink, kept)
-    return torch.cat([torch.arange(s), torch.arange(n - (kept - s), n)])
-
-
 class RealExecutor:
     """Runs one job at a time (the CPU runtime does not batch). Thread-safety: none."""
 
     def __init__(self, method: Method, model: Model, store: kvstore.Store | None, *,
-                 sink: int) -> None:
+                 truncation: Truncation, window: int) -> None:
         if method.caches and store is None:
             raise ValueError(f"method {method.label} needs a store")
         self.method = method
         self.model = model
         self.store = store
-        self.sink = sink
+        self.truncation = truncation
+        self.window = window
         self.gen = Generator(model, store) if store is not None else None
         self._convs: dict[int, _ConvState] = {}
         self._decode_per_step: dict[int, float] = {}  # job seq -> measured seconds per step
@@ -62,20 +57,27 @@ class RealExecutor:
     def arrive(self, job: Job) -> None:
         pass
 
+    def _kept(self, job: Job) -> torch.Tensor:
+        """Indices of the history tokens ``job`` keeps: the truncation plan the server used
+        for ``job.kept``."""
+        idx = self.truncation.kept(job.history, job.user_len + job.reply_len, self.window)
+        assert len(idx) == job.kept, "the executor's truncation must match the server's"
+        return idx
+
     def _hint(self, job: Job) -> tuple[list[int], str | None]:
         """What a waiting job will read from the store: its prompt, or for an AS job that
         will truncate, the whole stored history it truncates."""
         st = self._convs.get(job.conv.index) or _ConvState(ids=[])
         if job.truncated and self.method.kind == "as":
             return st.ids, st.namespace
-        idx = keep_indices(len(st.ids), job.kept, self.sink).tolist()
-        return [st.ids[i] for i in idx] + list(job.conv.turns[job.turn].user_ids), st.namespace
+        kept = [st.ids[i] for i in self._kept(job).tolist()]
+        return kept + list(job.conv.turns[job.turn].user_ids), st.namespace
 
     def _truncate_stored(self, job: Job, st: _ConvState) -> tuple[int, int]:
         """AS on overflow: load the stored history KV, keep the sink + newest tokens, store
         that under the conversation's own namespace (re-positioned on use; no recompute of
         what was stored). Returns (history tokens the store served, kept tokens among them)."""
-        idx = keep_indices(len(st.ids), job.kept, self.sink)
+        idx = self._kept(job)
         st.truncations += 1
         ns = f"replay:{job.conv.conv_id}:{st.truncations}"
         st.ids, n = self.gen.truncate_stored(st.ids, idx, namespace=st.namespace,
@@ -98,8 +100,7 @@ class RealExecutor:
                 n, from_store = self._truncate_stored(job, st)
                 trunc_s, recomputed = time.perf_counter() - t0, n < job.history
             else:  # RE: token truncation; OF: stored KV is useless, a fresh namespace
-                st.ids = [st.ids[i] for i in keep_indices(len(st.ids), job.kept,
-                                                           self.sink).tolist()]
+                st.ids = [st.ids[i] for i in self._kept(job).tolist()]
                 if self.method.kind == "of":
                     st.truncations += 1
                     st.namespace = f"replay-of:{job.conv.conv_id}:{st.truncations}"

@@ -117,7 +117,8 @@ def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):
         store = kvstore.open(path, layout=model.layout, policy=method.policy,
                              chunk_tokens=cfg.chunk_tokens, **sizes)
     try:
-        ex = RealExecutor(method, model, store, sink=trace.config.sink_tokens)
+        ex = RealExecutor(method, model, store, truncation=trace.config.truncation,
+                          window=trace.context_window)
         jobs, stats = serve(trace, ex, on_job_done=tick)
         ex.flush()
         st = None

@@ -142,20 +142,6 @@ class Executor(Protocol):
         ...
 
 
-def kept_length(history: int, needed: int, window: int, ratio: float, sink: int) -> int:
-    """History tokens kept when a turn needing ``needed`` more tokens must fit ``window``:
-    drop the oldest ``ratio`` of the history after the sink tokens, again while it overflows
-    (the token count :meth:`kvstore.rope.Truncation.kept` keeps)."""
-    n = history
-    while n + needed > window and n > min(sink, n):
-        s = min(sink, n)
-        drop = int((n - s) * ratio)
-        if drop == 0:
-            drop = n - s
-        n -= drop
-    return n
-
-
 @dataclass(frozen=True, kw_only=True)
 class ServerStats:
     makespan_s: float
@@ -174,6 +160,7 @@ def serve(trace: Trace, executor: Executor, *,
     server's busy times. Deterministic: ties in time are broken by arrival order."""
     cfg = trace.config
     window = trace.context_window
+    truncation = cfg.truncation
     warmup = trace.warmup_turns
     seq = itertools.count()
     arrivals: list[tuple[float, int, ConvSpec, int]] = []  # (time, tiebreak, conv, turn)
@@ -192,8 +179,8 @@ def serve(trace: Trace, executor: Executor, *,
             at, _, conv, turn = heapq.heappop(arrivals)
             h = history.get(conv.index, 0)
             spec = conv.turns[turn]
-            kept = kept_length(h, spec.user_len + spec.reply_len, window,
-                               cfg.truncation_ratio, cfg.sink_tokens)
+            # build_trace keeps only turns that fit next to the sink tokens: never a ValueError
+            kept = truncation.kept_length(h, spec.user_len + spec.reply_len, window)
             job = Job(conv=conv, turn=turn, seq=len(jobs), arrival_s=at,
                       warmup=len(jobs) < warmup, history=h, kept=kept)
             jobs.append(job)

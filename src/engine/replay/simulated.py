@@ -1,5 +1,5 @@
 """Simulated mode: the store's placement rules over metadata-only tiers
-(:class:`kvstore.sim.SimStore`), times from a :class:`~engine.replay.costs.CostModel`.
+(:class:`engine.replay.simstore.SimStore`), times from a :class:`~engine.replay.costs.CostModel`.
 No payload bytes move, so the whole ShareGPT file replays in minutes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import deque
 
 from engine.replay.costs import CostModel
 from engine.replay.server import Job, Method
-from kvstore.sim import SimStore
+from engine.replay.simstore import SimStore
 
 
 class SimulatedExecutor:

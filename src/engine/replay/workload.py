@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.rope import Truncation
+from kvstore.truncation import Truncation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +103,7 @@ def build_trace(table, config: WorkloadConfig, *, context_window: int,
     import pyarrow.compute as pc
 
     window = config.context_window or context_window
+    truncation = config.truncation
     conv = table.column("conv").to_numpy()
     user_len = pc.list_value_length(table.column("user_ids")).to_numpy()
     reply_len = pc.list_value_length(table.column("reply_ids")).to_numpy()
@@ -118,7 +119,7 @@ def build_trace(table, config: WorkloadConfig, *, context_window: int,
             u, a = int(user_len[r]), int(reply_len[r])
             too_big = (config.max_message_tokens is not None
                        and max(u, a) > config.max_message_tokens)
-            if too_big or u + a + config.sink_tokens > window or \
+            if too_big or not truncation.fits(u + a, window) or \
                     (config.max_turns is not None and n >= config.max_turns):
                 break
             n += 1

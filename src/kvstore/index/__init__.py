@@ -7,12 +7,13 @@ top-k, DIPR(beta) (Definition 3: every key within ``beta`` of the best inner pro
 prefix filter (only tokens ``< limit``).
 """
 
+from kvstore.index.build import build_index
 from kvstore.index.context import ContextIndexes
 from kvstore.index.flat import FlatIndex
 from kvstore.index.graph import GraphIndex
 from kvstore.index.persist import load_index, save_index
 from kvstore.index.pq import PQIndex
-from kvstore.index.spec import IndexSpec, build_index, recall
+from kvstore.index.spec import IndexSpec, recall
 
 __all__ = ["ContextIndexes", "FlatIndex", "GraphIndex", "IndexSpec", "PQIndex", "build_index",
            "load_index", "recall", "save_index"]

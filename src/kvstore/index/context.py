@@ -22,8 +22,9 @@ import xxhash
 
 from kvstore.errors import CorruptData
 from kvstore.fsutil import fsync_dir
+from kvstore.index.build import build_index
 from kvstore.index.persist import load_index, save_index
-from kvstore.index.spec import IndexSpec, build_index
+from kvstore.index.spec import IndexSpec
 from kvstore.layout import KVLayout
 from kvstore.rope import apply_rope
 

@@ -3,7 +3,7 @@
 Layout: ``KVIDX001`` magic, header length (u32), header xxh3-64 (u64), the JSON header, then
 each array at a 64-byte aligned offset. The header names the index kind, its parameters and,
 per array, dtype, shape, offset, length and xxh3-64. No pickle or other code-executing format.
-Files are written to a temporary name, fsynced and renamed, so a crash leaves the old file or
+Files are written with :func:`kvstore.fsutil.atomic_write`, so a crash leaves the old file or
 the new one, never half of one. On load, a checksum mismatch, a truncated or missing file, or
 contents that do not fit together raise :class:`kvstore.CorruptData` (alignment padding is not
 checksummed: it is never read).
@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import CorruptData
-from kvstore.fsutil import fsync_dir
+from kvstore.fsutil import atomic_write
 from kvstore.index.flat import FlatIndex
 from kvstore.index.graph import GraphIndex, _bottom_layer
 from kvstore.index.pq import PQIndex
@@ -63,24 +63,16 @@ def save_index(index, path: str | os.PathLike[str]) -> None:
         offset += -(-a.nbytes // ALIGN) * ALIGN
     header = json.dumps({"kind": index.kind, "extra": extra, "arrays": entries}).encode()
     base = -(-(_PRE.size + len(header)) // ALIGN) * ALIGN
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_PRE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
-            f.write(header)
-            for e, a in zip(entries, arrs.values(), strict=True):
-                f.seek(base + e["offset"])
-                f.write(np.ascontiguousarray(a).tobytes())
-            f.truncate(base + entries[-1]["offset"] + entries[-1]["nbytes"])  # no trailing pad
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+    def write(f) -> None:
+        f.write(_PRE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
+        f.write(header)
+        for e, a in zip(entries, arrs.values(), strict=True):
+            f.seek(base + e["offset"])
+            f.write(np.ascontiguousarray(a).tobytes())
+        f.truncate(base + entries[-1]["offset"] + entries[-1]["nbytes"])  # no trailing pad
+
+    atomic_write(path, write)
 
 
 def load_index(path: str | os.PathLike[str]):

@@ -1,4 +1,5 @@
-"""Index configuration, construction, and the recall measure."""
+"""Index configuration, the argument checks and top-k selection the index types share, and
+the recall measure. Imports no index type (construction is :mod:`kvstore.index.build`)."""
 
 from __future__ import annotations
 
@@ -82,17 +83,6 @@ def top_ids(scores: np.ndarray, k: int) -> np.ndarray:
         part = np.arange(len(scores))
     order = np.lexsort((part, -scores[part]))
     return part[order].astype(np.int64)
-
-
-def build_index(keys: object, spec: IndexSpec | None = None):
-    """An index of ``spec.kind`` over ``keys`` [n, D]."""
-    from kvstore.index.flat import FlatIndex
-    from kvstore.index.graph import GraphIndex
-    from kvstore.index.pq import PQIndex
-
-    spec = spec or IndexSpec()
-    cls = {"flat": FlatIndex, "pq": PQIndex, "graph": GraphIndex}[spec.kind]
-    return cls.build(keys, spec)
 
 
 def recall(found: np.ndarray, truth: np.ndarray) -> float:

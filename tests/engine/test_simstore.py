@@ -1,4 +1,4 @@
-"""Metadata-only tiers (kvstore.sim): the store's placement rules without payload.
+"""Metadata-only tiers (engine.replay.simstore): the store's placement rules without payload.
 
 The Fig. 9 example gives the same decisions as the real store's test (test_schedule.py); a
 state machine checks capacity invariants and that a context is whole or absent against a dict;
@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvstore.sim import SimStore
+from engine.replay.simstore import SimStore
 
 TOKEN = 1000  # bytes per token
 
