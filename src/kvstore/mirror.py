@@ -65,21 +65,25 @@ class Mirror:
             return
         self.counters.catch_ups += 1
         tree = self.tree
-        gone_chunks = []
-        for key in changes.chunks:  # additions first: contexts need their chunks
-            rec = txn.chunk(key)
-            if rec is None:
-                gone_chunks.append(key)
-            elif rec.slot < self.slots.total:
-                self._set_chunk(rec)
+        chunks = {key: txn.chunk(key) for key in changes.chunks}
+        freed: list[int] = []  # slots released and taken in this batch: releases apply first,
+        used: list[int] = []  # so a slot freed by one change and reused by another stays used
+        for rec in chunks.values():  # additions first: contexts need their chunks
+            if rec is not None and rec.slot < self.slots.total:
+                self._set_chunk(rec, freed, used)
         for key in changes.contexts:
             ctx = txn.context(key)
             if ctx is not None and all(c in tree.chunks for c in ctx.chunks):
                 tree.add_context(ctx)
             else:
                 self._forget_context(key)
-        for key in gone_chunks:
-            self._forget_chunk(key)
+        for key, rec in chunks.items():
+            if rec is None or rec.slot >= self.slots.total:
+                self._forget_chunk(key, freed)
+        for s in freed:
+            self.slots.mark_free(s)
+        for s in used:
+            self.slots.mark_used(s)
         for key in changes.indexes:
             n = txn.index_bytes(key)
             if n is None or key not in tree.contexts:
@@ -123,19 +127,24 @@ class Mirror:
         if isinstance(stored, int) and stored > self.clock:
             self.clock = stored
 
-    def _set_chunk(self, rec: ChunkRecord) -> None:
+    def _set_chunk(self, rec: ChunkRecord, freed: list[int], used: list[int]) -> None:
         old = self.tree.add_chunk(rec)
         if old is not None and (old.slot, old.gen) != (rec.slot, rec.gen):
             self.dram.discard(rec.key)
             if old.slot != rec.slot:
-                self.slots.mark_free(old.slot)
-        self.slots.mark_used(rec.slot)
+                freed.append(old.slot)
+        used.append(rec.slot)
 
-    def _forget_chunk(self, key: bytes) -> ChunkRecord | None:
+    def _forget_chunk(self, key: bytes, freed: list[int] | None = None) -> ChunkRecord | None:
+        """Drop a chunk from the view; its slot is freed now, or appended to ``freed`` for the
+        caller to free once the batch it belongs to is applied."""
         rec = self.tree.remove_chunk(key)
         if rec is not None:
             self.dram.discard(key)
-            self.slots.mark_free(rec.slot)
+            if freed is None:
+                self.slots.mark_free(rec.slot)
+            else:
+                freed.append(rec.slot)
         return rec
 
     def _forget_context(self, key: bytes) -> None:
@@ -145,24 +154,31 @@ class Mirror:
 
     # ------------------------------------------------------------------ this process's changes
     def drop_contexts(self, txn: WriteTxn, keys: Iterable[bytes],
-                      keep: frozenset[bytes] | set[bytes] = frozenset()) -> tuple[int, list[bytes]]:
+                      keep: frozenset[bytes] | set[bytes] = frozenset(), *,
+                      ahead: bool = True) -> tuple[int, list[bytes]]:
         """Delete contexts ``keys`` (and their index entries) in ``txn`` together with the
-        chunks nothing else holds (``keep``: chunks other processes' puts hold), and remove
-        them from the view now. Returns (chunks freed, contexts whose index directories the
-        caller removes once the transaction has committed)."""
+        chunks nothing else holds (``keep``: chunks other processes' puts hold). With
+        ``ahead`` they leave the view now (a decision later steps of the same transaction
+        build on, such as evictions that free slots), else when the commit is caught up with
+        (a put superseding them: its new context must appear in the same step, or a reader in
+        between would see the tokens served by neither). Returns (chunks freed, contexts
+        whose index directories the caller retires before the commit)."""
         keys = [k for k in dict.fromkeys(keys) if k in self.tree.contexts]
         if not keys:
             return 0, []
-        self.decisions += 1
+        if ahead:
+            self.decisions += 1
         freed = self.tree.freed_by(keys, keep)
         with_indexes = [k for k in keys if k in self.tree.indexed]
         for k in keys:
             txn.delete_context(k)
             txn.delete_index(k)
-            self._forget_context(k)
+            if ahead:
+                self._forget_context(k)
         for c in freed:
             txn.delete_chunk(c)
-            self._forget_chunk(c)
+            if ahead:
+                self._forget_chunk(c)
         return len(freed), with_indexes
 
     def collect_orphans(self, txn: WriteTxn, candidates: Iterable[bytes],

@@ -19,6 +19,10 @@ from kvstore.errors import CapacityError, CorruptData
 from kvstore.fsutil import fsync_dir
 
 PAGE = 4096
+
+# The sync that makes extents durable. A module attribute so that tests can slow it down to
+# prove that no lock is held across it (fault injection, tests/kvstore/test_threads.py).
+fdatasync = os.fdatasync
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
@@ -86,8 +90,9 @@ class SegmentGeometry:
 class SegmentFiles:
     """Open segment files of one store.
 
-    Thread-safety: the store calls it with its lock held, from its own thread and its IO
-    workers; concurrent ``read``/``write`` of different slots are safe (positional IO).
+    Thread-safety: ``read``, ``write``, ``sync`` and ``ensure_ready`` may be called from any
+    thread at once (positional IO on descriptors that stay open until :meth:`close`);
+    ``prepare`` of existing files and ``remove`` only by an opener holding the store alone.
     """
 
     def __init__(self, directory: str, geometry: SegmentGeometry, *, readonly: bool) -> None:
@@ -97,6 +102,7 @@ class SegmentFiles:
         self._fds: dict[int, int] = {}
         self._ready: set[int] = set()  # segments known to exist at full size, durably
         self._fd_lock = threading.Lock()  # IO workers may open a segment concurrently
+        self._prepare_lock = threading.Lock()  # puts of several threads may need one segment
         if not readonly:
             os.makedirs(directory, exist_ok=True)
             fsync_dir(directory)  # entries of files created before a crash become durable
@@ -152,16 +158,17 @@ class SegmentFiles:
             os.close(fd)
         # Always: a file created by an earlier, killed prepare() may not have its entry durable.
         fsync_dir(self.dir)
-        old = self._fds.pop(seg, None)
-        if old is not None:
-            os.close(old)
-        self._ready.add(seg)
+        self._ready.add(seg)  # open descriptors stay valid: the file is resized in place
 
     def ensure_ready(self, slots: list[int]) -> None:
-        """Create the segment files holding ``slots`` if needed (before concurrent writes)."""
+        """Create the segment files holding ``slots`` if needed (before writes into them).
+        Thread-safe; other processes may prepare the same file at once (same size, same
+        result)."""
         for seg in sorted({self.geo.locate(s)[0] for s in slots}):
             if seg not in self._ready:
-                self.prepare(seg)
+                with self._prepare_lock:
+                    if seg not in self._ready:
+                        self.prepare(seg)
 
     def mark_ready(self, seg: int) -> None:
         """Record that ``seg`` already exists at its full size (checked by the caller)."""
@@ -205,7 +212,7 @@ class SegmentFiles:
         one another's syncs."""
         for seg in sorted({self.geo.locate(s)[0] for s in slots}):
             try:
-                os.fdatasync(self._fd(seg))
+                fdatasync(self._fd(seg))
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise CapacityError(f"disk full while syncing {self.path(seg)!r}") from e

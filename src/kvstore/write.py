@@ -337,7 +337,7 @@ class Writer:
                         txn.put_chunk(rec)
                     txn.put_context(ContextRecord(plan.chain[-1], len(plan.toks), plan.now,
                                                   plan.now, tuple(plan.chain)))
-                    _, dirs = core.mirror.drop_contexts(txn, superseded, keep)
+                    _, dirs = core.mirror.drop_contexts(txn, superseded, keep, ahead=False)
                     txn.delete_reservation(plan.reservation.key)
                     core.mirror.flush_access(txn)
                 trash = self._files.retire(dirs)

@@ -195,3 +195,38 @@ def test_put_refused_before_evicting_when_held_chunks_block_it(open_small):
     save.abort()
     put_causal(s, list(range(100, 116)))  # fits once the hold is gone
     assert_get_exact(s, list(range(100, 116)))
+
+
+EXITING_WRITER = """
+import sys, time
+import kvstore
+from kvstore import segments
+from tests.kvstore.kvgen import SMALL, causal_kv
+
+real = segments.fdatasync
+segments.fdatasync = lambda fd: (time.sleep(0.2), real(fd))  # a slow disk
+s = kvstore.open(sys.argv[1], layout=SMALL, chunk_tokens=4)
+for i in range(5):
+    toks = [i] * 3 + list(range(20))
+    s.save_async(toks, *causal_kv(SMALL, toks))
+print("queued", s.stats()["saves"]["saved"], flush=True)
+# the program ends here: no flush(), no close()
+"""
+
+
+def test_saves_queued_at_interpreter_exit_are_written(tmp_path):
+    """A program that queues saves and exits normally without close() still gets them
+    durable: the writer thread is not a daemon, so the interpreter waits for it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "st"
+    r = subprocess.run([sys.executable, "-c", EXITING_WRITER, str(path)], capture_output=True,
+                       text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["queued", "0"]  # none was written before the script ended
+    with kvstore.open(path) as s:
+        for i in range(5):
+            assert_get_exact(s, [i] * 3 + list(range(20)))
+    assert verify_path(path)["ok"]
