@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvstore import extent
+from kvstore.buffers import OutputPool
 from kvstore.context_indexes import IndexFiles
 from kvstore.core import Core
 from kvstore.dram import Entry
@@ -31,6 +32,7 @@ from kvstore.tree import Piece, served
 from kvstore.workers import copy_all
 
 READ_ATTEMPTS = 3  # a get that loses this many races with other processes is a miss
+OUTPUT_POOL_BYTES = 512 << 20  # idle memory kept for the tensors of later gets
 
 
 class Raced(Exception):
@@ -100,6 +102,7 @@ class Reader:
         self.core = core
         self._queued = queued  # chunk key -> where the job queue next needs it
         self._files = files
+        self.pool = OutputPool(OUTPUT_POOL_BYTES)  # memory of the tensors get() returns
 
     # ------------------------------------------------------------------ pins
     @contextmanager
@@ -181,8 +184,7 @@ class Reader:
     def _allocate(self, n_tok: int, device: torch.device | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         if device is None or device.type == "cpu":
-            k, v = extent.empty_kv(self.core.layout, n_tok, 2)
-            return k, v
+            return self.pool.kv(self.core.layout, n_tok)
         shape = self.core.layout.kv_shape(n_tok)
         dt = self.core.layout.torch_dtype
         return (torch.empty(shape, dtype=dt, device=device),

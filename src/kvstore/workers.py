@@ -12,6 +12,7 @@ queued saves then.)
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -98,7 +99,7 @@ def copy_all(helpers: Helpers | None, pairs: list[tuple[Any, Any]]) -> None:
     import numpy as np
 
     total = sum(d.nbytes for d, _ in pairs)
-    ways = 1 + (helpers.n if helpers is not None else 0)
+    ways = min(1 + (helpers.n if helpers is not None else 0), os.cpu_count() or 1)
     if total < PARALLEL_COPY_BYTES or ways == 1:
         for d, s in pairs:
             np.copyto(d, s)
