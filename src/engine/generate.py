@@ -203,6 +203,31 @@ class Generator:
         if store and self.async_save:  # before loading: it may wait for write-buffer room
             save = self.store.begin_save(ids, namespace=namespace,
                                          max_new_tokens=max_new_tokens - 1)
+        try:
+            try:
+                n_reused, load_s, logits, kv = self._prefill(ids, namespace, reuse, save, t0)
+            except KeyError:
+                # The stored prefix left the store after it was matched (another process
+                # evicted it while it loaded): a miss. Recompute it; the save starts over, as
+                # the chunks it would have reused may be gone too.
+                if save is not None:
+                    save.abort()
+                    save = self.store.begin_save(ids, namespace=namespace,
+                                                 max_new_tokens=max_new_tokens - 1)
+                n_reused, load_s, logits, kv = self._prefill(ids, namespace, False, save, t0)
+            return self._decode(ids, logits, kv, save, cfg, gen, t0, n_reused, load_s,
+                                max_new_tokens, namespace, store, forced)
+        except BaseException:
+            if save is not None:
+                save.abort()  # no-op once finished
+            raise
+
+    def _prefill(self, ids: list[int], namespace: str | None, reuse: bool,
+                 save: kvstore.SaveHandle | None, t0: float
+                 ) -> tuple[int, float, torch.Tensor, list[KV]]:
+        """The prompt's forward pass over its stored prefix (if ``reuse``): (tokens reused,
+        seconds before compute started, logits, KV per layer). KeyError if the stored prefix
+        leaves the store before it is loaded."""
         load = None
         try:
             if not reuse:
@@ -219,16 +244,10 @@ class Generator:
             load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
             logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
                                             on_layer=None if save is None else save.layer)
+            return n_reused, load_s, logits, kv
+        finally:
             if load is not None:
                 load.close()  # the execution buffer goes back before decoding
-            return self._decode(ids, logits, kv, save, cfg, gen, t0, n_reused, load_s,
-                                max_new_tokens, namespace, store, forced)
-        except BaseException:
-            if load is not None:
-                load.close()  # idempotent
-            if save is not None:
-                save.abort()  # no-op once finished
-            raise
 
     def _decode(self, ids: list[int], logits: torch.Tensor, kv: list[KV],
                 save: kvstore.SaveHandle | None, cfg: SamplingConfig,

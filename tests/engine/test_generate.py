@@ -222,3 +222,41 @@ def test_layerwise_and_bulk_loading_agree(model, tmp_path):
         b = Generator(model, store, layerwise=False).generate(follow, 6, store=False)
         assert a.reused_tokens == b.reused_tokens > len(ids) - 1
         assert a.tokens == b.tokens
+
+
+class _EvictedUnderLoad:
+    """The real store, with a race injected: the stored context the request matched is
+    removed (as another process's eviction would) just before it is loaded."""
+
+    def __init__(self, store, victim, layerwise):
+        self._store, self._victim = store, victim
+        name = "load_layers" if layerwise else "get"
+        setattr(self, name, self._evict_then(getattr(store, name)))
+
+    def _evict_then(self, call):
+        def go(*a, **kw):
+            if self._victim is not None:
+                assert self._store.delete(self._victim)
+                self._victim = None
+            return call(*a, **kw)
+        return go
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_a_prefix_evicted_while_loading_is_recomputed(model, tmp_path, layerwise):
+    ids = model.chat_template([{"role": "user", "content": "Name three colours."}])
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28) as store:
+        base = Generator(model, store, layerwise=layerwise).generate(ids, 8, store=False,
+                                                                    reuse=False)
+        prefix = ids[:-3]
+        Generator(model, store).generate(prefix, 1)  # stores exactly the prefix
+        store.flush()
+        assert store.match(ids) == len(prefix)
+        racing = _EvictedUnderLoad(store, prefix, layerwise)
+        r = Generator(model, racing, layerwise=layerwise).generate(ids, 8)
+        assert r.reused_tokens == 0 and r.tokens == base.tokens  # recomputed, same tokens
+        store.flush()
+        assert store.match(ids) == len(ids)  # and this turn was stored for the next
