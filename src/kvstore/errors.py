@@ -10,7 +10,8 @@ class LayoutMismatch(KVStoreError):
 
 
 class StoreLocked(KVStoreError):
-    """Another process holds the store open for writing."""
+    """The store cannot be opened in the mode asked: ``exclusive=True`` while another process
+    has it open, any open while an exclusive opener has it, or a second open in one process."""
 
 
 class CorruptData(KVStoreError):
