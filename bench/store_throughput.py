@@ -17,6 +17,12 @@ Store and ceiling measurements are interleaved within each repetition (their ord
 so drift of the noisy virtio disk hits both alike; ratios are taken between medians. Bytes are
 the K+V payload of the context (``T * layout.token_bytes``); GB/s is 1e9 bytes per second.
 
+5. ``threads``: aggregate get throughput of 1, 2 and 4 reader threads, without and with a
+   thread putting durably all the while, and per-get latency percentiles (DRAM-resident and
+   disk-resident working sets).
+6. ``processes``: two processes sharing one store (each puts its contexts, then reads the
+   other's, from disk) against one process doing all of it.
+
     python bench/store_throughput.py [--smol-tokens 2048] [--llama-tokens 2048] [--reps 9]
 """
 
@@ -32,6 +38,7 @@ import pstats
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -58,7 +65,7 @@ WRITE_BLOCK = 8 << 20
 COMPARISONS: list[tuple[str, str, float | None, str]] = [
     ("dram_get", "copy_ceiling", 0.5, "DRAM get >= 50% of np.copyto bandwidth"),
     ("dram_get_out", "copy_ceiling", None, "get(out=prealloc) vs np.copyto (info)"),
-    ("dram_get", "copy_alloc_ceiling", None, "get vs np.copyto into new np.empty (info)"),
+    ("dram_get", "copy_alloc_ceiling", 0.8, "get (new tensors) >= 80% of allocating copy"),
     ("cold_get", "read_ceiling", 0.8, "cold disk get >= 80% of raw sequential read"),
     ("cold_get_out", "read_ceiling", 0.8, "cold get(out=prealloc) >= 80% of raw read"),
     ("put", "write_ceiling", 0.8, "durable put >= 80% of raw write+fsync"),
@@ -365,6 +372,188 @@ def profile_store(store: kvstore.Store, ctx: np.ndarray, keys: torch.Tensor,
     return out
 
 
+# ---------------------------------------------------------------------------------- threads
+def _threads_run(store: kvstore.Store, ctxs: list[np.ndarray], readers: int, writer_on: bool,
+                 seconds: float, keys: torch.Tensor, values: torch.Tensor,
+                 fresh: Callable[[], np.ndarray], nbytes: int) -> dict[str, object]:
+    """``readers`` threads getting random ``ctxs`` for ``seconds`` (and a thread putting fresh
+    contexts, deleting each after, if ``writer_on``): throughput and latency."""
+    stop = threading.Event()
+    lat: list[list[float]] = [[] for _ in range(readers)]
+    puts: list[float] = []
+
+    def reader(i: int) -> None:
+        r = np.random.default_rng(100 + i)
+        while not stop.is_set():
+            c = ctxs[int(r.integers(len(ctxs)))]
+            t0 = time.perf_counter()
+            store.get(c)
+            lat[i].append(time.perf_counter() - t0)
+
+    def writer() -> None:
+        while not stop.is_set():
+            toks = fresh()
+            t0 = time.perf_counter()
+            store.put(toks, keys, values)
+            puts.append(time.perf_counter() - t0)
+            store.delete(toks)  # keep the disk from filling (and evicting the read contexts)
+
+    for c in ctxs[:2]:  # warm: pool buffers, page cache
+        store.get(c)
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(readers)]
+    if writer_on:
+        threads.append(threading.Thread(target=writer))
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    all_lat = np.asarray([x for per in lat for x in per])
+    return {"readers": readers, "writer": writer_on, "gets": int(all_lat.size),
+            "wall_s": wall, "get_gbps": float(all_lat.size * nbytes / wall / 1e9),
+            "latency_ms": {q: float(np.percentile(all_lat, p) * 1e3)
+                           for q, p in (("p50", 50), ("p90", 90), ("p99", 99))},
+            "latency_samples_ms": [float(x * 1e3) for x in all_lat[:2000]],
+            "puts": len(puts), "put_gbps": float(len(puts) * nbytes / wall / 1e9),
+            "put_ms_p50": float(np.median(puts) * 1e3) if puts else None}
+
+
+def bench_threads(layout: KVLayout, n_tok: int, n_ctx: int, seconds: float, workdir: str,
+                  log: Callable[[str], None]) -> dict[str, object]:
+    """Aggregate get throughput of 1, 2 and 4 reader threads on one store, without and with a
+    thread putting new contexts (durably) all the while; per-get latency percentiles.
+
+    Two working sets: ``dram`` (every context resident in the DRAM tier) and ``disk`` (DRAM
+    holds one context: gets read the rest from the segment files, which the page cache holds
+    after the first pass)."""
+    nbytes = n_tok * layout.token_bytes
+    slot = -(-layout.chunk_bytes(CHUNK_TOKENS) // 4096) * 4096
+    n_chunks = -(-n_tok // CHUNK_TOKENS)
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(layout.kv_shape(n_tok), generator=gen).to(layout.torch_dtype)
+    values = torch.randn(layout.kv_shape(n_tok), generator=gen).to(layout.torch_dtype)
+    rng = np.random.default_rng(5)
+    out: dict[str, object] = {"tokens": n_tok, "contexts": n_ctx, "bytes_per_get": nbytes,
+                              "seconds_per_run": seconds, "runs": []}
+    for working_set, dram_ctx in (("dram", n_ctx + 1), ("disk", 1)):
+        root = os.path.join(workdir, f"threads-{working_set}")
+        store = kvstore.open(root, layout=layout, chunk_tokens=CHUNK_TOKENS,
+                             dram_bytes=(dram_ctx * n_chunks + 4 * n_chunks) * slot,
+                             disk_bytes=64 * n_chunks * slot + (n_ctx * n_chunks) * slot * 2)
+        ctxs = [new_tokens(rng, n_tok, 10 + i) for i in range(n_ctx)]
+        for c in ctxs:
+            store.put(c, keys, values)
+        writes = iter(range(10_000, 10**9))
+
+        def fresh(writes=writes) -> np.ndarray:
+            return new_tokens(rng, n_tok, next(writes))
+
+        for readers in (1, 2, 4):
+            for writer_on in (False, True):
+                run = _threads_run(store, ctxs, readers, writer_on, seconds, keys, values,
+                                   fresh, nbytes)
+                run["working_set"] = working_set
+                out["runs"].append(run)  # type: ignore[union-attr]
+                log(f"[threads {working_set}] {readers} reader(s){' + writer' if writer_on else ''}"
+                    f": {run['get_gbps']:.2f} GB/s of gets, p99 {run['latency_ms']['p99']:.1f} ms"
+                    f", {run['puts']} puts")
+        store.close()
+    runs = out["runs"]  # type: ignore[assignment]
+
+    def find(ws: str, n: int, w: bool) -> dict:
+        return next(r for r in runs if r["working_set"] == ws and r["readers"] == n  # type: ignore[index]
+                    and r["writer"] == w)
+
+    out["ratios"] = {ws: {
+        "4_vs_1_readers_with_writer": find(ws, 4, True)["get_gbps"] / find(ws, 1, True)["get_gbps"],
+        "4_vs_1_readers_alone": find(ws, 4, False)["get_gbps"] / find(ws, 1, False)["get_gbps"],
+        "p99_with_writer_vs_without_1_reader": find(ws, 1, True)["latency_ms"]["p99"]
+        / find(ws, 1, False)["latency_ms"]["p99"],
+    } for ws in ("dram", "disk")}
+    return out
+
+
+# ---------------------------------------------------------------------------------- processes
+def _share_worker(path: str, role: int, n_tok: int, n_ctx: int, conn) -> None:
+    """Spawned: put this role's contexts, wait, then get the other role's (or, role -1 alone,
+    all of them after emptying its DRAM tier); send back the timings."""
+    layout = LAYOUTS["smollm2-135m"]
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(layout.kv_shape(n_tok), generator=gen).to(layout.torch_dtype)
+    values = torch.randn(layout.kv_shape(n_tok), generator=gen).to(layout.torch_dtype)
+    mine = [0, 1] if role < 0 else [role]
+    with kvstore.open(path) as store:
+        ctx = {r: [new_tokens(np.random.default_rng(1000 * r + i), n_tok, 1000 * (r + 1) + i)
+                   for i in range(n_ctx)] for r in (0, 1)}
+        conn.recv()  # go
+        t0 = time.perf_counter()
+        for r in mine:
+            for c in ctx[r]:
+                store.put(c, keys, values)
+        put_s = time.perf_counter() - t0
+        conn.send(("put", put_s))
+        conn.recv()  # every writer is done
+        store.drop_caches()  # what it reads is not in its DRAM tier (nor the page cache)
+        others = [1, 0] if role < 0 else [1 - role]
+        t0 = time.perf_counter()
+        for r in others:
+            for c in ctx[r]:
+                k, v = store.get(c)
+        get_s = time.perf_counter() - t0
+        assert torch.equal(k, keys) and torch.equal(v, values)
+        conn.send(("get", get_s, store.stats()["sharing"]))
+
+
+def bench_processes(n_tok: int, n_ctx: int, workdir: str,
+                    log: Callable[[str], None]) -> dict[str, object]:
+    """Two processes sharing one store (each puts its contexts, then reads the other's)
+    against one process doing all of it."""
+    import multiprocessing as mp
+
+    layout = LAYOUTS["smollm2-135m"]
+    nbytes = n_tok * layout.token_bytes
+    slot = -(-layout.chunk_bytes(CHUNK_TOKENS) // 4096) * 4096
+    n_chunks = -(-n_tok // CHUNK_TOKENS)
+    ctx = mp.get_context("spawn")
+    out: dict[str, object] = {"tokens": n_tok, "contexts_per_process": n_ctx}
+    for mode, roles in (("one_process", [-1]), ("two_processes", [0, 1])):
+        path = os.path.join(workdir, f"share-{mode}")
+        kvstore.open(path, layout=layout, chunk_tokens=CHUNK_TOKENS,
+                     dram_bytes=4 * n_chunks * slot,
+                     disk_bytes=(2 * n_ctx + 4) * n_chunks * slot).close()
+        pipes, procs = [], []
+        for role in roles:
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_share_worker, args=(path, role, n_tok, n_ctx, b))
+            p.start()
+            pipes.append(a)
+            procs.append(p)
+        t0 = time.perf_counter()
+        for a in pipes:
+            a.send("go")
+        put = [a.recv() for a in pipes]
+        put_wall = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for a in pipes:
+            a.send("read")
+        got = [a.recv() for a in pipes]
+        get_wall = time.perf_counter() - t1
+        for p in procs:
+            p.join(120)
+        total = 2 * n_ctx * nbytes
+        out[mode] = {"put_gbps": total / put_wall / 1e9, "get_gbps": total / get_wall / 1e9,
+                     "put_s": [x[1] for x in put], "get_s": [x[1] for x in got],
+                     "sharing_stats": [x[2] for x in got]}
+        log(f"[processes] {mode}: puts {total / put_wall / 1e9:.2f} GB/s, gets of the other's "
+            f"contexts {total / get_wall / 1e9:.2f} GB/s")
+    out["ratios"] = {k: out["two_processes"][k] / out["one_process"][k]  # type: ignore[index]
+                     for k in ("put_gbps", "get_gbps")}
+    return out
+
+
 def machine_info() -> dict[str, object]:
     mem = None
     try:
@@ -415,6 +604,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also cProfile a few puts/gets per layout and store the text in the JSON")
     p.add_argument("--quiet", action="store_true", help="no per-repetition progress lines")
+    p.add_argument("--threads-tokens", type=int, default=1024,
+                   help="context length of the reader/writer threads section (0: skip it)")
+    p.add_argument("--threads-seconds", type=float, default=3.0,
+                   help="seconds per reader/writer configuration (default 3)")
+    p.add_argument("--share-tokens", type=int, default=2048,
+                   help="context length of the two-process section (0: skip it)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     for n in names:
@@ -433,6 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = {n: bench_layout(n, LAYOUTS[n], tokens[n], args.reps, args.warmup, workdir,
                                    args.profile, log) for n in names}
+        threads = (bench_threads(LAYOUTS["smollm2-135m"], args.threads_tokens, 8,
+                                 args.threads_seconds, workdir, log)
+                   if args.threads_tokens else None)
+        sharing = (bench_processes(args.share_tokens, 8, workdir, log)
+                   if args.share_tokens else None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report = {
@@ -444,12 +644,26 @@ def main(argv: list[str] | None = None) -> int:
         "total_s": time.perf_counter() - t0,
         "gb": "1e9 bytes; bytes = K+V payload of the context (tokens * layout.token_bytes)",
         "results": results,
+        "threads": threads,
+        "processes": sharing,
     }
     if os.path.dirname(args.out):
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print_table(results)
+    if threads is not None:
+        print(f"\nthreads (SmolLM2 layout, {threads['tokens']} tokens per get):")
+        for r in threads["runs"]:
+            print(f"  {r['working_set']:<5} {r['readers']} reader(s)"
+                  f"{' + writer' if r['writer'] else '         '}: {r['get_gbps']:6.2f} GB/s,"
+                  f" p50 {r['latency_ms']['p50']:6.1f} ms, p99 {r['latency_ms']['p99']:6.1f} ms,"
+                  f" {r['puts']} puts")
+        print("  ratios:", json.dumps(threads["ratios"], indent=None))
+    if sharing is not None:
+        print("\nprocesses:", json.dumps({k: sharing[k] for k in ("ratios",)}),
+              {m: {k: round(sharing[m][k], 2) for k in ("put_gbps", "get_gbps")}
+               for m in ("one_process", "two_processes")})
     if args.profile:
         for n, r in results.items():
             for tag, text in (r["profile"] or {}).items():

@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -31,6 +32,21 @@ class Helpers:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._busy = 0  # tasks queued or running
+        self._splitters = 0  # callers inside split_work()
+
+    @contextmanager
+    def split_work(self) -> Iterator[bool]:
+        """Inside, a caller may split work over the helpers if the value is True: no other
+        caller is splitting and no task is queued (else every core is busy already)."""
+        with self._lock:
+            alone = self._splitters == 0 and self._busy == 0
+            self._splitters += 1
+        try:
+            yield alone
+        finally:
+            with self._lock:
+                self._splitters -= 1
 
     def _start(self) -> None:
         with self._lock:
@@ -45,17 +61,22 @@ class Helpers:
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
             fn, args, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
             try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # handed to the waiting caller through the future
-                fut.set_exception(e)
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as e:  # handed to the waiting caller via the future
+                        fut.set_exception(e)
+            finally:
+                with self._lock:
+                    self._busy -= 1
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         if len(self._threads) < self.n:
             self._start()
         fut: Future = Future()
+        with self._lock:
+            self._busy += 1
         self._q.put((fn, args, fut))
         return fut
 
@@ -94,33 +115,39 @@ PARALLEL_COPY_BYTES = 4 << 20  # below this a second thread costs more than it s
 
 def copy_all(helpers: Helpers | None, pairs: list[tuple[Any, Any]]) -> None:
     """``np.copyto(dst, src)`` for every (dst, src) pair of numpy arrays, split over this
-    thread and the helpers when the total is large (numpy copies release the GIL). Pairs are
-    split along their first axis so that the halves carry equal bytes."""
+    thread and the helpers when the total is large and the helpers are idle (numpy copies
+    release the GIL; when other threads already keep the cores busy, a split only adds
+    contention). Pairs are split along their first axis so that the parts carry equal bytes."""
     import numpy as np
 
     total = sum(d.nbytes for d, _ in pairs)
     ways = min(1 + (helpers.n if helpers is not None else 0), os.cpu_count() or 1)
-    if total < PARALLEL_COPY_BYTES or ways == 1:
+    if total < PARALLEL_COPY_BYTES or ways == 1 or helpers is None:
         for d, s in pairs:
             np.copyto(d, s)
         return
-    share = total / ways
-    jobs: list[list[tuple[Any, Any]]] = [[] for _ in range(ways)]
-    load = [0.0] * ways
-    for d, s in pairs:
-        # big pairs are cut along axis 0 into pieces of about a share each
-        cuts = max(1, min(d.shape[0] if d.ndim else 1, round(d.nbytes / share)))
-        step = -(-d.shape[0] // cuts) if d.ndim else 1
-        for a in range(0, d.shape[0] if d.ndim else 1, step):
-            dd, ss = (d[a : a + step], s[a : a + step]) if d.ndim else (d, s)
-            i = load.index(min(load))
-            jobs[i].append((dd, ss))
-            load[i] += dd.nbytes
-
-    def run(job: list[tuple[Any, Any]]) -> Callable[[], None]:
-        def go() -> None:
-            for d, s in job:
+    with helpers.split_work() as alone:
+        if not alone:
+            for d, s in pairs:
                 np.copyto(d, s)
-        return go
+            return
+        share = total / ways
+        jobs: list[list[tuple[Any, Any]]] = [[] for _ in range(ways)]
+        load = [0.0] * ways
+        for d, s in pairs:
+            # big pairs are cut along axis 0 into pieces of about a share each
+            cuts = max(1, min(d.shape[0] if d.ndim else 1, round(d.nbytes / share)))
+            step = -(-d.shape[0] // cuts) if d.ndim else 1
+            for a in range(0, d.shape[0] if d.ndim else 1, step):
+                dd, ss = (d[a : a + step], s[a : a + step]) if d.ndim else (d, s)
+                i = load.index(min(load))
+                jobs[i].append((dd, ss))
+                load[i] += dd.nbytes
 
-    helpers.run_all([run(j) for j in jobs if j])  # type: ignore[union-attr]
+        def run(job: list[tuple[Any, Any]]) -> Callable[[], None]:
+            def go() -> None:
+                for d, s in job:
+                    np.copyto(d, s)
+            return go
+
+        helpers.run_all([run(j) for j in jobs if j])
