@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,7 @@ class PutPlan:
     reservation: Reservation
     staged: dict[bytes, Entry]  # pending DRAM copies of new chunks
     records: list[ChunkRecord] = field(default_factory=list)
+    state: str = "planned"  # planned -> committed | unknown (a commit that failed ambiguously)
 
     @property
     def keys(self) -> list[bytes]:
@@ -114,20 +116,34 @@ class Writer:
     def put(self, toks: np.ndarray, kr: np.ndarray, vr: np.ndarray, namespace: str | None,
             base: int = 0) -> None:
         """Store ``toks`` given raw KV kr/vr [L, H, T - base, D] of tokens [base, T)."""
+        with self._planned(toks, namespace, base) as plan:
+            if plan is not None:
+                self.core.segments.ensure_ready(list(plan.reservation.slots))
+                self._write_extents(plan, kr, vr, base)
+                self._commit(plan)
+
+    @contextmanager
+    def _planned(self, toks: np.ndarray, namespace: str | None, base: int
+                 ) -> Iterator[PutPlan | None]:
+        """A put's plan (None: nothing to write), whose reservation, holds, DRAM staging and
+        in-flight marks are released when the block ends, however it ends: a plan that did
+        not commit is aborted (its reservation deleted, its slots free again)."""
         plan = self._plan(toks, namespace, base)
         if plan is None:
+            yield None
             return
         try:
-            try:
-                self._write_extents(plan, kr, vr, base)
-            except BaseException:
-                self._abort(plan)
-                raise
-            self._commit(plan)
+            yield plan
         finally:
-            with self._cond:
-                self._writers -= 1
-                self._cond.notify_all()
+            try:
+                if plan.state == "planned":
+                    with writing(self.core.catalog, self.core.mirror, self.core.mutex) as txn:
+                        txn.delete_reservation(plan.reservation.key)
+            finally:
+                with self._cond:
+                    self._end_locked(plan)
+                    self._writers -= 1
+                    self._cond.notify_all()
 
     def _already_stored(self, toks: np.ndarray, namespace: str | None) -> bool:
         """Under the lock: whether ``toks`` is servable now (then only recency is refreshed)."""
@@ -151,11 +167,20 @@ class Writer:
                 return None
         while True:
             dirs: list[bytes] = []
-            with writing(core.catalog, core.mirror, core.mutex) as txn:
-                with core.mutex:
-                    core.check_writable()
-                    plan = self._plan_locked(txn, toks, namespace, base, dirs)
-                trash = self._files.retire(dirs)
+            plan = None
+            try:
+                with writing(core.catalog, core.mirror, core.mutex) as txn:
+                    with core.mutex:
+                        core.check_writable()
+                        plan = self._plan_locked(txn, toks, namespace, base, dirs)
+                    trash = self._files.retire(dirs)
+            except BaseException:
+                if isinstance(plan, PutPlan):  # planned, but its transaction did not commit
+                    with self._cond:
+                        self._end_locked(plan)
+                        self._writers -= 1
+                        self._cond.notify_all()
+                raise
             self._files.purge(trash)
             if plan is None:
                 return None
@@ -165,14 +190,6 @@ class Writer:
             with self._cond:  # another put of this process writes the same chunks: wait
                 self._cond.wait_for(lambda: not (busy & self._inflight) or core.closed)  # noqa: B023
                 core.check_writable()
-        try:
-            core.segments.ensure_ready(list(plan.reservation.slots))
-        except BaseException:
-            self._abort(plan)
-            with self._cond:
-                self._writers -= 1
-                self._cond.notify_all()
-            raise
         return plan
 
     def _plan_locked(self, txn: WriteTxn, toks: np.ndarray, namespace: str | None, base: int,
@@ -343,16 +360,14 @@ class Writer:
                 trash = self._files.retire(dirs)
                 body_done = True
         except _Refused as r:
-            self._abort(plan)
-            raise r.error from None
+            raise r.error from None  # the plan is aborted when the put's block ends
         except BaseException as e:
             if body_done:  # the commit itself failed: it may or may not have reached the disk
+                plan.state = "unknown"  # its slots are not reused: reopen rebuilds from disk
                 with core.mutex:
                     core.failed = e
-                self._end(plan, give_back=False)
-            else:
-                self._abort(plan)
             raise
+        plan.state = "committed"
         with core.mutex:
             core.mirror.catch_up()
             gens = {r.key: r.gen for r in plan.records}
@@ -362,30 +377,16 @@ class Writer:
             plan.staged.clear()
             core.counters.put_chunks_written += len(plan.records) - len(dup)
             core.counters.put_chunks_deduplicated += len(dup)
-            self._end_locked(plan, give_back=False)
         self._files.purge(trash)
         self._on_commit()
 
-    def _abort(self, plan: PutPlan) -> None:
-        """Undo a plan that did not commit: its reservation goes, its slots come back."""
-        try:
-            with writing(self.core.catalog, self.core.mirror, self.core.mutex) as txn:
-                txn.delete_reservation(plan.reservation.key)
-        finally:
-            self._end(plan, give_back=True)
-
-    def _end(self, plan: PutPlan, *, give_back: bool) -> None:
-        with self.core.mutex:
-            self._end_locked(plan, give_back=give_back)
-
-    def _end_locked(self, plan: PutPlan, *, give_back: bool) -> None:
+    def _end_locked(self, plan: PutPlan) -> None:
+        """Under the lock: release what a plan held, whatever became of it."""
         core = self.core
-        if give_back:
+        if plan.state == "planned":  # aborted: nothing of it was committed
             core.slots.give_back(plan.reservation.slots)
         for e in plan.staged.values():
             core.dram.finish(e, ok=False)
         plan.staged.clear()
         core.tree.release(plan.held)
-        plan.reused = []
         self._inflight -= set(plan.keys)
-        self._cond.notify_all()
