@@ -46,6 +46,16 @@ class Mirror:
         self.clock += 1
         return self.clock
 
+    def touch(self, last_chunk: bytes) -> int:
+        """Mark an access to the contexts holding ``last_chunk`` (the chunk a request's tokens
+        end in): their recency in this process now, in the catalog with the next write.
+        Returns the new clock."""
+        now = self.tick()
+        for k in self.tree.holders.get(last_chunk, ()):
+            self.tree.touch(k, now)
+            self.dirty.add(k)
+        return now
+
     # ------------------------------------------------------------------ catching up
     def catch_up(self, txn: ReadTxn | None = None) -> None:
         """Apply every commit after the seen generation (inside ``txn`` if given: a write

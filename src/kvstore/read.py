@@ -25,7 +25,9 @@ from kvstore.buffers import OutputPool
 from kvstore.context_indexes import IndexFiles
 from kvstore.core import Core
 from kvstore.dram import Entry
-from kvstore.errors import CorruptData
+from kvstore.errors import CorruptData, StoreClosed
+from kvstore.hbm import HbmTier
+from kvstore.layerwise import LayerLoad
 from kvstore.mirror import writing
 from kvstore.records import ChunkRecord
 from kvstore.tree import Piece, served
@@ -45,6 +47,18 @@ def is_current(core: Core, rec: ChunkRecord) -> bool:
     with core.catalog.read() as txn:
         cur = txn.chunk(rec.key)
     return cur is not None and (cur.slot, cur.gen) == (rec.slot, rec.gen)
+
+
+def resolve_all(core: Core, toks: np.ndarray, namespace: str | None) -> list[Piece]:
+    """With the lock held: the pieces serving every token of ``toks`` (after catching up with
+    other processes' commits); KeyError, counted as a miss, if not all are stored."""
+    core.check_open()
+    core.mirror.catch_up()
+    pieces = core.tree.resolve(toks, namespace)
+    if served(pieces) < len(toks):
+        core.counters.get_misses += 1
+        raise KeyError(f"only {served(pieces)} of the {len(toks)} tokens are stored")
+    return pieces
 
 
 def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
@@ -115,12 +129,7 @@ class Reader:
         hits: list[tuple[Piece, Entry]] = []
         misses: list[_Miss] = []
         with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            pieces = core.tree.resolve(toks, namespace)
-            if served(pieces) < len(toks):
-                core.counters.get_misses += 1
-                raise KeyError(f"only {served(pieces)} of the {len(toks)} tokens are stored")
+            pieces = resolve_all(core, toks, namespace)
             now = core.mirror.tick()
             for p in pieces:
                 e = core.dram.lookup(p.rec.key, p.rec.gen, now)
@@ -135,10 +144,7 @@ class Reader:
                        else np.empty(nbytes, dtype=np.uint8))
                 misses.append(_Miss(p, cache, buf))
             if not core.readonly:
-                ctx = pieces[-1].rec.key
-                for k in core.tree.holders.get(ctx, ()):
-                    core.tree.touch(k, now)
-                    core.mirror.dirty.add(k)
+                core.mirror.touch(pieces[-1].rec.key)
         ok: set[int] = set()  # misses read and verified: their DRAM entries become visible
         try:
             yield hits, misses, ok
@@ -265,14 +271,12 @@ class Loads:
     def __init__(self, core: Core, files: IndexFiles) -> None:
         self.core = core
         self._files = files
-        self._loads: set[object] = set()
-        self._hbm_tiers: dict[str, object] = {}
+        self._loads: set[LayerLoad] = set()
+        self._hbm_tiers: dict[str, HbmTier] = {}
 
-    def hbm(self, device: torch.device):
+    def hbm(self, device: torch.device) -> HbmTier:
         """The hbm tier (execution buffers) on ``device``; created on first use (under the
         metadata lock)."""
-        from kvstore.hbm import HbmTier
-
         key = str(device)
         tier = self._hbm_tiers.get(key)
         if tier is None:
@@ -280,29 +284,22 @@ class Loads:
             self._hbm_tiers[key] = tier
         return tier
 
-    def tiers(self) -> list:
+    def tiers(self) -> list[HbmTier]:
         return list(self._hbm_tiers.values())
 
-    def running(self) -> list:
+    def running(self) -> list[LayerLoad]:
         with self.core.mutex:
             return list(self._loads)
 
     def start(self, toks: np.ndarray, namespace: str | None, *, buffer_layers: int | None,
-              out: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device):
-        from kvstore.errors import StoreClosed
-        from kvstore.layerwise import LayerLoad
-
+              out: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> LayerLoad:
         core = self.core
         n_tok = len(toks)
         with core.mutex:
             core.check_open()
             if core.closing:
                 raise StoreClosed(f"store {core.path!r} is closing")
-            core.mirror.catch_up()
-            pieces = core.tree.resolve(toks, namespace)
-            if served(pieces) < n_tok:
-                core.counters.get_misses += 1
-                raise KeyError(f"only {served(pieces)} of the {n_tok} tokens are stored")
+            pieces = resolve_all(core, toks, namespace)
             hbm = self.hbm(device) if out is None else None
             for p in pieces:
                 core.slots.pin(p.rec.slot)
@@ -311,11 +308,8 @@ class Loads:
                     core.counters.dram_hits += 1
                 else:
                     core.counters.disk_hits += 1
-            now = core.mirror.tick()
             if not core.readonly:
-                for k in core.tree.holders.get(pieces[-1].rec.key, ()):
-                    core.tree.touch(k, now)
-                    core.mirror.dirty.add(k)
+                core.mirror.touch(pieces[-1].rec.key)
             core.counters.gets += 1
             core.counters.served_tokens += n_tok
         slots = [p.rec.slot for p in pieces]

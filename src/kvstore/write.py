@@ -152,10 +152,7 @@ class Writer:
         if served(pieces) != len(toks):
             return False
         core.counters.put_tokens += len(toks)
-        now = core.mirror.tick()
-        for k in core.tree.holders.get(pieces[-1].rec.key, ()):
-            core.tree.touch(k, now)
-            core.mirror.dirty.add(k)
+        core.mirror.touch(pieces[-1].rec.key)
         return True
 
     def _plan(self, toks: np.ndarray, namespace: str | None, base: int) -> PutPlan | None:
