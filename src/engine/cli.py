@@ -1,4 +1,5 @@
-"""The ``kvstore`` command: store tools (verify, inspect) plus the runtime's ``chat``."""
+"""The ``kvstore`` command: store tools (verify, inspect) plus the runtime's ``chat``,
+``replay``/``plan`` and ``sql``."""
 
 from __future__ import annotations
 
@@ -88,9 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--seed", type=int, default=None)
     c.set_defaults(func=_cmd_chat)
+    from engine.relational.cli import add_commands as add_sql_commands
     from engine.replay.cli import add_commands
 
     add_commands(sub)
+    add_sql_commands(sub)
     return p
 
 
