@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kvstore.buffers import OutputPool
 from kvstore.catalog import Catalog
 from kvstore.config import StoreConfig
 from kvstore.dram import DramTier
@@ -43,6 +44,7 @@ class Core:
     mirror: Mirror
     counters: Counters
     helpers: Helpers
+    buffers: OutputPool  # recycled host memory: get() results, write buffers of saves
     owner: Owner | None  # None when read-only
     mutex: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from kvstore.buffers import OutputPool
 from kvstore.catalog import FORMAT_VERSION, Catalog
 from kvstore.config import StoreConfig, check_size
 from kvstore.context_indexes import IndexFiles
@@ -34,6 +35,8 @@ from kvstore.store import Store
 from kvstore.tree import ContextTree
 from kvstore.workers import Helpers
 from kvstore.write import reclaim_dead
+
+BUFFER_POOL_BYTES = 512 << 20  # idle host memory kept for get() results and save buffers
 
 
 def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
@@ -176,7 +179,7 @@ def _assemble(path: str, catalog: Catalog, lock: DirLock, layout: KVLayout,
         core = Core(path=path, layout=layout, config=config, readonly=readonly, geo=geo,
                     catalog=catalog, segments=segments, tree=tree, slots=slots, dram=dram,
                     mirror=mirror, counters=counters, helpers=Helpers(2, "kvstore-io"),
-                    owner=owner)
+                    buffers=OutputPool(BUFFER_POOL_BYTES), owner=owner)
         if not readonly and not lock.alone:
             _repair_joining(core)
         store = Store(core, lock=lock, policy=policy, files=files)

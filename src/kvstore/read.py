@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from kvstore import extent
-from kvstore.buffers import OutputPool
 from kvstore.context_indexes import IndexFiles
 from kvstore.core import Core
 from kvstore.dram import Entry
@@ -34,7 +33,6 @@ from kvstore.tree import Piece, served
 from kvstore.workers import copy_all
 
 READ_ATTEMPTS = 3  # a get that loses this many races with other processes is a miss
-OUTPUT_POOL_BYTES = 512 << 20  # idle memory kept for the tensors of later gets
 
 
 class Raced(Exception):
@@ -116,7 +114,6 @@ class Reader:
         self.core = core
         self._queued = queued  # chunk key -> where the job queue next needs it
         self._files = files
-        self.pool = OutputPool(OUTPUT_POOL_BYTES)  # memory of the tensors get() returns
 
     # ------------------------------------------------------------------ pins
     @contextmanager
@@ -190,7 +187,7 @@ class Reader:
     def _allocate(self, n_tok: int, device: torch.device | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         if device is None or device.type == "cpu":
-            return self.pool.kv(self.core.layout, n_tok)
+            return self.core.buffers.kv(self.core.layout, n_tok)
         shape = self.core.layout.kv_shape(n_tok)
         dt = self.core.layout.torch_dtype
         return (torch.empty(shape, dtype=dt, device=device),

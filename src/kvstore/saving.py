@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.buffers import OutputPool
 from kvstore.errors import CapacityError, StoreClosed
 from kvstore.extent import empty_kv, raw
 from kvstore.hashing import as_tokens
@@ -64,7 +65,7 @@ class SaveHandle:
 
     def __init__(self, saver: Saver, layout: KVLayout, tokens: np.ndarray,
                  namespace: str | None, base: int, capacity: int, held: list[bytes],
-                 nbytes: int) -> None:
+                 nbytes: int, buffers: OutputPool | None = None) -> None:
         self._saver = saver
         self._layout = layout
         self.tokens = tokens  # the prompt's ids; append() adds more
@@ -80,7 +81,9 @@ class SaveHandle:
                 shape = (layout.num_layers, layout.num_kv_heads, capacity, layout.head_dim)
                 self._k = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=True)
                 self._v = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=True)
-            else:  # [L, H, cap, D], numpy-allocated (huge pages: fast first touch)
+            elif buffers is not None:  # [L, H, cap, D], recycled: no page faults per save
+                self._k, self._v = buffers.kv(layout, capacity)
+            else:  # numpy-allocated (huge pages: fast first touch)
                 self._k, self._v = empty_kv(layout, capacity, 2)
         except BaseException:
             self.abort()

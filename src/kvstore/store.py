@@ -175,7 +175,7 @@ class Store:
             self._release_held(held)
             raise
         return SaveHandle(self._saver, self.layout, toks, namespace, base, capacity, held,
-                          nbytes)
+                          nbytes, core.buffers)
 
     def _release_held(self, keys: list[bytes]) -> None:
         with self._core.mutex:
