@@ -22,6 +22,7 @@ import torch
 
 from kvstore import extent
 from kvstore.context_indexes import IndexFiles
+from kvstore.copying import gather
 from kvstore.core import Core
 from kvstore.dram import Entry
 from kvstore.errors import CorruptData, StoreClosed
@@ -30,7 +31,7 @@ from kvstore.layerwise import LayerLoad
 from kvstore.mirror import writing
 from kvstore.records import ChunkRecord
 from kvstore.tree import Piece, served
-from kvstore.workers import copy_all
+from kvstore.workers import Helpers
 
 READ_ATTEMPTS = 3  # a get that loses this many races with other processes is a miss
 
@@ -193,26 +194,25 @@ class Reader:
         return (torch.empty(shape, dtype=dt, device=device),
                 torch.empty(shape, dtype=dt, device=device))
 
-    def _copy_out(self, buf: np.ndarray, p: Piece, k_out: torch.Tensor, v_out: torch.Tensor,
-                  pairs: list) -> None:
-        """Copy the ``p.use`` leading tokens of the extent in ``buf`` into the output (CPU
-        outputs: add the numpy copies to ``pairs``; other devices: copy now)."""
-        a, b = p.start, p.start + p.use
-        ext = extent.view(self.core.layout, buf, p.rec.n_tokens)  # [L, 2, H, n, D]
+    def _copy_out(self, parts: list[tuple[np.ndarray, Piece]], k_out: torch.Tensor,
+                  v_out: torch.Tensor, helpers: Helpers | None) -> None:
+        """Copy the ``p.use`` leading tokens of each extent (in ``buf``) into the output."""
+        lay = self.core.layout
         if k_out.device.type == "cpu":
-            pairs.append((extent.raw(k_out)[:, :, a:b], ext[:, 0, :, : p.use]))
-            pairs.append((extent.raw(v_out)[:, :, a:b], ext[:, 1, :, : p.use]))
-        else:
-            t = torch.from_numpy(ext).view(self.core.layout.torch_dtype)
+            gather(lay, extent.raw(k_out), extent.raw(v_out),
+                   [(buf, p.rec.n_tokens, p.start, p.use) for buf, p in parts], helpers)
+            return
+        for buf, p in parts:
+            a, b = p.start, p.start + p.use
+            ext = extent.view(lay, buf, p.rec.n_tokens)  # [L, 2, H, n, D]
+            t = torch.from_numpy(ext).view(lay.torch_dtype)
             k_out[:, :, a:b].copy_(t[:, 0, :, : p.use])
             v_out[:, :, a:b].copy_(t[:, 1, :, : p.use])
 
     def _copy_hits(self, hits: list[tuple[Piece, Entry]], k_out: torch.Tensor,
                    v_out: torch.Tensor, *, parallel: bool) -> None:
-        pairs: list = []
-        for p, e in hits:
-            self._copy_out(self.core.dram.buffer(e), p, k_out, v_out, pairs)
-        copy_all(self.core.helpers if parallel else None, pairs)
+        self._copy_out([(self.core.dram.buffer(e), p) for p, e in hits], k_out, v_out,
+                       self.core.helpers if parallel else None)
 
     def _read_misses(self, misses: list[_Miss], k_out: torch.Tensor, v_out: torch.Tensor,
                      ok: set[int]) -> None:
@@ -227,9 +227,7 @@ class Reader:
                 error = error or e
                 continue
             if error is None:
-                pairs: list = []
-                self._copy_out(m.buf, m.piece, k_out, v_out, pairs)
-                copy_all(None, pairs)
+                self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
             ok.add(i)
         if isinstance(error, CorruptData):
             rec = next(m.piece.rec for m, f in zip(misses, futs, strict=True)
