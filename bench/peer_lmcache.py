@@ -172,6 +172,18 @@ def machine_info() -> dict[str, object]:
             "loadavg": os.getloadavg()}
 
 
+def git_state() -> dict[str, object]:
+    """The commit and whether the work tree differs from it (what code was measured)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    try:
+        return {"head": git("rev-parse", "HEAD"),
+                "dirty_files": len(git("status", "--porcelain").splitlines())}
+    except (OSError, subprocess.SubprocessError):
+        return {"head": None, "dirty_files": None}
+
+
 def store_hits(store: kvstore.Store) -> tuple[int, int] | None:
     """(dram, disk) hit counters from the public ``stats()``, to check where reads were served."""
     try:
@@ -391,6 +403,23 @@ def bench_store(args: argparse.Namespace, n_chunks: int, workdir: str,
 
 
 # ---------------------------------------------------------------------------------- report
+def disturbed(report: dict[str, object], above: float) -> list[str]:
+    """Phases during which other processes used more than ``above`` of the machine's CPUs
+    (median over a phase's passes): their numbers are not those of a quiet machine."""
+    out = []
+    for p in report["peer_runs"]:
+        if p["other_cpu_frac"] > above:
+            out.append(f"LMCache {p['when']} ({p['other_cpu_frac']:.0%})")
+    for k, v in report["kvstore"]["metrics"].items():
+        f = float(np.median(v["other_cpu_frac"]))
+        if f > above:
+            out.append(f"kvstore {k} ({f:.0%})")
+    f = float(np.median(report["kvstore"]["save"]["other_cpu_frac"]))
+    if f > above:
+        out.append(f"kvstore save ({f:.0%})")
+    return out
+
+
 def compare(store_res: dict[str, object], peers: list[dict[str, object]]) -> list[dict]:
     total = store_res["bytes"]
     m = store_res["metrics"]
@@ -464,6 +493,10 @@ def print_table(report: dict[str, object]) -> None:
             print(f"  {c['label']:<64}{c['save_async_return_ms_p50']:>7.1f}ms"
                   f"{c['put_ms_p50']:>7.1f}ms{c['ratio_p50']:>8.2f}{c['target']:>8.2f}  "
                   f"{'yes' if c['met'] else 'NO'}")
+    if report["disturbed"]:
+        print("\n  DISTURBED (other processes' share of the CPUs): "
+              + ", ".join(report["disturbed"])
+              + "\n  -> not a quiet-machine comparison; repeat when the machine is idle")
 
 
 def write_json(path: str, obj: dict[str, object]) -> None:
@@ -497,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: a tempfile directory); everything created is removed")
     p.add_argument("--out", default="bench/results/peer_lmcache.json",
                    help="JSON output (default bench/results/peer_lmcache.json)")
+    p.add_argument("--disturbed-above", type=float, default=0.15,
+                   help="flag a phase as disturbed when other processes used more than this "
+                        "fraction of the machine's CPUs during it (default 0.15)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     if args.reps < 1 or args.warmup < 0 or args.peer_repeats < 1:
@@ -547,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "args": vars(args),
         "machine": info | {"loadavg_end": os.getloadavg()},
+        "git": git_state(),
         "workdir_fs": fs_of(os.path.dirname(workdir)),
         "total_s": time.perf_counter() - t0,
         "gb": "1e9 bytes; bytes = K+V payload (n_chunks * 256 tokens * token_bytes), the same "
@@ -558,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         "comparisons": None,
     }
     report["comparisons"] = compare(store_res, peers)
+    report["disturbed"] = disturbed(report, args.disturbed_above)
     write_json(args.out, report)
     print_table(report)
     print(f"\nwrote {args.out} (total {report['total_s']:.0f} s)")
