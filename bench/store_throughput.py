@@ -19,7 +19,8 @@ the K+V payload of the context (``T * layout.token_bytes``); GB/s is 1e9 bytes p
 
 5. ``threads``: aggregate get throughput of 1, 2 and 4 reader threads, without and with a
    thread putting durably all the while, and per-get latency percentiles (DRAM-resident and
-   disk-resident working sets).
+   disk-resident working sets); the ceiling for a writer's interference is a thread doing the
+   same work without the store (copy, checksum, write, fdatasync of the same bytes).
 6. ``processes``: two processes sharing one store (each puts its contexts, then reads the
    other's, from disk) against one process doing all of it.
 
@@ -46,6 +47,7 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
+import xxhash
 
 import kvstore
 from kvstore import KVLayout
@@ -373,11 +375,13 @@ def profile_store(store: kvstore.Store, ctx: np.ndarray, keys: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------- threads
-def _threads_run(store: kvstore.Store, ctxs: list[np.ndarray], readers: int, writer_on: bool,
+def _threads_run(store: kvstore.Store, ctxs: list[np.ndarray], readers: int, writer: str | None,
                  seconds: float, keys: torch.Tensor, values: torch.Tensor,
-                 fresh: Callable[[], np.ndarray], nbytes: int) -> dict[str, object]:
-    """``readers`` threads getting random ``ctxs`` for ``seconds`` (and a thread putting fresh
-    contexts, deleting each after, if ``writer_on``): throughput and latency."""
+                 fresh: Callable[[], np.ndarray], nbytes: int, raw_file: str) -> dict[str, object]:
+    """``readers`` threads getting random ``ctxs`` for ``seconds``, beside a writer thread:
+    ``store`` puts fresh contexts (deleting each after), ``raw`` does the same work without the
+    store (copy, checksum, write and fdatasync of the same bytes into a file: the interference
+    any writer brings on this machine), None: no writer. Throughput and latency."""
     stop = threading.Event()
     lat: list[list[float]] = [[] for _ in range(readers)]
     puts: list[float] = []
@@ -390,7 +394,7 @@ def _threads_run(store: kvstore.Store, ctxs: list[np.ndarray], readers: int, wri
             store.get(c)
             lat[i].append(time.perf_counter() - t0)
 
-    def writer() -> None:
+    def store_writer() -> None:
         while not stop.is_set():
             toks = fresh()
             t0 = time.perf_counter()
@@ -398,11 +402,28 @@ def _threads_run(store: kvstore.Store, ctxs: list[np.ndarray], readers: int, wri
             puts.append(time.perf_counter() - t0)
             store.delete(toks)  # keep the disk from filling (and evicting the read contexts)
 
+    def raw_writer() -> None:
+        src = np.concatenate([keys.numpy().view(np.uint8).ravel(),
+                              values.numpy().view(np.uint8).ravel()])
+        stage = np.empty_like(src)
+        fd = os.open(raw_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                np.copyto(stage, src)  # as the store's DRAM copy
+                xxhash.xxh3_64_intdigest(src)  # as its checksums
+                os.pwrite(fd, src, 0)
+                os.fdatasync(fd)
+                puts.append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+
     for c in ctxs[:2]:  # warm: pool buffers, page cache
         store.get(c)
     threads = [threading.Thread(target=reader, args=(i,)) for i in range(readers)]
-    if writer_on:
-        threads.append(threading.Thread(target=writer))
+    if writer is not None:
+        threads.append(threading.Thread(target={"store": store_writer,
+                                                "raw": raw_writer}[writer]))
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -412,7 +433,7 @@ def _threads_run(store: kvstore.Store, ctxs: list[np.ndarray], readers: int, wri
         t.join()
     wall = time.perf_counter() - t0
     all_lat = np.asarray([x for per in lat for x in per])
-    return {"readers": readers, "writer": writer_on, "gets": int(all_lat.size),
+    return {"readers": readers, "writer": writer, "gets": int(all_lat.size),
             "wall_s": wall, "get_gbps": float(all_lat.size * nbytes / wall / 1e9),
             "latency_ms": {q: float(np.percentile(all_lat, p) * 1e3)
                            for q, p in (("p50", 50), ("p90", 90), ("p99", 99))},
@@ -452,26 +473,31 @@ def bench_threads(layout: KVLayout, n_tok: int, n_ctx: int, seconds: float, work
             return new_tokens(rng, n_tok, next(writes))
 
         for readers in (1, 2, 4):
-            for writer_on in (False, True):
-                run = _threads_run(store, ctxs, readers, writer_on, seconds, keys, values,
-                                   fresh, nbytes)
+            for writer in ((None, "store", "raw") if readers == 1 else (None, "store")):
+                run = _threads_run(store, ctxs, readers, writer, seconds, keys, values,
+                                   fresh, nbytes, os.path.join(workdir, "raw-writer.bin"))
                 run["working_set"] = working_set
                 out["runs"].append(run)  # type: ignore[union-attr]
-                log(f"[threads {working_set}] {readers} reader(s){' + writer' if writer_on else ''}"
+                log(f"[threads {working_set}] {readers} reader(s) + {writer or 'no'} writer"
                     f": {run['get_gbps']:.2f} GB/s of gets, p99 {run['latency_ms']['p99']:.1f} ms"
-                    f", {run['puts']} puts")
+                    f", {run['puts']} writes")
         store.close()
     runs = out["runs"]  # type: ignore[assignment]
 
-    def find(ws: str, n: int, w: bool) -> dict:
+    def find(ws: str, n: int, w: str | None) -> dict:
         return next(r for r in runs if r["working_set"] == ws and r["readers"] == n  # type: ignore[index]
                     and r["writer"] == w)
 
+    def p99(ws: str, w: str | None) -> float:
+        return find(ws, 1, w)["latency_ms"]["p99"]
+
     out["ratios"] = {ws: {
-        "4_vs_1_readers_with_writer": find(ws, 4, True)["get_gbps"] / find(ws, 1, True)["get_gbps"],
-        "4_vs_1_readers_alone": find(ws, 4, False)["get_gbps"] / find(ws, 1, False)["get_gbps"],
-        "p99_with_writer_vs_without_1_reader": find(ws, 1, True)["latency_ms"]["p99"]
-        / find(ws, 1, False)["latency_ms"]["p99"],
+        "4_vs_1_readers_with_writer":
+            find(ws, 4, "store")["get_gbps"] / find(ws, 1, "store")["get_gbps"],
+        "4_vs_1_readers_alone": find(ws, 4, None)["get_gbps"] / find(ws, 1, None)["get_gbps"],
+        "p99_with_writer_vs_without_1_reader": p99(ws, "store") / p99(ws, None),
+        "p99_with_raw_writer_vs_without_1_reader": p99(ws, "raw") / p99(ws, None),
+        "p99_with_writer_vs_with_raw_writer": p99(ws, "store") / p99(ws, "raw"),
     } for ws in ("dram", "disk")}
     return out
 
@@ -655,10 +681,11 @@ def main(argv: list[str] | None = None) -> int:
     if threads is not None:
         print(f"\nthreads (SmolLM2 layout, {threads['tokens']} tokens per get):")
         for r in threads["runs"]:
-            print(f"  {r['working_set']:<5} {r['readers']} reader(s)"
-                  f"{' + writer' if r['writer'] else '         '}: {r['get_gbps']:6.2f} GB/s,"
+            w = r["writer"] or "no"
+            print(f"  {r['working_set']:<5} {r['readers']} reader(s) + {w:<5} writer"
+                  f": {r['get_gbps']:6.2f} GB/s,"
                   f" p50 {r['latency_ms']['p50']:6.1f} ms, p99 {r['latency_ms']['p99']:6.1f} ms,"
-                  f" {r['puts']} puts")
+                  f" {r['puts']} writes")
         print("  ratios:", json.dumps(threads["ratios"], indent=None))
     if sharing is not None:
         print("\nprocesses:", json.dumps({k: sharing[k] for k in ("ratios",)}),
