@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from benchutil import cpu_busy_s, machine_info, new_tokens, own_cpu_s, summarize
 
 import kvstore
 from kvstore import KVLayout
@@ -92,29 +92,6 @@ def context_kv(src: torch.Tensor, t0: int, t1: int) -> tuple[torch.Tensor, torch
     return out[0], out[1]
 
 
-def new_tokens(rng: np.random.Generator, n: int, first: int) -> np.ndarray:
-    """Random token ids whose first token is unique to this context (so every chunk is new)."""
-    toks = rng.integers(0, 49152, size=n, dtype=np.int64)
-    toks[0] = first
-    return toks
-
-
-def cpu_busy_s() -> float:
-    """CPU seconds all processes of the machine have spent busy (from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    t = os.times()  # children count once waited for (the peer subprocess)
-    return t.user + t.system + t.children_user + t.children_system
-
-
 class OtherCPU:
     """Fraction of the machine's CPUs used by other processes while the block ran."""
 
@@ -126,21 +103,6 @@ class OtherCPU:
         wall = time.perf_counter() - self.w
         other = (cpu_busy_s() - self.b) - (own_cpu_s() - self.o)
         self.frac = max(other / (wall * (os.cpu_count() or 1)), 0.0) if wall > 0 else 0.0
-
-
-def summarize(samples: list[float], nbytes: int) -> dict[str, object]:
-    a = np.asarray(samples, dtype=np.float64)
-    p50 = float(np.percentile(a, 50))
-    return {
-        "samples_s": [float(x) for x in a],
-        "p50_s": p50,
-        "p90_s": float(np.percentile(a, 90)),
-        "min_s": float(a.min()),
-        "max_s": float(a.max()),
-        "gbps_p50": nbytes / p50 / 1e9,
-        "gbps_best": nbytes / float(a.min()) / 1e9,
-        "gbps_samples": [nbytes / float(x) / 1e9 for x in a],
-    }
 
 
 def fs_of(path: str) -> dict[str, str]:
@@ -157,19 +119,6 @@ def fs_of(path: str) -> dict[str, str]:
     except OSError:
         pass
     return {"device": best[0], "mount": best[1], "fstype": best[2]}
-
-
-def machine_info() -> dict[str, object]:
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(f.readline().split()[1]) * 1024
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "python": sys.version.split()[0],
-            "cpus": os.cpu_count(), "mem_bytes": mem, "torch": torch.__version__,
-            "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
-            "loadavg": os.getloadavg()}
 
 
 def git_state() -> dict[str, object]:

@@ -34,7 +34,6 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
 import shutil
 import sys
@@ -48,6 +47,7 @@ import safetensors
 import safetensors.torch
 import torch
 import xxhash
+from benchutil import cpu_busy_s, machine_info, new_tokens, own_cpu_s, summarize
 
 import kvstore
 from kvstore import KVLayout
@@ -125,48 +125,10 @@ def raw_read(path: str, buf: np.ndarray) -> None:
         os.close(fd)
 
 
-def cpu_busy_s() -> float:
-    """CPU seconds all processes of the machine have spent busy (from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return float("nan")
-    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def summarize(samples: list[float], nbytes: int) -> dict[str, object]:
-    a = np.asarray(samples, dtype=np.float64)
-    p50 = float(np.percentile(a, 50))
-    return {
-        "samples_s": [float(x) for x in a],
-        "p50_s": p50,
-        "p90_s": float(np.percentile(a, 90)),
-        "min_s": float(a.min()),
-        "max_s": float(a.max()),
-        "gbps_p50": nbytes / p50 / 1e9,
-        "gbps_best": nbytes / float(a.min()) / 1e9,
-        "gbps_samples": [nbytes / float(x) / 1e9 for x in a],
-    }
-
-
-def new_tokens(rng: np.random.Generator, n: int, first: int) -> np.ndarray:
-    """Random token ids whose first token is unique to this context (so every chunk is new)."""
-    toks = rng.integers(0, 49152, size=n, dtype=np.int64)
-    toks[0] = first
-    return toks
 
 
 # ---------------------------------------------------------------------------------- bench
@@ -580,19 +542,6 @@ def bench_processes(n_tok: int, n_ctx: int, workdir: str,
     return out
 
 
-def machine_info() -> dict[str, object]:
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(f.readline().split()[1]) * 1024
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "python": sys.version.split()[0],
-            "cpus": os.cpu_count(), "mem_bytes": mem, "torch": torch.__version__,
-            "numpy": np.__version__, "safetensors": safetensors.__version__,
-            "torch_threads": torch.get_num_threads()}
-
-
 def print_table(results: dict[str, dict[str, object]]) -> None:
     for name, r in results.items():
         m = r["metrics"]
@@ -665,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "store_throughput",
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "args": vars(args),
-        "machine": machine_info(),
+        "machine": machine_info(safetensors=safetensors.__version__),
         "workdir_parent": os.path.dirname(workdir),
         "total_s": time.perf_counter() - t0,
         "gb": "1e9 bytes; bytes = K+V payload of the context (tokens * layout.token_bytes)",
