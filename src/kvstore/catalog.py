@@ -21,13 +21,7 @@ import lmdb
 
 from kvstore.errors import CapacityError, FormatError, KVStoreError, StoreLocked
 from kvstore.hashing import HASH_BYTES
-from kvstore.records import (
-    ChunkRecord,
-    ContextRecord,
-    Reservation,
-    decode_index_entry,
-    encode_index_entry,
-)
+from kvstore.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
 
 FORMAT_VERSION = 2
 LOG_KEEP = 4096  # change-log entries kept; a process further behind reloads everything
@@ -89,9 +83,9 @@ class ReadTxn:
         raw = self._get("contexts", key)
         return None if raw is None else ContextRecord.decode(key, raw)
 
-    def index_bytes(self, key: bytes) -> int | None:
+    def index_entry(self, key: bytes) -> IndexEntry | None:
         raw = self._get("indexes", key)
-        return None if raw is None else decode_index_entry(key, raw)
+        return None if raw is None else IndexEntry.decode(key, raw)
 
     def _items(self, table: str) -> Iterator[tuple[bytes, bytes]]:
         for k, v in self._txn.cursor(db=self._dbs[table]):
@@ -105,9 +99,9 @@ class ReadTxn:
         for k, v in self._items("contexts"):
             yield ContextRecord.decode(k, v)
 
-    def indexes(self) -> Iterator[tuple[bytes, int]]:
+    def indexes(self) -> Iterator[tuple[bytes, IndexEntry]]:
         for k, v in self._items("indexes"):
-            yield k, decode_index_entry(k, v)
+            yield k, IndexEntry.decode(k, v)
 
     def reservations(self) -> list[Reservation]:
         return [Reservation.decode(k, v) for k, v in self._items("reservations")]
@@ -176,8 +170,8 @@ class WriteTxn(ReadTxn):
         self._txn.delete(key, db=self._dbs["contexts"])
         self._log("contexts", key)
 
-    def put_index(self, key: bytes, nbytes: int) -> None:
-        self._txn.put(key, encode_index_entry(nbytes), db=self._dbs["indexes"])
+    def put_index(self, key: bytes, entry: IndexEntry) -> None:
+        self._txn.put(key, entry.encode(), db=self._dbs["indexes"])
         self._log("indexes", key)
 
     def delete_index(self, key: bytes) -> None:

@@ -1,19 +1,21 @@
 """Per-head indexes kept with stored contexts: building, publishing, reading, removing.
 
-A context's indexes live in ``indexes/<context key hex>/`` (see :mod:`kvstore.index.context`),
-and the catalog holds an entry per indexed context. A directory is published (renamed into
-place) and its entry committed inside one catalog write transaction, and one is retired
-(renamed aside, removed after the commit) inside the transaction that deletes its context, so
-processes that publish and remove the indexes of one context never interleave. Directories
-with no entry (a crash between a rename and a commit) and staging leftovers are collected by a
-process that opens the store alone.
+A context's indexes live in a directory ``indexes/<context key hex>-<tag>`` (see
+:mod:`kvstore.index.context`), and the catalog holds an entry per indexed context naming its
+tag (:class:`kvstore.records.IndexEntry`). Every build gets a new tag: its directory is renamed
+into place under a name nothing references, then its entry is committed; a directory is removed
+only after the commit that dropped its entry. So a crash at any instant leaves every entry's
+directory whole, and processes that build and drop the indexes of one context never touch one
+another's directories. Directories with no entry (a crash between a rename and a commit, or
+between a commit and a removal) and staging leftovers are collected by a process that opens the
+store alone.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 
 import numpy as np
@@ -31,6 +33,7 @@ from kvstore.index.context import (
 )
 from kvstore.index.spec import IndexSpec
 from kvstore.mirror import writing
+from kvstore.records import IndexEntry
 from kvstore.tree import served
 
 
@@ -38,49 +41,35 @@ class _KeysUnavailable(Exception):
     """A context's keys could not be read to rebuild one of its index files."""
 
 
+class _Gone(Exception):
+    """The context left the store while its indexes were built."""
+
+
 class IndexFiles:
-    """The ``indexes/`` directory of a store. Thread-safety: any thread (file operations on
-    distinct names; callers order publishing and retiring with catalog transactions)."""
+    """The ``indexes/`` directory of a store. Thread-safety: any thread (distinct names)."""
 
     def __init__(self, root: str, *, readonly: bool) -> None:
         self.root = os.path.join(root, "indexes")
         self.readonly = readonly
 
-    def path(self, key: bytes) -> str:
-        return os.path.join(self.root, key.hex())
+    def path(self, key: bytes, entry: IndexEntry) -> str:
+        return os.path.join(self.root, entry.dirname(key))
 
-    def retire(self, keys: list[bytes]) -> list[str]:
-        """Rename the directories of contexts ``keys`` aside (inside the transaction that
-        deletes their entries); returns what :meth:`purge` removes after the commit."""
-        trash = []
-        for k in keys:
-            src = self.path(k)
-            if not os.path.isdir(src) or os.path.islink(src):
-                continue
-            dst = tempfile.mkdtemp(prefix=".tmp-dead-", dir=self.root)
-            os.rename(src, os.path.join(dst, "x"))
-            trash.append(dst)
-        return trash
+    def remove(self, dirs: list[tuple[bytes, IndexEntry]]) -> None:
+        """Remove the directories of dropped entries (after the commit that dropped them)."""
+        for key, entry in dirs:
+            shutil.rmtree(self.path(key, entry), ignore_errors=True)
 
-    @staticmethod
-    def purge(trash: list[str]) -> None:
-        for t in trash:
-            shutil.rmtree(t, ignore_errors=True)
-
-    def collect(self, live: set[bytes]) -> int:
-        """Remove every entry of ``indexes/`` that is not the directory of a context in
-        ``live`` (only by a process holding the store alone). Returns how many."""
+    def collect(self, live: set[str]) -> int:
+        """Remove every entry of ``indexes/`` that is not a directory named in ``live`` (only by
+        a process holding the store alone). Returns how many."""
         if not os.path.isdir(self.root):
             return 0
         n = 0
         for name in sorted(os.listdir(self.root)):
             full = os.path.join(self.root, name)
-            try:
-                key = bytes.fromhex(name)
-            except ValueError:
-                key = b""
             is_dir = os.path.isdir(full) and not os.path.islink(full)
-            if key in live and is_dir:
+            if name in live and is_dir:
                 for f in os.listdir(full):  # a head rewrite a crash interrupted
                     if ".tmp-" in f:
                         os.unlink(os.path.join(full, f))
@@ -140,28 +129,35 @@ class ContextIndexStore:
             os.makedirs(self.files.root, exist_ok=True)
             fsync_dir(core.path)
         tmp, nbytes = built.stage(self.files.root)
-        trash: list[str] = []
+        entry = IndexEntry(nbytes, secrets.randbits(63) | 1)
+        old: list[tuple[bytes, IndexEntry]] = []
         try:
+            with core.mutex:
+                ctx = core.tree.exact_context(toks, namespace)
+            if ctx is None:
+                return False
+            publish(tmp, self.files.path(ctx.key, entry))  # a name nothing references yet
             with writing(core.catalog, core.mirror, core.mutex) as txn:
                 with core.mutex:
                     core.check_writable()
                     core.mirror.catch_up(txn)
-                    ctx = core.tree.exact_context(toks, namespace)
-                if ctx is None:  # evicted (or superseded) while the indexes were built
-                    return False
-                path = self.files.path(ctx.key)
-                if os.path.exists(path):
-                    trash = self.files.retire([ctx.key])
-                publish(tmp, path)
-                txn.put_index(ctx.key, nbytes)
+                    if core.tree.exact_context(toks, namespace) is None:
+                        raise _Gone  # evicted (or superseded) while the indexes were built
+                    prev = txn.index_entry(ctx.key)
+                    txn.put_index(ctx.key, entry)
+            if prev is not None:
+                old.append((ctx.key, prev))
             with core.mutex:
                 core.counters.indexes_built += 1
                 core.mirror.catch_up()
             return True
+        except _Gone:
+            old.append((ctx.key, entry))  # published, never referenced
+            return False
         finally:
             if os.path.exists(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
-            self.files.purge(trash)
+            self.files.remove(old)
 
     def build(self, toks: np.ndarray, namespace: str | None, spec: IndexSpec) -> bool:
         core = self.core
@@ -197,7 +193,8 @@ class ContextIndexStore:
                 return None
             s = min((tree.contexts[k] for k in cands), key=lambda r: (r.n_tokens, r.key))
             ctx_toks = np.concatenate([tree.chunks[c].tokens for c in s.chunks])
-            path = self.files.path(s.key)
+            entry = tree.indexed[s.key]
+            path = self.files.path(s.key, entry)
         full: list[np.ndarray] = []
 
         def rebuild(layer: int, head: int, spec: IndexSpec):
@@ -221,36 +218,37 @@ class ContextIndexStore:
             return None
         with core.mutex:
             core.mirror.catch_up()
-            if s.key not in tree.indexed:  # evicted or replaced while loading
+            if tree.indexed.get(s.key) != entry:  # evicted or replaced while loading
                 return None
             core.counters.rebuilt_index_heads += len(rebuilt)
             if ok:
                 return ci
             core.counters.corrupt_indexes += 1
         if not core.readonly:
-            self._drop(s.key)
+            self._drop(s.key, entry)
         return None
 
-    def _drop(self, key: bytes) -> None:
-        """Drop a context's indexes (its manifest is bad): entry and directory."""
+    def _drop(self, key: bytes, entry: IndexEntry) -> None:
+        """Drop a context's indexes (its manifest is bad): entry, then directory."""
         core = self.core
-        trash: list[str] = []
         with writing(core.catalog, core.mirror, core.mutex) as txn:
-            if txn.index_bytes(key) is not None:
+            dropped = txn.index_entry(key) == entry
+            if dropped:
                 txn.delete_index(key)
-                trash = self.files.retire([key])
-        self.files.purge(trash)
+        if dropped:
+            self.files.remove([(key, entry)])
         with core.mutex:
             core.mirror.catch_up()
 
     def dirs(self) -> dict[bytes, str]:
         with self.core.mutex:
-            return {k: self.files.path(k) for k in self.core.tree.indexed}
+            return {k: self.files.path(k, e) for k, e in self.core.tree.indexed.items()}
 
     def stats(self) -> dict[str, int]:
         """With the lock held."""
         c, tree = self.core.counters, self.core.tree
-        return {"contexts": len(tree.indexed), "bytes": sum(tree.indexed.values()),
+        return {"contexts": len(tree.indexed),
+                "bytes": sum(e.nbytes for e in tree.indexed.values()),
                 "built": c.indexes_built, "rebuilt_heads": c.rebuilt_index_heads,
                 "corrupt": c.corrupt_indexes, "unavailable": c.unavailable_indexes,
                 "collected": c.collected_indexes}

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from kvstore.catalog import Catalog, ReadTxn, WriteTxn
 from kvstore.dram import DramTier
-from kvstore.records import ChunkRecord
+from kvstore.records import ChunkRecord, IndexEntry
 from kvstore.recovery import plan as recovery_plan
 from kvstore.slots import SlotAllocator
 from kvstore.stats import Counters
@@ -95,11 +95,11 @@ class Mirror:
         for s in used:
             self.slots.mark_used(s)
         for key in changes.indexes:
-            n = txn.index_bytes(key)
-            if n is None or key not in tree.contexts:
+            entry = txn.index_entry(key)
+            if entry is None or key not in tree.contexts:
                 tree.indexed.pop(key, None)
             else:
-                tree.indexed[key] = n
+                tree.indexed[key] = entry
         self._merge_clock(txn)
         self.seen_gen = changes.gen
 
@@ -119,9 +119,9 @@ class Mirror:
         for ctx in p.keep_contexts.values():
             ctx.last_access = max(ctx.last_access, old_access.get(ctx.key, 0))
             tree.add_context(ctx)
-        for key, n in txn.indexes():
+        for key, entry in txn.indexes():
             if key in tree.contexts:
-                tree.indexed[key] = n
+                tree.indexed[key] = entry
         self.slots.reset(r.slot for r in tree.chunks.values())
         for key in self.dram.keys():
             rec = tree.chunks.get(key)
@@ -165,21 +165,21 @@ class Mirror:
     # ------------------------------------------------------------------ this process's changes
     def drop_contexts(self, txn: WriteTxn, keys: Iterable[bytes],
                       keep: frozenset[bytes] | set[bytes] = frozenset(), *,
-                      ahead: bool = True) -> tuple[int, list[bytes]]:
+                      ahead: bool = True) -> tuple[int, list[tuple[bytes, IndexEntry]]]:
         """Delete contexts ``keys`` (and their index entries) in ``txn`` together with the
         chunks nothing else holds (``keep``: chunks other processes' puts hold). With
         ``ahead`` they leave the view now (a decision later steps of the same transaction
         build on, such as evictions that free slots), else when the commit is caught up with
         (a put superseding them: its new context must appear in the same step, or a reader in
-        between would see the tokens served by neither). Returns (chunks freed, contexts
-        whose index directories the caller retires before the commit)."""
+        between would see the tokens served by neither). Returns (chunks freed, the contexts'
+        index directories, which the caller removes once the transaction has committed)."""
         keys = [k for k in dict.fromkeys(keys) if k in self.tree.contexts]
         if not keys:
             return 0, []
         if ahead:
             self.decisions += 1
         freed = self.tree.freed_by(keys, keep)
-        with_indexes = [k for k in keys if k in self.tree.indexed]
+        with_indexes = [(k, self.tree.indexed[k]) for k in keys if k in self.tree.indexed]
         for k in keys:
             txn.delete_context(k)
             txn.delete_index(k)

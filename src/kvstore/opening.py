@@ -213,9 +213,9 @@ def _repair_alone(path: str, catalog: Catalog, segments: SegmentFiles, files: In
         p = recovery_plan(chunks, contexts, total_slots=geo.total_slots, extent_end=extent_end,
                           segment_sizes=present)
         apply_recovery(p, txn)
-        indexed = {k for k, _ in txn.indexes() if k in p.keep_contexts}
-        for k, _ in list(txn.indexes()):
-            if k not in indexed:
+        indexed = {e.dirname(k) for k, e in txn.indexes() if k in p.keep_contexts}
+        for k, e in list(txn.indexes()):
+            if e.dirname(k) not in indexed:
                 txn.delete_index(k)
     counters.corrupt_chunks += p.bad_chunks
     counters.dropped_contexts += len(p.dropped)

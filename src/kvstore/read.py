@@ -96,8 +96,7 @@ def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles
                 core.counters.dropped_contexts += len(victims)
             else:  # stored again meanwhile: the new extent is not the corrupt one
                 dirs = []
-        trash = files.retire(dirs)
-    files.purge(trash)
+    files.remove(dirs)
     err.add_note(f"dropped {len(victims)} stored context(s) that included this chunk")
 
 

@@ -18,7 +18,8 @@ _CHUNK_V1 = struct.Struct("<B16sIII")  # version 1: parent, n_tokens, slot, num_
 _CHUNK_V2 = struct.Struct("<B16sIIQI")  # version 2: + gen (the commit that wrote the extent)
 _CONTEXT = struct.Struct("<BQQQI")  # version, n_tokens, created, last_access, n_chunks
 _RESERVATION = struct.Struct("<BII")  # version, n_slots, n_held
-_INDEX = struct.Struct("<BQ")  # version, bytes of the context's index directory
+_INDEX_V1 = struct.Struct("<BQ")  # version 1: bytes of the context's index directory
+_INDEX = struct.Struct("<BQQ")  # version 2: + tag (the directory's unique suffix)
 OWNER_BYTES = 16
 MAX_SLOT = (1 << 32) - 1  # slots are stored as uint32
 
@@ -129,16 +130,31 @@ class Reservation:
         return cls(key[:OWNER_BYTES], int.from_bytes(key[OWNER_BYTES:], "big"), slots, held)
 
 
-def encode_index_entry(nbytes: int) -> bytes:
-    return _INDEX.pack(1, nbytes)
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """A context's indexes: the directory ``indexes/<context hex>-<tag hex>`` (tag 0: a
+    directory named by the context alone) holding ``nbytes``. Each build gets a new tag, so a
+    directory is only ever written under a name no entry references yet, and removed only once
+    the entry that referenced it is gone."""
 
+    nbytes: int
+    tag: int
 
-def decode_index_entry(key: bytes, raw: bytes) -> int:
-    """Bytes of a context's index directory, from its catalog entry."""
-    try:
-        ver, nbytes = _INDEX.unpack(raw)
-    except struct.error:
-        raise FormatError(f"index entry {key.hex()} is malformed") from None
-    if ver != 1 or len(key) != HASH_BYTES:
-        raise FormatError(f"index entry {key.hex()} is malformed (version {ver})")
-    return nbytes
+    def dirname(self, key: bytes) -> str:
+        return key.hex() if self.tag == 0 else f"{key.hex()}-{self.tag:016x}"
+
+    def encode(self) -> bytes:
+        return _INDEX.pack(2, self.nbytes, self.tag)
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> IndexEntry:
+        if len(key) != HASH_BYTES or not raw or raw[0] not in (1, 2):
+            raise FormatError(f"index entry {key.hex()} is malformed")
+        try:
+            if raw[0] == 1:
+                _, nbytes = _INDEX_V1.unpack(raw)
+                return cls(nbytes, 0)
+            _, nbytes, tag = _INDEX.unpack(raw)
+        except struct.error:
+            raise FormatError(f"index entry {key.hex()} is malformed") from None
+        return cls(nbytes, tag)

@@ -132,12 +132,11 @@ class Store:
                 core.check_writable()
                 core.mirror.catch_up(txn)
                 ctx = core.tree.exact_context(toks, namespace)
-                dirs: list[bytes] = []
+                dirs: list = []
                 if ctx is not None:
                     keep = {k for r in txn.reservations() for k in r.held}
                     _, dirs = core.mirror.drop_contexts(txn, [ctx.key], keep)
-            trash = self._files.retire(dirs)
-        self._files.purge(trash)
+        self._files.remove(dirs)
         return ctx is not None
 
     def begin_save(self, tokens: object, *, namespace: str | None = None,

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvstore.hashing import chain_seed, chunk_hash, common_prefix_len
 from kvstore.policy import Priority, PriorityHeap
-from kvstore.records import ChunkRecord, ContextRecord
+from kvstore.records import ChunkRecord, ContextRecord, IndexEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,7 @@ class ContextTree:
         self.children: dict[bytes, set[bytes]] = defaultdict(set)  # parent -> chunks
         self.held: dict[bytes, int] = {}  # chunk -> puts/saves of this process needing it
         self.corrupt: set[bytes] = set()  # failed a checksum: never served again
-        self.indexed: dict[bytes, int] = {}  # context -> bytes of its index directory
+        self.indexed: dict[bytes, IndexEntry] = {}  # context -> its index directory
         self.heap = PriorityHeap()
 
     # ------------------------------------------------------------------ lookups

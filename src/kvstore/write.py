@@ -37,7 +37,7 @@ from kvstore.errors import CapacityError, CorruptData, KVStoreError, StoreClosed
 from kvstore.mirror import writing
 from kvstore.owners import owner_alive
 from kvstore.policy import Queued
-from kvstore.records import ChunkRecord, ContextRecord, Reservation
+from kvstore.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
 from kvstore.tree import served
 
 
@@ -163,14 +163,13 @@ class Writer:
             if self._already_stored(toks, namespace):
                 return None
         while True:
-            dirs: list[bytes] = []
+            dirs: list[tuple[bytes, IndexEntry]] = []
             plan = None
             try:
                 with writing(core.catalog, core.mirror, core.mutex) as txn:
                     with core.mutex:
                         core.check_writable()
                         plan = self._plan_locked(txn, toks, namespace, base, dirs)
-                    trash = self._files.retire(dirs)
             except BaseException:
                 if isinstance(plan, PutPlan):  # planned, but its transaction did not commit
                     with self._cond:
@@ -178,7 +177,7 @@ class Writer:
                         self._writers -= 1
                         self._cond.notify_all()
                 raise
-            self._files.purge(trash)
+            self._files.remove(dirs)
             if plan is None:
                 return None
             if not isinstance(plan, set):
@@ -190,7 +189,7 @@ class Writer:
         return plan
 
     def _plan_locked(self, txn: WriteTxn, toks: np.ndarray, namespace: str | None, base: int,
-                     dirs: list[bytes]) -> PutPlan | set[bytes] | None:
+                     dirs: list[tuple[bytes, IndexEntry]]) -> PutPlan | set[bytes] | None:
         """Inside the plan transaction, under the lock: the plan, None if nothing is to be
         written, or the set of new chunk keys another put of this process is writing."""
         core = self.core
@@ -246,7 +245,7 @@ class Writer:
                        reused=reused, reservation=res, staged=staged)
 
     def _make_room(self, txn: WriteTxn, need: int, reserved: set[int], held: set[bytes],
-                   dirs: list[bytes]) -> None:
+                   dirs: list[tuple[bytes, IndexEntry]]) -> None:
         """Evict whole contexts (least valuable first) until ``need`` slots are free and not
         reserved. With a queue-aware policy, contexts inside the look-ahead eviction window go
         last; a put is not refused because of hints. Refuses before evicting anything if
@@ -316,8 +315,7 @@ class Writer:
         core = self.core
         tree = core.tree
         body_done = False
-        dirs: list[bytes] = []
-        trash: list[str] = []
+        dirs: list[tuple[bytes, IndexEntry]] = []
         dup: set[bytes] = set()
         try:
             with writing(core.catalog, core.mirror, core.mutex) as txn:
@@ -354,7 +352,6 @@ class Writer:
                     _, dirs = core.mirror.drop_contexts(txn, superseded, keep, ahead=False)
                     txn.delete_reservation(plan.reservation.key)
                     core.mirror.flush_access(txn)
-                trash = self._files.retire(dirs)
                 body_done = True
         except _Refused as r:
             raise r.error from None  # the plan is aborted when the put's block ends
@@ -374,7 +371,7 @@ class Writer:
             plan.staged.clear()
             core.counters.put_chunks_written += len(plan.records) - len(dup)
             core.counters.put_chunks_deduplicated += len(dup)
-        self._files.purge(trash)
+        self._files.remove(dirs)
         self._on_commit()
 
     def _end_locked(self, plan: PutPlan) -> None:

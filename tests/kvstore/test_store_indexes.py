@@ -265,13 +265,13 @@ def test_a_stray_file_in_the_index_root_does_not_break_open(open_small, layout):
     s = open_small()
     k, v = causal_kv(layout, TOKENS)
     s.put(TOKENS, k, v, index=IndexSpec())
-    (key,) = s.index_dirs()
+    (d,) = s.index_dirs().values()
     root = os.path.join(s.path, "indexes")
     path = s.path
     s.close()
     import shutil
-    shutil.rmtree(os.path.join(root, key.hex()))
-    with open(os.path.join(root, key.hex()), "w") as f:  # a file where a directory belongs
+    shutil.rmtree(d)
+    with open(d, "w") as f:  # a file where a directory belongs
         f.write("x")
     with open(os.path.join(root, "notes.txt"), "w") as f:
         f.write("x")
