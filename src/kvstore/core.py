@@ -10,8 +10,6 @@ disk read, a disk write, an fsync or a catalog commit. Lock order: a catalog wri
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvstore.buffers import OutputPool
@@ -65,14 +63,3 @@ class Core:
         if self.failed is not None:
             raise KVStoreError(f"a catalog commit of {self.path!r} failed ({self.failed!r}); "
                                f"close and reopen the store before writing again")
-
-    @contextmanager
-    def held(self, keys: list[bytes]) -> Iterator[None]:
-        """Chunks ``keys`` stay stored (no eviction of this process frees them) inside."""
-        with self.mutex:
-            self.tree.hold(keys)
-        try:
-            yield
-        finally:
-            with self.mutex:
-                self.tree.release(keys)

@@ -187,6 +187,3 @@ class DramTier:
 
     def keys(self) -> list[bytes]:
         return list(self._entries)
-
-    def eviction_order(self) -> list[bytes]:
-        return self._heap.ordered()  # type: ignore[return-value]
