@@ -33,7 +33,7 @@ from kvstore.index.context import (
 )
 from kvstore.index.spec import IndexSpec
 from kvstore.mirror import writing
-from kvstore.records import IndexEntry
+from kvstore.records import ContextRecord, IndexEntry
 from kvstore.tree import served
 
 
@@ -119,11 +119,9 @@ class ContextIndexStore:
         stored. Nothing is built when no such context is stored (they are served through a
         longer context, whose indexes :meth:`read` then offers)."""
         core = self.core
-        with core.mutex:
-            core.check_writable()
-            core.mirror.catch_up()
-            if core.tree.exact_context(toks, namespace) is None:
-                return False
+        ctx = self._stored(toks, namespace)
+        if ctx is None:
+            return False
         built = ContextIndexes.build(positioned_keys(keys, core.layout), spec)
         if not os.path.isdir(self.files.root):
             os.makedirs(self.files.root, exist_ok=True)
@@ -132,10 +130,6 @@ class ContextIndexStore:
         entry = IndexEntry(nbytes, secrets.randbits(63) | 1)
         old: list[tuple[bytes, IndexEntry]] = []
         try:
-            with core.mutex:
-                ctx = core.tree.exact_context(toks, namespace)
-            if ctx is None:
-                return False
             publish(tmp, self.files.path(ctx.key, entry))  # a name nothing references yet
             with writing(core.catalog, core.mirror, core.mutex) as txn:
                 with core.mutex:
@@ -159,13 +153,17 @@ class ContextIndexStore:
                 shutil.rmtree(tmp, ignore_errors=True)
             self.files.remove(old)
 
-    def build(self, toks: np.ndarray, namespace: str | None, spec: IndexSpec) -> bool:
+    def _stored(self, toks: np.ndarray, namespace: str | None) -> ContextRecord | None:
+        """The stored context of exactly ``toks`` now (writable store), or None."""
         core = self.core
         with core.mutex:
             core.check_writable()
             core.mirror.catch_up()
-            if core.tree.exact_context(toks, namespace) is None:
-                return False
+            return core.tree.exact_context(toks, namespace)
+
+    def build(self, toks: np.ndarray, namespace: str | None, spec: IndexSpec) -> bool:
+        if self._stored(toks, namespace) is None:
+            return False
         try:
             keys, _ = self._get(toks, namespace)  # [L, H, T, D] pre-RoPE
         except KeyError:  # evicted since the check

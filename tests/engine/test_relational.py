@@ -19,6 +19,7 @@ from engine.relational.planner import PLAN_KINDS, PlanConfig, plan_batch
 from engine.relational.prefix import PromptSet, tier_split
 from engine.relational.prompts import PromptBuilder, message_text
 from engine.relational.render import TRUNCATION_MARK, RenderConfig, render_value
+from tests.kvstore.kvgen import lcp
 
 duckdb = pytest.importorskip("duckdb")
 
@@ -112,15 +113,6 @@ def test_pieces_equal_the_chat_template(model, movies):
 
 
 # ------------------------------------------------------------------ planner vs the store
-def _brute_lcp(a, b):
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def test_prompt_set_lcp_matches_brute_force(model, movies):
     builder = PromptBuilder(model.tokenizer, model.chat_template)
     calls = pair_calls(pair_rows(movies, 6, 40))
@@ -130,13 +122,13 @@ def test_prompt_set_lcp_matches_brute_force(model, movies):
     n = len(toks)
     pairs = np.array([(i, j) for i, j in itertools.product(range(n), repeat=2) if i != j])
     got = ps.lcp(pairs[:, 0], pairs[:, 1])
-    want = [_brute_lcp(toks[i], toks[j]) for i, j in pairs]
+    want = [lcp(toks[i], toks[j]) for i, j in pairs]
     assert got.tolist() == want
     order = np.random.default_rng(1).permutation(n)
     unb = ps.served_unbounded(order)
     win = ps.served_window(order, 3)
     for pos, k in enumerate(order):
-        earlier = [_brute_lcp(toks[k], toks[j]) for j in order[:pos]]
+        earlier = [lcp(toks[k], toks[j]) for j in order[:pos]]
         assert unb[pos] == max(earlier, default=0)
         assert win[pos] == max(earlier[-3:], default=0)
 

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import kvstore
 from kvstore.verify import verify_path
 from tests.kvstore.crash_writer import context
 from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.kvstore.test_crash import _exact
 
 ROOT = Path(__file__).resolve().parents[2]
 KILLS = 16  # per mode; two modes: 32 kills
@@ -82,12 +82,6 @@ class Writer:
         self.proc.wait(60)
         self._reader.join(30)
         assert self.proc.returncode == 0, self.proc.stderr.read()
-
-
-def _exact(store, toks):
-    k, v = store.get(toks)
-    ek, ev = causal_kv(SMALL, toks)
-    return torch.equal(k, ek) and torch.equal(v, ev)
 
 
 @pytest.mark.parametrize("mode", ["roomy", "churn"])

@@ -181,7 +181,8 @@ def _orders(rule: str, P: np.ndarray, piece_len: np.ndarray) -> np.ndarray:
     return group_orders(P, piece_len)
 
 
-def _pad(blocks: list[np.ndarray]) -> np.ndarray:
+def pad_rows(blocks: list[np.ndarray]) -> np.ndarray:
+    """Token-id rows of several blocks stacked into one matrix, padded with -1."""
     width = max((b.shape[1] for b in blocks), default=0)
     out = np.full((sum(len(b) for b in blocks), width), -1, dtype=np.int64)
     i = 0
@@ -244,7 +245,7 @@ def plan_batch(calls: Sequence[Call], builder: PromptBuilder, config: PlanConfig
     where = np.empty(len(reqs), dtype=np.int64)
     where[np.concatenate([np.asarray(ks, dtype=np.int64) for ks in block_reqs])
           if block_reqs else np.zeros(0, dtype=np.int64)] = np.arange(len(reqs))
-    rows = _pad(blocks)[where] if blocks else np.zeros((0, 0), dtype=np.int64)
+    rows = pad_rows(blocks)[where] if blocks else np.zeros((0, 0), dtype=np.int64)
     family_of = np.empty((len(reqs), 2), dtype=np.int64)
     for fi, ks in enumerate(block_reqs):
         family_of[ks, 0] = fi

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.relational.executor import Progress, RequestRecord
-from engine.relational.planner import Plan
+from engine.relational.planner import Plan, pad_rows
 from engine.relational.prefix import PromptSet, TierHits, tier_split
 from engine.relational.prompts import PromptBuilder
 
@@ -50,13 +50,7 @@ def tier_hits(plans: Sequence[Plan], builder: PromptBuilder, *, windows: Sequenc
     earlier prompt stored; all of it counted as DRAM) and, for each N in ``windows``, ``"N"``
     (DRAM holds the last N prompts' KV, disk everything earlier). A plan that does not cache
     (``none``) serves nothing."""
-    rows = [p.prompts.rows[p.order] for p in plans]
-    width = max((r.shape[1] for r in rows), default=0)
-    mat = np.full((sum(len(r) for r in rows), width), -1, dtype=np.int64)
-    i = 0
-    for r in rows:
-        mat[i: i + len(r), : r.shape[1]] = r
-        i += len(r)
+    mat = pad_rows([p.prompts.rows[p.order] for p in plans])
     ps = PromptSet(mat, builder.pieces, builder.keys)
     lens = ps.lens
     if not all(p.config.caches for p in plans):
