@@ -19,11 +19,16 @@ from dataclasses import dataclass
 
 import lmdb
 
+from kvstore.catalog_check import check_data_file
+from kvstore.confined import Dir, UnsafePath
 from kvstore.errors import CapacityError, FormatError, KVStoreError, StoreLocked
 from kvstore.hashing import HASH_BYTES
 from kvstore.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
 
 FORMAT_VERSION = 2
+CATALOG = "catalog"
+DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"
 LOG_KEEP = 4096  # change-log entries kept; a process further behind reloads everything
 HEADROOM = 256 << 10  # bytes of catalog file kept allocated ahead of use (see Catalog.write)
 TABLES = ("meta", "chunks", "contexts", "reservations", "indexes", "log")
@@ -46,11 +51,23 @@ def _u64(n: int) -> bytes:
 
 
 class ReadTxn:
-    """Typed reads inside one LMDB transaction (a consistent snapshot)."""
+    """Typed reads inside one LMDB transaction (a consistent snapshot).
+
+    A record that cannot be decoded (damaged) is read as absent and listed in ``malformed``
+    (table, key, why): the rest of the store stays usable, and the context it belonged to is
+    dropped by recovery like one whose records are missing."""
 
     def __init__(self, txn: lmdb.Transaction, dbs: dict[str, object]) -> None:
         self._txn = txn
         self._dbs = dbs
+        self.malformed: list[tuple[str, bytes, str]] = []
+
+    def _decode(self, table: str, decode, key: bytes, raw: bytes):
+        try:
+            return decode(key, raw)
+        except FormatError as e:
+            self.malformed.append((table, key, str(e)))
+            return None
 
     def _get(self, table: str, key: bytes) -> bytes | None:
         raw = self._txn.get(key, db=self._dbs[table])
@@ -77,15 +94,15 @@ class ReadTxn:
 
     def chunk(self, key: bytes) -> ChunkRecord | None:
         raw = self._get("chunks", key)
-        return None if raw is None else ChunkRecord.decode(key, raw)
+        return None if raw is None else self._decode("chunks", ChunkRecord.decode, key, raw)
 
     def context(self, key: bytes) -> ContextRecord | None:
         raw = self._get("contexts", key)
-        return None if raw is None else ContextRecord.decode(key, raw)
+        return None if raw is None else self._decode("contexts", ContextRecord.decode, key, raw)
 
     def index_entry(self, key: bytes) -> IndexEntry | None:
         raw = self._get("indexes", key)
-        return None if raw is None else IndexEntry.decode(key, raw)
+        return None if raw is None else self._decode("indexes", IndexEntry.decode, key, raw)
 
     def _items(self, table: str) -> Iterator[tuple[bytes, bytes]]:
         for k, v in self._txn.cursor(db=self._dbs[table]):
@@ -93,18 +110,30 @@ class ReadTxn:
 
     def chunks(self) -> Iterator[ChunkRecord]:
         for k, v in self._items("chunks"):
-            yield ChunkRecord.decode(k, v)
+            rec = self._decode("chunks", ChunkRecord.decode, k, v)
+            if rec is not None:
+                yield rec
 
     def contexts(self) -> Iterator[ContextRecord]:
         for k, v in self._items("contexts"):
-            yield ContextRecord.decode(k, v)
+            rec = self._decode("contexts", ContextRecord.decode, k, v)
+            if rec is not None:
+                yield rec
 
     def indexes(self) -> Iterator[tuple[bytes, IndexEntry]]:
         for k, v in self._items("indexes"):
-            yield k, IndexEntry.decode(k, v)
+            entry = self._decode("indexes", IndexEntry.decode, k, v)
+            if entry is not None:
+                yield k, entry
 
     def reservations(self) -> list[Reservation]:
-        return [Reservation.decode(k, v) for k, v in self._items("reservations")]
+        out = []
+        for k, v in self._items("reservations"):
+            r = self._decode("reservations", Reservation.decode, k, v)
+            if r is not None:
+                out.append(r)
+        return out
+
 
     def changes_since(self, gen: int) -> Changes | None:
         """Keys changed by the commits after generation ``gen``; None if the log no longer
@@ -184,6 +213,15 @@ class WriteTxn(ReadTxn):
     def delete_reservation(self, key: bytes) -> None:
         self._txn.delete(key, db=self._dbs["reservations"])
 
+    def delete_malformed(self) -> int:
+        """Delete every record this transaction found malformed; returns how many."""
+        found, self.malformed = self.malformed, []
+        for table, key, _ in found:
+            self._txn.delete(key, db=self._dbs[table])
+            if table in _KIND_OF:
+                self._log(table, key)
+        return len(found)
+
     def put_meta(self, name: str, value: object) -> None:
         self._txn.put(name.encode(), json.dumps(value, sort_keys=True).encode(),
                       db=self._dbs["meta"])
@@ -225,33 +263,63 @@ class Catalog:
     something a thread holding a write transaction would need.
     """
 
-    def __init__(self, path: str, *, readonly: bool, map_size: int = 1 << 34) -> None:
-        self.path = path
+    def __init__(self, root: Dir, *, readonly: bool, walk: bool,
+                 map_size: int = 1 << 34) -> None:
+        """Open the catalog directory of the store ``root``. Its files are checked before LMDB
+        maps them (:mod:`kvstore.catalog_check`): the meta pages always, every page when
+        ``walk`` (an opener that holds the store alone: no commit can run during the walk)."""
         self.readonly = readonly
-        if not readonly:
-            os.makedirs(path, exist_ok=True)
+        self.dir = root.sub(CATALOG, create=not readonly)
+        self.path = self.dir.path
         try:
-            self._env = lmdb.open(
-                path, subdir=True, readonly=readonly, max_dbs=len(TABLES) + 1,
-                map_size=map_size, sync=True, metasync=True, lock=True, create=not readonly,
-            )
-        except lmdb.Error as e:
-            if "already open" in str(e):
-                raise StoreLocked(f"the store catalog {path!r} is already open in this process"
-                                  ) from None
-            raise FormatError(f"cannot open catalog at {path!r}: {e}") from None
-        self._env.reader_check()  # reader slots of dead processes pin no old pages
-        self._commits = 0
-        self._dbs: dict[str, object] = {}
+            if not readonly:
+                root.fsync()  # the catalog directory's own entry is durable
+            self.dir.check_file(LOCK_FILE)
+            data = self._check_data(walk=walk)
+            try:
+                self._env = lmdb.open(
+                    self.dir.proc_path, subdir=True, readonly=readonly,
+                    max_dbs=len(TABLES) + 1, map_size=map_size, sync=True, metasync=True,
+                    lock=True, create=not readonly)
+            except lmdb.Error as e:
+                if "already open" in str(e):
+                    raise StoreLocked(f"the store catalog {self.path!r} is already open in "
+                                      f"this process") from None
+                raise FormatError(f"cannot open catalog at {self.path!r}: {e}") from None
+        except BaseException:
+            self.dir.close()
+            raise
         try:
+            now = self.dir.check_file(DATA_FILE)
+            if now is None or (data is not None and (now.st_dev, now.st_ino) != data):
+                raise UnsafePath(f"{self.dir.show(DATA_FILE)!r} was replaced while it was "
+                                 f"opened")
+            if data is None and not readonly:
+                self.dir.fsync()  # LMDB created data.mdb: its entry is durable
+            self._env.reader_check()  # reader slots of dead processes pin no old pages
+            self._commits = 0
+            self._dbs: dict[str, object] = {}
             self._dbs["meta"] = self._open_db("meta")
             self._dbs["sessions"] = self._open_db("sessions", create=False)  # format 1 only
             for name in TABLES[1:]:
                 self._dbs[name] = self._open_db(name)
         except BaseException:
-            self._env.close()
+            self.close()
             raise
         self.keep_headroom()
+
+    def _check_data(self, *, walk: bool) -> tuple[int, int] | None:
+        """(device, inode) of data.mdb after checking it is safe to map; None if absent."""
+        try:
+            fd = self.dir.open(DATA_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            check_data_file(fd, self.dir.show(DATA_FILE), walk=walk)
+            return st.st_dev, st.st_ino
+        finally:
+            os.close(fd)
 
     def _open_db(self, name: str, *, create: bool | None = None) -> object | None:
         create = not self.readonly if create is None else create
@@ -301,9 +369,8 @@ class Catalog:
             return
         info = self._env.info()
         used = (info["last_pgno"] + 1) * self._env.stat()["psize"]
-        data = os.path.join(self.path, "data.mdb")
         try:
-            fd = os.open(data, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = self.dir.open(DATA_FILE, os.O_RDWR)
         except OSError:
             return
         try:
@@ -337,4 +404,7 @@ class Catalog:
         self._dbs["sessions"] = None
 
     def close(self) -> None:
-        self._env.close()
+        env = getattr(self, "_env", None)
+        if env is not None:
+            env.close()
+        self.dir.close()

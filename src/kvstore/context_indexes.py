@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
+import stat
+import threading
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from kvstore.confined import TEMP_MARK, Dir, UnsafePath
 from kvstore.core import Core
 from kvstore.errors import CorruptData
-from kvstore.fsutil import fsync_dir
 from kvstore.index.build import build_index
 from kvstore.index.context import (
     ContextIndexes,
@@ -45,41 +46,80 @@ class _Gone(Exception):
     """The context left the store while its indexes were built."""
 
 
+INDEXES = "indexes"
+
+
 class IndexFiles:
-    """The ``indexes/`` directory of a store. Thread-safety: any thread (distinct names)."""
+    """The ``indexes/`` directory of a store (created on first use), reached through the
+    store's directory descriptor (:mod:`kvstore.confined`). Thread-safety: any thread (distinct
+    names)."""
 
-    def __init__(self, root: str, *, readonly: bool) -> None:
-        self.root = os.path.join(root, "indexes")
+    def __init__(self, root: Dir, *, readonly: bool) -> None:
+        self._root = root
         self.readonly = readonly
+        self._lock = threading.Lock()
+        self._dir: Dir | None = None
+        try:
+            self._dir = root.sub(INDEXES)
+        except FileNotFoundError:
+            pass
 
-    def path(self, key: bytes, entry: IndexEntry) -> str:
-        return os.path.join(self.root, entry.dirname(key))
+    def dir(self, *, create: bool = False) -> Dir | None:
+        """The open ``indexes/`` directory; None if it does not exist (and not ``create``)."""
+        if self._dir is None and create:
+            with self._lock:
+                if self._dir is None:
+                    self._dir = self._root.sub(INDEXES, create=True)
+        return self._dir
+
+    def show(self, key: bytes, entry: IndexEntry) -> str:
+        """The path of a context's index directory (for messages and listings)."""
+        return os.path.join(self._root.show(INDEXES), entry.dirname(key))
+
+    def open(self, key: bytes, entry: IndexEntry) -> Dir:
+        """The context's index directory (:class:`CorruptData` if absent); the caller closes
+        it."""
+        d = self.dir()
+        try:
+            if d is None:
+                raise FileNotFoundError
+            return d.sub(entry.dirname(key))
+        except FileNotFoundError:
+            raise CorruptData(f"index directory {self.show(key, entry)!r} is missing") from None
 
     def remove(self, dirs: list[tuple[bytes, IndexEntry]]) -> None:
         """Remove the directories of dropped entries (after the commit that dropped them)."""
+        d = self.dir()
+        if d is None:
+            return
         for key, entry in dirs:
-            shutil.rmtree(self.path(key, entry), ignore_errors=True)
+            d.rmtree(entry.dirname(key))
 
     def collect(self, live: set[str]) -> int:
         """Remove every entry of ``indexes/`` that is not a directory named in ``live`` (only by
-        a process holding the store alone). Returns how many."""
-        if not os.path.isdir(self.root):
+        a process holding the store alone; symlinks are removed, never followed). Returns how
+        many."""
+        d = self.dir()
+        if d is None:
             return 0
         n = 0
-        for name in sorted(os.listdir(self.root)):
-            full = os.path.join(self.root, name)
-            is_dir = os.path.isdir(full) and not os.path.islink(full)
-            if name in live and is_dir:
-                for f in os.listdir(full):  # a head rewrite a crash interrupted
-                    if ".tmp-" in f:
-                        os.unlink(os.path.join(full, f))
+        for name in sorted(d.listdir()):
+            st = d.lstat(name)
+            if name in live and st is not None and stat.S_ISDIR(st.st_mode):
+                with d.sub(name) as sub:
+                    for f in sub.listdir():  # a head rewrite a crash interrupted
+                        if TEMP_MARK in f:
+                            sub.rmtree(f)
                 continue
-            if is_dir:
-                shutil.rmtree(full, ignore_errors=True)
-            else:
-                os.unlink(full)
+            d.rmtree(name)
             n += 1
+        if n:
+            d.fsync()
         return n
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
 
 
 def check_spec(spec: object, name: str, head_dim: int) -> IndexSpec:
@@ -123,14 +163,12 @@ class ContextIndexStore:
         if ctx is None:
             return False
         built = ContextIndexes.build(positioned_keys(keys, core.layout), spec)
-        if not os.path.isdir(self.files.root):
-            os.makedirs(self.files.root, exist_ok=True)
-            fsync_dir(core.path)
-        tmp, nbytes = built.stage(self.files.root)
+        parent = self.files.dir(create=True)
+        tmp, nbytes = built.stage(parent)
         entry = IndexEntry(nbytes, secrets.randbits(63) | 1)
         old: list[tuple[bytes, IndexEntry]] = []
         try:
-            publish(tmp, self.files.path(ctx.key, entry))  # a name nothing references yet
+            publish(parent, tmp, entry.dirname(ctx.key))  # a name nothing references yet
             with writing(core.catalog, core.mirror, core.mutex) as txn:
                 with core.mutex:
                     core.check_writable()
@@ -149,8 +187,7 @@ class ContextIndexStore:
             old.append((ctx.key, entry))  # published, never referenced
             return False
         finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
+            parent.rmtree(tmp)  # absent once published
             self.files.remove(old)
 
     def _stored(self, toks: np.ndarray, namespace: str | None) -> ContextRecord | None:
@@ -192,7 +229,6 @@ class ContextIndexStore:
             s = min((tree.contexts[k] for k in cands), key=lambda r: (r.n_tokens, r.key))
             ctx_toks = np.concatenate([tree.chunks[c].tokens for c in s.chunks])
             entry = tree.indexed[s.key]
-            path = self.files.path(s.key, entry)
         full: list[np.ndarray] = []
 
         def rebuild(layer: int, head: int, spec: IndexSpec):
@@ -205,10 +241,12 @@ class ContextIndexStore:
             return build_index(full[0][layer, head], spec)
 
         try:
-            ci, rebuilt = read_context_indexes(path, rebuild=rebuild, rewrite=not core.readonly)
+            with self.files.open(s.key, entry) as d:
+                ci, rebuilt = read_context_indexes(d, rebuild=rebuild,
+                                                   rewrite=not core.readonly)
             ok = (ci.n_tokens == s.n_tokens and ci.num_layers == core.layout.num_layers
                   and ci.num_kv_heads == core.layout.num_kv_heads)
-        except CorruptData:
+        except (CorruptData, UnsafePath):
             ok, rebuilt = False, []
         except (_KeysUnavailable, OSError):  # unreadable keys, or the context left meanwhile
             with core.mutex:
@@ -238,9 +276,22 @@ class ContextIndexStore:
         with core.mutex:
             core.mirror.catch_up()
 
+    def check_all(self) -> dict[bytes, str | None]:
+        with self.core.mutex:
+            entries = dict(self.core.tree.indexed)
+        out: dict[bytes, str | None] = {}
+        for key, entry in entries.items():
+            try:
+                with self.files.open(key, entry) as d:
+                    read_context_indexes(d)
+                out[key] = None
+            except (CorruptData, UnsafePath) as e:
+                out[key] = str(e)
+        return out
+
     def dirs(self) -> dict[bytes, str]:
         with self.core.mutex:
-            return {k: self.files.path(k, e) for k, e in self.core.tree.indexed.items()}
+            return {k: self.files.show(k, e) for k, e in self.core.tree.indexed.items()}
 
     def stats(self) -> dict[str, int]:
         """With the lock held."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvstore.buffers import OutputPool
 from kvstore.catalog import Catalog
 from kvstore.config import StoreConfig
+from kvstore.confined import Dir
 from kvstore.dram import DramTier
 from kvstore.errors import KVStoreError, StoreClosed
 from kvstore.layout import KVLayout
@@ -30,6 +31,7 @@ from kvstore.workers import Helpers
 @dataclass(eq=False, kw_only=True)
 class Core:
     path: str
+    root: Dir  # the store directory, open: every file is reached through it
     layout: KVLayout
     config: StoreConfig
     readonly: bool

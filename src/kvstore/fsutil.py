@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 from collections.abc import Callable
 from typing import BinaryIO
 
-# Temporary names contain ".tmp-": the store collects such leftovers of a crash at open.
-TEMP_MARK = ".tmp-"
+from kvstore.confined import TEMP_MARK, Dir
+
+__all__ = ["TEMP_MARK", "atomic_write", "create_new", "fsync_dir"]
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -43,37 +42,15 @@ def atomic_write(path: str | os.PathLike[str],
     ``O_EXCL | O_NOFOLLOW``), which is fsynced and renamed over ``path``; then the directory
     is fsynced. A symlink at ``path`` is replaced, never followed. On any failure the
     temporary file is removed and the error raised; ``path`` is untouched unless the rename
-    happened (then only the directory fsync failed).
+    happened (then only the directory fsync failed). (:meth:`kvstore.confined.Dir.atomic_write`
+    does the same inside a directory the caller holds open.)
     """
     path = os.fspath(path)
-    if isinstance(data, str):
-        data = data.encode()
-    if not (callable(data) or isinstance(data, bytes | bytearray | memoryview)):
+    if not (callable(data) or isinstance(data, bytes | bytearray | memoryview | str)):
         raise TypeError(f"data must be bytes, str or a function writing to a binary file, "
                         f"got {type(data).__name__}")
     directory, name = os.path.split(os.path.abspath(path))
     if not name:
         raise ValueError(f"path must name a file, got {path!r}")
-    for _ in range(100):
-        tmp = os.path.join(directory, f"{name}{TEMP_MARK}{secrets.token_hex(8)}")
-        try:
-            fd = create_new(tmp)
-            break
-        except FileExistsError:
-            continue  # a name taken (by chance, or by someone's link): draw another
-    else:
-        raise FileExistsError(f"no free temporary name next to {path!r} after 100 tries")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):  # the writer may have removed it
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
+    with Dir.open_root(directory, create=False) as d:
+        d.atomic_write(name, data)

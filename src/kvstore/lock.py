@@ -1,13 +1,17 @@
-"""Which openers a store admits at once: the ``LOCK`` file's ``flock``.
+"""Which openers a store admits at once: a ``flock`` on the store directory itself.
 
-* shared (the default): any number of processes, each may read and write; ``LOCK`` held shared;
-* exclusive (``exclusive=True``): one process alone; ``LOCK`` held exclusive;
-* read-only: shares ``LOCK`` with the shared openers and other readers.
+* shared (the default): any number of processes, each may read and write; held shared;
+* exclusive (``exclusive=True``): one process alone; held exclusive;
+* read-only: shares the lock with the shared openers and other readers.
 
+The lock is taken on the directory, not on a file in it: deleting or replacing any file of the
+store cannot let a second opener in beside a live one (with a ``LOCK`` file, deleting it did).
 A conflicting opener gets :class:`StoreLocked` at once. Opening itself is serialized by a second
-file, ``OPENING``, held exclusive for the few milliseconds an opener needs to find out whether
-it is alone (then it may repair and resize the store, and it holds ``LOCK`` exclusive while it
-does) and to settle into its mode. The kernel drops both locks when a process dies.
+lock, on the file ``OPENING``, held exclusive for the few milliseconds an opener needs to find
+out whether it is alone (then it may repair and resize the store, and it holds the directory
+lock exclusive while it does) and to settle into its mode; the opener checks, once it holds
+it, that the file it locked is still the one named ``OPENING`` (else it locks the new one).
+The kernel drops both locks when a process dies.
 """
 
 from __future__ import annotations
@@ -15,14 +19,10 @@ from __future__ import annotations
 import fcntl
 import os
 
+from kvstore.confined import Dir
 from kvstore.errors import StoreLocked
 
-
-def _open_lock_file(path: str, *, create: bool) -> int:
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    if create:
-        flags |= os.O_CREAT
-    return os.open(path, flags, 0o644)
+GATE = "OPENING"
 
 
 class DirLock:
@@ -52,25 +52,38 @@ class DirLock:
             self._fd = None
 
 
-def acquire(root: str, *, exclusive: bool, readonly: bool) -> DirLock:
+def _lock_gate(root: Dir, *, readonly: bool) -> int | None:
+    """Hold ``OPENING`` exclusive: the one this directory names when the lock is granted."""
+    while True:
+        try:
+            gate = root.open(GATE, os.O_RDONLY | (0 if readonly else os.O_CREAT))
+        except FileNotFoundError:
+            if not readonly:
+                raise
+            return None  # a store from an older version, opened read-only: nothing to serialize
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX)  # blocks only while another opener sets up
+            now = root.lstat(GATE)
+            mine = os.fstat(gate)
+        except BaseException:
+            os.close(gate)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return gate
+        os.close(gate)  # deleted or replaced while this opener waited: lock the current one
+
+
+def acquire(root: Dir, *, exclusive: bool, readonly: bool) -> DirLock:
     """Take the store's lifetime lock in the mode asked; :class:`StoreLocked` on a conflict.
 
-    An opener that finds itself alone returns holding ``LOCK`` exclusive and ``OPENING`` (no
-    other opener gets in until it calls :meth:`DirLock.settle`); a joining opener returns
-    holding ``LOCK`` shared and nothing else.
+    An opener that finds itself alone returns holding the directory lock exclusive and
+    ``OPENING`` (no other opener gets in until it calls :meth:`DirLock.settle`); a joining
+    opener returns holding the directory lock shared and nothing else.
     """
-    lock_path = os.path.join(root, "LOCK")
-    opening_path = os.path.join(root, "OPENING")
+    gate = _lock_gate(root, readonly=readonly)
     try:
-        gate: int | None = _open_lock_file(opening_path, create=not readonly)
-    except FileNotFoundError:
-        if not readonly:
-            raise
-        gate = None  # a store from an older version, opened read-only: nothing to serialize
-    try:
-        if gate is not None:
-            fcntl.flock(gate, fcntl.LOCK_EX)  # blocks only while another opener sets up
-        fd = _open_lock_file(lock_path, create=not readonly)
+        # A new open file description of the directory: flock belongs to it, not to root.fd.
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root.fd)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -78,12 +91,12 @@ def acquire(root: str, *, exclusive: bool, readonly: bool) -> DirLock:
             except BlockingIOError:
                 pass
             if exclusive:
-                raise StoreLocked(f"cannot open {root!r} exclusively: another process has it "
-                                  f"open")
+                raise StoreLocked(f"cannot open {root.path!r} exclusively: another process has "
+                                  f"it open")
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise StoreLocked(f"cannot open {root!r}: another process holds it open "
+                raise StoreLocked(f"cannot open {root.path!r}: another process holds it open "
                                   f"exclusively") from None
             lock = DirLock(fd, gate, alone=False, exclusive=False)
             lock.settle()

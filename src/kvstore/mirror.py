@@ -109,8 +109,11 @@ class Mirror:
         chunks = {r.key: r for r in txn.chunks()}
         contexts = {c.key: c for c in txn.contexts()}
         held = {k for r in txn.reservations() for k in r.held}
-        p = recovery_plan(chunks, contexts, total_slots=self.slots.total, held=held)
-        self.problems = p.problems
+        p = recovery_plan(chunks, contexts, total_slots=self.slots.total, held=held,
+                          chunk_tokens=self.tree.chunk_tokens)
+        entries = list(txn.indexes())
+        self.problems = [f"{table} record {key.hex()} is unreadable ({why}): ignored"
+                         for table, key, why in txn.malformed] + p.problems
         tree = self.tree
         old_access = {k: c.last_access for k, c in tree.contexts.items()}
         tree.clear()
@@ -119,7 +122,7 @@ class Mirror:
         for ctx in p.keep_contexts.values():
             ctx.last_access = max(ctx.last_access, old_access.get(ctx.key, 0))
             tree.add_context(ctx)
-        for key, entry in txn.indexes():
+        for key, entry in entries:
             if key in tree.contexts:
                 tree.indexed[key] = entry
         self.slots.reset(r.slot for r in tree.chunks.values())

@@ -12,23 +12,25 @@ on the settings they share (``disk_bytes``, ``chunk_tokens``).
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import replace
 
 from kvstore.buffers import OutputPool
-from kvstore.catalog import FORMAT_VERSION, Catalog
+from kvstore.catalog import CATALOG, FORMAT_VERSION, Catalog
 from kvstore.config import StoreConfig, check_size
-from kvstore.context_indexes import IndexFiles
+from kvstore.confined import Dir, UnsafePath
+from kvstore.context_indexes import INDEXES, IndexFiles
 from kvstore.core import Core
 from kvstore.dram import DramTier
-from kvstore.errors import FormatError, LayoutMismatch
+from kvstore.errors import CorruptData, FormatError, LayoutMismatch
 from kvstore.layout import KVLayout
 from kvstore.lock import DirLock, acquire
 from kvstore.mirror import Mirror
-from kvstore.owners import Owner, collect_dead
+from kvstore.owners import PROCS, Owner, collect_dead
 from kvstore.policy import make_policy
 from kvstore.recovery import apply as apply_recovery
 from kvstore.recovery import plan as recovery_plan
-from kvstore.segments import SegmentFiles, SegmentGeometry
+from kvstore.segments import SEGMENTS, SegmentFiles, SegmentGeometry
 from kvstore.slots import SlotAllocator
 from kvstore.stats import Counters
 from kvstore.store import Store
@@ -83,35 +85,43 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
         raise ValueError("readonly and exclusive cannot both be set")
     given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy}.items()
              if v is not None}
-    if readonly:
-        if not os.path.isdir(os.path.join(path, "catalog")):
-            raise FileNotFoundError(f"no kvstore at {path!r}")
-    else:
-        os.makedirs(path, exist_ok=True)
-    lock = acquire(path, exclusive=exclusive, readonly=readonly)
+    if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
+        raise FileNotFoundError(f"no kvstore at {path!r}")
+    root = Dir.open_root(path, create=not readonly)
     try:
-        catalog = Catalog(os.path.join(path, "catalog"), readonly=readonly)
+        lock = acquire(root, exclusive=exclusive, readonly=readonly)
         try:
-            layout, config = _settle_format(path, catalog, layout, given, lock, readonly)
-            store = _assemble(path, catalog, lock, layout, config, readonly)
+            catalog = Catalog(root, readonly=readonly, walk=lock.alone)
+            try:
+                layout, config = _settle_format(root, catalog, layout, given, lock, readonly)
+                store = _assemble(root, catalog, lock, layout, config, readonly)
+            except BaseException:
+                catalog.close()
+                raise
         except BaseException:
-            catalog.close()
+            lock.release()
             raise
     except BaseException:
-        lock.release()
+        root.close()
         raise
     lock.settle()
     return store
 
 
-def _settle_format(path: str, catalog: Catalog, layout: KVLayout | None,
+def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None,
                    given: dict[str, object], lock: DirLock,
                    readonly: bool) -> tuple[KVLayout, StoreConfig]:
     """The store's layout and this opener's config; creates or upgrades the catalog when this
     opener holds the store alone."""
-    fmt = catalog.get_meta("format")
+    path = root.path
+    try:
+        fmt = catalog.get_meta("format")
+    except (TypeError, ValueError) as e:
+        raise CorruptData(f"the catalog of {path!r} has an unreadable format record: {e}"
+                          ) from None
     writable_alone = lock.alone and not readonly
     if fmt is None:
+        _refuse_new_over_old(root)
         if readonly:
             raise FormatError(f"{path!r} holds no initialized kvstore")
         if not lock.alone:
@@ -137,7 +147,7 @@ def _settle_format(path: str, catalog: Catalog, layout: KVLayout | None,
     try:
         stored = KVLayout.from_dict(catalog.get_meta("layout"))  # type: ignore[arg-type]
         stored_cfg = StoreConfig.from_dict(catalog.get_meta("config"))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, KeyError) as e:
         raise FormatError(f"store metadata at {path!r} is invalid: {e}") from None
     if layout is not None and layout != stored:
         raise LayoutMismatch(f"store at {path!r} was created for {stored}, not {layout}")
@@ -156,8 +166,27 @@ def _settle_format(path: str, catalog: Catalog, layout: KVLayout | None,
     return stored, config
 
 
-def _assemble(path: str, catalog: Catalog, lock: DirLock, layout: KVLayout,
+def _refuse_new_over_old(root: Dir) -> None:
+    """An empty catalog means a new store only in a directory that holds no store data: one
+    with segment files, index directories or owner files lost its catalog (or had it
+    damaged), and a new store must not start over the old data."""
+    for name in (SEGMENTS, INDEXES):
+        st = root.lstat(name)
+        if st is None:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafePath(f"{root.show(name)!r} is not the store's own directory")
+        with root.sub(name) as d:
+            if d.listdir():
+                raise CorruptData(
+                    f"the catalog of {root.path!r} records no store, but {root.show(name)!r} "
+                    f"holds data: the catalog is lost or damaged; refusing to start a new "
+                    f"store over it (move the directory away to start afresh)")
+
+
+def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
               config: StoreConfig, readonly: bool) -> Store:
+    path = root.path
     policy = make_policy(config.policy)
     geo = SegmentGeometry.for_budget(slot_bytes=layout.chunk_bytes(config.chunk_tokens),
                                      disk_bytes=config.disk_bytes)
@@ -168,15 +197,22 @@ def _assemble(path: str, catalog: Catalog, lock: DirLock, layout: KVLayout,
     dram = DramTier(capacity_bytes=config.dram_bytes, slot_bytes=geo.slot_stride,
                     policy=policy)
     mirror = Mirror(catalog=catalog, tree=tree, slots=slots, dram=dram, counters=counters)
-    segments = SegmentFiles(os.path.join(path, "segments"), geo, readonly=readonly)
-    files = IndexFiles(path, readonly=readonly)
+    segments = SegmentFiles(root, geo, readonly=readonly)
+    files = None
     owner = None
     try:
+        files = IndexFiles(root, readonly=readonly)
         if not readonly:
-            if lock.alone:
-                _repair_alone(path, catalog, segments, files, geo, layout, counters)
-            owner = Owner(path)
-        core = Core(path=path, layout=layout, config=config, readonly=readonly, geo=geo,
+            procs = root.sub(PROCS, create=True)
+            try:
+                if lock.alone:
+                    _repair_alone(procs, catalog, segments, files, geo, layout, config,
+                                  counters)
+                owner = Owner(procs)
+            except BaseException:
+                procs.close()
+                raise
+        core = Core(path=path, root=root, layout=layout, config=config, readonly=readonly, geo=geo,
                     catalog=catalog, segments=segments, tree=tree, slots=slots, dram=dram,
                     mirror=mirror, counters=counters, helpers=Helpers(2, "kvstore-io"),
                     buffers=OutputPool(BUFFER_POOL_BYTES), owner=owner)
@@ -188,14 +224,18 @@ def _assemble(path: str, catalog: Catalog, lock: DirLock, layout: KVLayout,
                 mirror.reload(txn)
     except BaseException:
         segments.close()
+        if files is not None:
+            files.close()
         if owner is not None:
             owner.close()
+            owner.dir.close()
         raise
     return store
 
 
-def _repair_alone(path: str, catalog: Catalog, segments: SegmentFiles, files: IndexFiles,
-                  geo: SegmentGeometry, layout: KVLayout, counters: Counters) -> None:
+def _repair_alone(procs: Dir, catalog: Catalog, segments: SegmentFiles, files: IndexFiles,
+                  geo: SegmentGeometry, layout: KVLayout, config: StoreConfig,
+                  counters: Counters) -> None:
     """Repair what crashes left, with no other process using the store."""
     present = segments.existing()
 
@@ -211,18 +251,20 @@ def _repair_alone(path: str, catalog: Catalog, segments: SegmentFiles, files: In
         chunks = {r.key: r for r in txn.chunks()}
         contexts = {c.key: c for c in txn.contexts()}
         p = recovery_plan(chunks, contexts, total_slots=geo.total_slots, extent_end=extent_end,
-                          segment_sizes=present)
+                          segment_sizes=present, chunk_tokens=config.chunk_tokens)
         apply_recovery(p, txn)
-        indexed = {e.dirname(k) for k, e in txn.indexes() if k in p.keep_contexts}
-        for k, e in list(txn.indexes()):
+        entries = list(txn.indexes())
+        indexed = {e.dirname(k) for k, e in entries if k in p.keep_contexts}
+        for k, e in entries:
             if e.dirname(k) not in indexed:
                 txn.delete_index(k)
+        counters.malformed_records += txn.delete_malformed()
     counters.corrupt_chunks += p.bad_chunks
     counters.dropped_contexts += len(p.dropped)
     counters.evicted_contexts += len(p.evicted)
     counters.collected_orphans += len(p.orphans)
     counters.collected_indexes += files.collect(indexed)
-    collect_dead(path)
+    collect_dead(procs)
     # Segment files are created lazily on first write; existing ones of the wrong size
     # (truncated, or the budget changed) are resized now; files beyond the budget go.
     for seg, size in present.items():

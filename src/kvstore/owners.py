@@ -10,91 +10,79 @@ file unlocked. Process ids are never used: they are reused.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import secrets
 
-from kvstore.fsutil import fsync_dir
+from kvstore.confined import Dir, UnsafePath
 from kvstore.records import OWNER_BYTES
 
 PROCS = "procs"
 
 
 class Owner:
-    """This process's registration as a writer of the store at ``root``.
+    """This process's registration as a writer of the store whose ``procs`` directory is
+    ``procs``.
 
     Thread-safety: immutable once built; :meth:`close` once, at store close.
     """
 
-    def __init__(self, root: str) -> None:
-        self.dir = os.path.join(root, PROCS)
-        os.makedirs(self.dir, exist_ok=True)
+    def __init__(self, procs: Dir) -> None:
+        self.dir = procs
         self.id = secrets.token_bytes(OWNER_BYTES)
-        self.path = os.path.join(self.dir, self.id.hex())
-        tmp = self.path + ".new"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)
+        self.name = self.id.hex()
+        tmp, fd = procs.create_temp(self.name)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.rename(tmp, self.path)
+            procs.rename(tmp, self.name)
         except BaseException:
             os.close(fd)
-            os.unlink(tmp)
+            procs.unlink(tmp)
             raise
         self._fd: int | None = fd
 
     def close(self) -> None:
         if self._fd is not None:
-            os.unlink(self.path)  # while still locked: nobody reclaims a live owner
+            self.dir.unlink(self.name)  # while still locked: nobody reclaims a live owner
             os.close(self._fd)
             self._fd = None
 
 
-def owner_alive(root: str, owner: bytes) -> bool:
+def owner_alive(procs: Dir, owner: bytes) -> bool:
     """Whether the owner ``owner`` still holds its lock (this process's own owner counts as
-    alive). A dead owner's file is removed."""
-    path = os.path.join(root, PROCS, owner.hex())
+    alive). A dead owner's file is removed; so is anything else planted at its name."""
+    name = owner.hex()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = procs.open(name, os.O_RDONLY)
     except FileNotFoundError:
         return False
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # a symlink planted where an owner file belongs: not one
-            return False
-        raise
+    except UnsafePath:  # a symlink or special file where an owner file belongs: not one
+        procs.unlink(name)
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:
         os.close(fd)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    procs.unlink(name)
     return False
 
 
-def collect_dead(root: str) -> int:
-    """Remove the files of owners that are gone (and temporary ones a crash left). Only called
-    by an opener that holds the store alone, so every file left is stale. Returns how many."""
-    d = os.path.join(root, PROCS)
-    if not os.path.isdir(d):
-        return 0
+def collect_dead(procs: Dir) -> int:
+    """Remove the files of owners that are gone (and temporary ones a crash left, and anything
+    else). Only called by an opener that holds the store alone, so every file left is stale.
+    Returns how many."""
     n = 0
-    for name in os.listdir(d):
+    for name in procs.listdir():
         try:
             owner = bytes.fromhex(name)
         except ValueError:
             owner = b""
-        if len(owner) == OWNER_BYTES and owner_alive(root, owner):
+        if len(owner) == OWNER_BYTES and owner_alive(procs, owner):
             continue
-        try:
-            os.unlink(os.path.join(d, name))
-            n += 1
-        except FileNotFoundError:
-            pass
+        procs.rmtree(name)
+        n += 1
     if n:
-        fsync_dir(d)
+        procs.fsync()
     return n

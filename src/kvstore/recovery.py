@@ -39,22 +39,29 @@ class RecoveryPlan:
 def plan(chunks: Mapping[bytes, ChunkRecord], contexts: Mapping[bytes, ContextRecord], *,
          total_slots: int, extent_end: Callable[[ChunkRecord], tuple[int, int]] | None = None,
          segment_sizes: Mapping[int, int] | None = None,
-         held: frozenset[bytes] | set[bytes] = frozenset()) -> RecoveryPlan:
+         held: frozenset[bytes] | set[bytes] = frozenset(),
+         chunk_tokens: int | None = None) -> RecoveryPlan:
     """Decide what to keep. ``extent_end(rec)`` gives (segment, end offset) of a chunk's
     extent; with ``segment_sizes`` (segment -> file size, for the files present) chunks in
-    missing or short files count as corrupt. ``held``: chunks puts in progress hold."""
+    missing or short files count as corrupt. ``held``: chunks puts in progress hold.
+    ``chunk_tokens``: the store's chunk size (a chunk record claiming more is corrupt)."""
     problems: list[str] = []
     broken = set()
     for ctx in contexts.values():
-        missing = [c for c in ctx.chunks if c not in chunks]
-        if missing or not ctx.chunks or ctx.chunks[-1] != ctx.key:
+        why = _broken(ctx, chunks, chunk_tokens)
+        if why is not None:
             broken.add(ctx.key)
-            problems.append(f"context {ctx.key.hex()} references a missing chunk"
-                            if missing else f"context {ctx.key.hex()} is malformed")
+            problems.append(f"context {ctx.key.hex()} {why}: dropped")
     bad, lost = set(), set()
     for k, rec in chunks.items():
-        if rec.slot >= total_slots:
+        if chunk_tokens is not None and rec.n_tokens > chunk_tokens:
+            bad.add(k)
+            problems.append(f"chunk {k.hex()} claims {rec.n_tokens} tokens, more than a chunk "
+                            f"holds ({chunk_tokens})")
+        elif rec.slot >= total_slots:
             lost.add(k)
+            problems.append(f"chunk {k.hex()} lies in disk slot {rec.slot}, beyond the "
+                            f"{total_slots} slots of the disk budget")
         elif segment_sizes is not None and extent_end is not None:
             seg, end = extent_end(rec)
             if segment_sizes.get(seg, -1) < end:
@@ -76,6 +83,25 @@ def plan(chunks: Mapping[bytes, ChunkRecord], contexts: Mapping[bytes, ContextRe
     return RecoveryPlan(keep_chunks=keep_chunks, keep_contexts=keep_contexts, dropped=dropped,
                         evicted=evicted, orphans=orphans, bad_chunks=len(bad),
                         problems=problems, all_chunks=tuple(chunks))
+
+
+def _broken(ctx: ContextRecord, chunks: Mapping[bytes, ChunkRecord],
+            chunk_tokens: int | None) -> str | None:
+    """Why a context cannot be served from these chunk records (None: it can)."""
+    if not ctx.chunks or ctx.chunks[-1] != ctx.key:
+        return "is malformed"
+    recs = [chunks.get(c) for c in ctx.chunks]
+    if any(r is None for r in recs):
+        return "references a missing chunk"
+    full = chunk_tokens or recs[0].n_tokens
+    for i, r in enumerate(recs):
+        if i and (r.parent != recs[i - 1].key or r.n_tokens > full):
+            return "has chunks that do not form one chain"
+        if i < len(recs) - 1 and r.n_tokens != full:
+            return "has an inner chunk that is not full"
+    if sum(r.n_tokens for r in recs) != ctx.n_tokens:
+        return "records a token count its chunks do not add up to"
+    return None
 
 
 def apply(p: RecoveryPlan, txn: WriteTxn) -> None:

@@ -15,10 +15,11 @@ import os
 import threading
 from dataclasses import dataclass
 
+from kvstore.confined import Dir
 from kvstore.errors import CapacityError, CorruptData
-from kvstore.fsutil import fsync_dir
 
 PAGE = 4096
+SEGMENTS = "segments"
 
 # The sync that makes extents durable. A module attribute so that tests can slow it down to
 # prove that no lock is held across it (fault injection, tests/kvstore/test_threads.py).
@@ -95,34 +96,49 @@ class SegmentFiles:
     ``prepare`` of existing files and ``remove`` only by an opener holding the store alone.
     """
 
-    def __init__(self, directory: str, geometry: SegmentGeometry, *, readonly: bool) -> None:
-        self.dir = directory
+    def __init__(self, root: Dir, geometry: SegmentGeometry, *, readonly: bool) -> None:
         self.geo = geometry
         self.readonly = readonly
         self._fds: dict[int, int] = {}
         self._ready: set[int] = set()  # segments known to exist at full size, durably
         self._fd_lock = threading.Lock()  # IO workers may open a segment concurrently
         self._prepare_lock = threading.Lock()  # puts of several threads may need one segment
+        self.dir: Dir | None = None
+        try:
+            self.dir = root.sub(SEGMENTS, create=not readonly)
+        except FileNotFoundError:
+            self._shown = root.show(SEGMENTS)  # read-only and absent: no segment exists
+            return
+        self._shown = self.dir.path
         if not readonly:
-            os.makedirs(directory, exist_ok=True)
-            fsync_dir(directory)  # entries of files created before a crash become durable
-            fsync_dir(os.path.dirname(os.path.abspath(directory)))
+            self.dir.fsync()  # entries of files created before a crash become durable
+            root.fsync()
+
+    @staticmethod
+    def name(seg: int) -> str:
+        return f"seg-{seg:06d}.kv"
 
     def path(self, seg: int) -> str:
-        return os.path.join(self.dir, f"seg-{seg:06d}.kv")
+        """For messages."""
+        return os.path.join(self._shown, self.name(seg))
 
     def existing(self) -> dict[int, int]:
-        """Segment number -> current file size, for the files present on disk."""
+        """Segment number -> current file size, for the segment files present (a symlink or
+        special file at a segment's name is :class:`~kvstore.confined.UnsafePath`)."""
         out: dict[int, int] = {}
-        if not os.path.isdir(self.dir):
+        if self.dir is None:
             return out
-        for name in os.listdir(self.dir):
-            if name.startswith("seg-") and name.endswith(".kv"):
+        for name in self.dir.listdir():
+            if name.startswith("seg-") and name.endswith(".kv") and len(name) == 13:
                 try:
                     seg = int(name[4:-3])
                 except ValueError:
                     continue
-                out[seg] = os.path.getsize(os.path.join(self.dir, name))
+                if name != self.name(seg):
+                    continue
+                st = self.dir.check_file(name)
+                if st is not None:
+                    out[seg] = st.st_size
         return out
 
     def _fd(self, seg: int) -> int:
@@ -135,7 +151,9 @@ class SegmentFiles:
                 return fd
             flags = os.O_RDONLY if self.readonly else os.O_RDWR
             try:
-                fd = os.open(self.path(seg), flags | os.O_CLOEXEC)
+                if self.dir is None:
+                    raise FileNotFoundError(self.path(seg))
+                fd = self.dir.open(self.name(seg), flags)
             except FileNotFoundError:
                 raise CorruptData(f"segment file {self.path(seg)!r} is missing") from None
             self._fds[seg] = fd
@@ -144,8 +162,8 @@ class SegmentFiles:
     def prepare(self, seg: int) -> None:
         """Create or resize segment ``seg`` to its full (sparse) size, durably."""
         size = self.geo.segment_size(seg)
-        path = self.path(seg)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        assert self.dir is not None and not self.readonly
+        fd = self.dir.open(self.name(seg), os.O_RDWR | os.O_CREAT)
         try:
             if os.fstat(fd).st_size != size:
                 # Sparse: blocks are allocated as extents are written. (posix_fallocate would
@@ -157,7 +175,7 @@ class SegmentFiles:
         finally:
             os.close(fd)
         # Always: a file created by an earlier, killed prepare() may not have its entry durable.
-        fsync_dir(self.dir)
+        self.dir.fsync()
         self._ready.add(seg)  # open descriptors stay valid: the file is resized in place
 
     def ensure_ready(self, slots: list[int]) -> None:
@@ -179,11 +197,9 @@ class SegmentFiles:
         old = self._fds.pop(seg, None)
         if old is not None:
             os.close(old)
-        try:
-            os.unlink(self.path(seg))
-        except FileNotFoundError:
-            return
-        fsync_dir(self.dir)
+        assert self.dir is not None
+        if self.dir.unlink(self.name(seg)):
+            self.dir.fsync()
 
     def write(self, slot: int, buffers: list) -> None:
         """Write an extent given as buffers in extent order into ``slot`` (one ``pwritev``).
@@ -242,3 +258,5 @@ class SegmentFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        if self.dir is not None:
+            self.dir.close()

@@ -28,6 +28,7 @@ class Counters:
     prefetched_chunks: int = 0
     corrupt_chunks: int = 0
     dropped_contexts: int = 0
+    malformed_records: int = 0  # catalog records that could not be decoded (deleted at open)
     collected_orphans: int = 0
     reclaimed_reservations: int = 0  # of processes that died with a put in progress
     indexes_built: int = 0

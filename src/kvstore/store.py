@@ -344,6 +344,11 @@ class Store:
         """Context key -> directory of the contexts that have indexes. Thread-safe."""
         return self._indexes.dirs()
 
+    def check_indexes(self) -> dict[bytes, str | None]:
+        """Context key -> None if its index directory reads back whole (manifest and every
+        file's checksums), else what is wrong. Reads only; repairs nothing. Thread-safe."""
+        return self._indexes.check_all()
+
     # ------------------------------------------------------------------ scheduler hints
     def set_queue(self, jobs: object, *, running: object = ()) -> None:
         """Hand the store the scheduler's waiting jobs, the next to run first (AttentionStore
@@ -423,6 +428,7 @@ class Store:
                 "corrupt": {
                     "chunks": cnt.corrupt_chunks,
                     "dropped_contexts": cnt.dropped_contexts,
+                    "malformed_records": cnt.malformed_records,
                     "collected_orphans": cnt.collected_orphans,
                 },
                 "sharing": {
@@ -460,6 +466,10 @@ class Store:
             core.check_open()
             core.mirror.catch_up()
             return list(core.tree.chunks.values())
+
+    def segment_file_bytes(self) -> int:
+        """Apparent bytes of the segment files present. Thread-safe."""
+        return sum(self._core.segments.existing().values())
 
     def read_extent(self, rec: ChunkRecord) -> np.ndarray:
         """Read a chunk's extent straight from disk (bypassing DRAM), unverified. Thread-safe."""
@@ -522,9 +532,12 @@ class Store:
             core.helpers.close()
             core.segments.close()
             core.catalog.close()
+            self._files.close()
             if core.owner is not None:
                 core.owner.close()
+                core.owner.dir.close()
             self._lock.release()
+            core.root.close()
 
     def __enter__(self) -> Store:
         return self

@@ -9,7 +9,6 @@ import numpy as np
 
 from kvstore.errors import CorruptData
 from kvstore.hashing import chunk_hash
-from kvstore.index.context import read_context_indexes
 from kvstore.opening import open_store
 from kvstore.store import Store
 
@@ -71,11 +70,9 @@ def verify_store(store: Store) -> dict[str, object]:
         checked += 1
     orphans = [k for k in chunks if k not in held]
     bad_indexes = 0
-    for key, path in store.index_dirs().items():
-        try:
-            read_context_indexes(path)  # every file's checksums and the manifest
-        except CorruptData as e:
-            errors.append(f"indexes of context {key.hex()}: {e}")
+    for key, problem in store.check_indexes().items():  # manifests and every file's checksums
+        if problem is not None:
+            errors.append(f"indexes of context {key.hex()}: {problem}")
             bad_indexes += 1
     return {
         "ok": not errors,
@@ -102,9 +99,7 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, object]:
         st = store.stats()
         contexts = store.contexts()
         lengths = sorted(s.n_tokens for s in contexts)
-        seg_dir = os.path.join(store.path, "segments")
-        seg_bytes = sum(os.path.getsize(os.path.join(seg_dir, f)) for f in os.listdir(seg_dir)) \
-            if os.path.isdir(seg_dir) else 0
+        seg_bytes = store.segment_file_bytes()
         return {
             "path": store.path,
             "layout": store.layout.to_dict(),

@@ -75,9 +75,11 @@ class _Refused(Exception):
 def reclaim_dead(core: Core, txn: WriteTxn) -> int:
     """Delete the reservations of processes that died with a put in progress, and the chunks
     they alone held. Returns how many reservations went. Caller holds the mutex."""
-    mine = core.owner.id if core.owner is not None else b""
+    if core.owner is None:
+        return 0  # read-only: reclaims nothing
+    mine = core.owner.id
     dead = [r for r in txn.reservations()
-            if r.owner != mine and not owner_alive(core.path, r.owner)]
+            if r.owner != mine and not owner_alive(core.owner.dir, r.owner)]
     if not dead:
         return 0
     for r in dead:

@@ -12,6 +12,7 @@ import torch
 
 import kvstore
 from kvstore.cli import main as cli_main
+from kvstore.index import IndexSpec
 from kvstore.verify import verify_path
 from tests.kvstore.conftest import assert_get_exact, put_causal
 from tests.kvstore.kvgen import SMALL, causal_kv
@@ -106,17 +107,33 @@ def test_deleted_segment(tmp_path):
     assert verify_path(path)["ok"]
 
 
-def test_garbage_catalog_record_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("table", ["chunks", "contexts", "indexes"])
+def test_garbage_catalog_record_degrades_that_context_only(tmp_path, table):
+    """A malformed record costs the context it belongs to, not the store: verify reports it,
+    a writable open drops that context (counted) and serves the others."""
     path = tmp_path / "st"
-    recs = _make(path, [A])
-    env = lmdb.open(os.path.join(path, "catalog"), max_dbs=4)
-    db = env.open_db(b"chunks")
+    with kvstore.open(path, layout=SMALL, chunk_tokens=4, disk_bytes=1 << 20) as s:
+        put_causal(s, A)
+        s.put(B, *causal_kv(SMALL, B), index=IndexSpec(kind="flat"))
+        victim = next(c for c in s.contexts() if c.n_tokens == len(B))
+    env = lmdb.open(os.path.join(path, "catalog"), max_dbs=8)
+    db = env.open_db(table.encode())
     with env.begin(write=True) as txn:
-        txn.put(next(iter(recs)), b"\x01garbage", db=db)
+        key = victim.key if table != "chunks" else victim.chunks[0]
+        assert txn.get(key, db=db) is not None
+        txn.put(key, b"\x01garbage", db=db)
     env.close()
-    with pytest.raises(kvstore.FormatError, match="malformed|truncated"):
-        kvstore.open(path)
-    assert cli_main(["verify", str(path)]) == 2
+    report = verify_path(path)
+    assert not report["ok"] and any("unreadable" in e for e in report["errors"])
+    assert cli_main(["verify", str(path)]) == 1  # problems found (2: could not check)
+    with kvstore.open(path) as s:
+        assert s.stats()["corrupt"]["malformed_records"] == 1
+        assert_get_exact(s, A)
+        if table != "indexes":
+            assert s.match(B) == 0
+        else:
+            assert_get_exact(s, B) and s.indexes(B) is None
+    assert verify_path(path)["ok"]
 
 
 def test_dram_copy_is_not_trusted_after_reopen(tmp_path):

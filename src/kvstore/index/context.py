@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -20,10 +19,10 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore.confined import Dir, UnsafePath
 from kvstore.errors import CorruptData
-from kvstore.fsutil import fsync_dir
 from kvstore.index.build import build_index
-from kvstore.index.persist import load_index, save_index
+from kvstore.index.persist import load_index_at, save_index_at
 from kvstore.index.spec import IndexSpec
 from kvstore.layout import KVLayout
 from kvstore.rope import apply_rope
@@ -77,63 +76,70 @@ class ContextIndexes:
                       for layer in range(L))
         return cls(spec=spec, n_tokens=T, heads=heads)
 
-    def stage(self, parent: str) -> tuple[str, int]:
-        """Write every file, fsynced, into a new temporary directory under ``parent``; returns
-        (its path, bytes written). :func:`publish` then renames it into place."""
-        if not os.path.isdir(parent):
-            os.makedirs(parent, exist_ok=True)
-            fsync_dir(os.path.dirname(os.path.abspath(parent)))  # the new directory's entry
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    def stage(self, parent: Dir) -> tuple[str, int]:
+        """Write every file, fsynced, into a new temporary directory in ``parent``; returns
+        (its name, bytes written). :func:`publish` then renames it into place."""
+        tmp = _new_temp_dir(parent, ".tmp-")
         try:
             total = 0
-            for layer, row in enumerate(self.heads):
-                for h, ix in enumerate(row):
-                    p = os.path.join(tmp, _file(layer, h))
-                    save_index(ix, p)
-                    total += os.path.getsize(p)
-            body = json.dumps({"version": MANIFEST_VERSION, "spec": _spec_dict(self.spec),
-                               "n_tokens": self.n_tokens, "num_layers": self.num_layers,
-                               "num_kv_heads": self.num_kv_heads}, sort_keys=True)
-            raw = json.dumps({"body": body, "xxh3": xxhash.xxh3_64_intdigest(body.encode())})
-            with open(os.path.join(tmp, MANIFEST), "w") as f:
-                f.write(raw)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
+            with parent.sub(tmp) as d:
+                for layer, row in enumerate(self.heads):
+                    for h, ix in enumerate(row):
+                        name = _file(layer, h)
+                        save_index_at(ix, d, name)
+                        total += d.check_file(name).st_size
+                body = json.dumps({"version": MANIFEST_VERSION, "spec": _spec_dict(self.spec),
+                                   "n_tokens": self.n_tokens, "num_layers": self.num_layers,
+                                   "num_kv_heads": self.num_kv_heads}, sort_keys=True)
+                raw = json.dumps({"body": body,
+                                  "xxh3": xxhash.xxh3_64_intdigest(body.encode())})
+                d.atomic_write(MANIFEST, raw)
             return tmp, total + len(raw)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            parent.rmtree(tmp)
             raise
 
     def write(self, directory: str) -> int:
         """Write into ``directory`` atomically (an existing one is replaced); returns bytes."""
-        tmp, n = self.stage(os.path.dirname(os.path.abspath(directory)))
-        publish(tmp, directory)
+        parent_path, name = os.path.split(os.path.abspath(directory))
+        with Dir.open_root(parent_path, create=True) as parent:
+            tmp, n = self.stage(parent)
+            publish(parent, tmp, name)
         return n
 
 
-def publish(tmp: str, directory: str) -> None:
+def _new_temp_dir(parent: Dir, prefix: str) -> str:
+    for _ in range(100):
+        name = f"{prefix}{secrets.token_hex(8)}"
+        try:
+            os.mkdir(name, 0o755, dir_fd=parent.fd)
+            return name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name in {parent.path!r}")
+
+
+def publish(parent: Dir, tmp: str, name: str) -> None:
     """Rename a staged directory into place, replacing an existing one, durably. The old one
     is renamed aside first: a crash between the two renames leaves the context without
     indexes (the old ones a leftover collected at open), never with a mix of two."""
-    parent = os.path.dirname(os.path.abspath(directory))
     old = None
-    if os.path.exists(directory):
-        old = tempfile.mkdtemp(prefix=".tmp-old-", dir=parent)
-        os.rename(directory, os.path.join(old, "indexes"))
-    os.rename(tmp, directory)
-    fsync_dir(parent)
+    if parent.lstat(name) is not None:
+        old = _new_temp_dir(parent, ".tmp-old-")
+        with parent.sub(old) as aside:
+            parent.rename(name, "indexes", into=aside)
+    parent.rename(tmp, name)
+    parent.fsync()
     if old is not None:
-        shutil.rmtree(old)
+        parent.rmtree(old)
 
 
-def read_manifest(directory: str) -> dict[str, object]:
-    """The checked manifest of an index directory; :class:`CorruptData` if it is missing,
-    fails its checksum or does not describe a valid spec and shape."""
-    path = os.path.join(directory, MANIFEST)
+def read_manifest(d: Dir) -> dict[str, object]:
+    """The checked manifest of the index directory ``d``; :class:`CorruptData` if it is
+    missing, fails its checksum or does not describe a valid spec and shape."""
+    path = d.show(MANIFEST)
     try:
-        with open(path, "rb") as f:
-            outer = json.loads(f.read())
+        outer = json.loads(d.read_bytes(MANIFEST, limit=1 << 20))
         body = outer["body"]
         if xxhash.xxh3_64_intdigest(body.encode()) != outer["xxh3"]:
             raise CorruptData(f"index manifest {path!r} fails its checksum")
@@ -142,10 +148,10 @@ def read_manifest(directory: str) -> dict[str, object]:
             raise CorruptData(f"index manifest {path!r} has unknown version {meta['version']!r}")
         meta["spec"] = IndexSpec(**meta["spec"])
         for name in ("n_tokens", "num_layers", "num_kv_heads"):
-            if not isinstance(meta[name], int) or meta[name] < 1:
+            if not isinstance(meta[name], int) or not 1 <= meta[name] <= 1 << 31:
                 raise CorruptData(f"index manifest {path!r}: bad {name} {meta[name]!r}")
         return meta
-    except CorruptData:
+    except (CorruptData, UnsafePath):
         raise
     except FileNotFoundError:
         raise CorruptData(f"index manifest {path!r} is missing") from None
@@ -153,39 +159,39 @@ def read_manifest(directory: str) -> dict[str, object]:
         raise CorruptData(f"index manifest {path!r} is unreadable ({err})") from None
 
 
-def read_context_indexes(directory: str, *,
+def read_context_indexes(d: Dir, *,
                          rebuild: Callable[[int, int, IndexSpec], object] | None = None,
                          rewrite: bool = True) -> tuple[ContextIndexes, list[tuple[int, int]]]:
-    """Load an index directory. A head file that is corrupt or missing is rebuilt with
+    """Load the index directory ``d``. A head file that is corrupt or missing is rebuilt with
     ``rebuild(layer, head, spec)`` when given (and, with ``rewrite``, saved in place
     atomically), else raises :class:`CorruptData`. Returns (indexes, the (layer, head) pairs
     that were rebuilt). A bad manifest always raises: without it nothing can be rebuilt."""
-    meta = read_manifest(directory)
+    meta = read_manifest(d)
     spec, T = meta["spec"], meta["n_tokens"]
     rebuilt: list[tuple[int, int]] = []
     rows = []
     for layer in range(meta["num_layers"]):
         row = []
         for h in range(meta["num_kv_heads"]):
-            path = os.path.join(directory, _file(layer, h))
+            name = _file(layer, h)
             try:
-                ix = load_index(path)
+                ix = load_index_at(d, name)
                 if ix.kind != spec.kind or ix.n != T:
-                    raise CorruptData(f"index file {path!r} does not match its manifest "
-                                      f"({ix.kind}, {ix.n} tokens)")
+                    raise CorruptData(f"index file {d.show(name)!r} does not match its "
+                                      f"manifest ({ix.kind}, {ix.n} tokens)")
             except CorruptData:
                 if rebuild is None:
                     raise
                 ix = rebuild(layer, h, spec)
                 if rewrite:
-                    save_index(ix, path)
+                    save_index_at(ix, d, name)
                 rebuilt.append((layer, h))
             row.append(ix)
         rows.append(tuple(row))
     return ContextIndexes(spec=spec, n_tokens=T, heads=tuple(rows)), rebuilt
 
 
-def directory_bytes(directory: str) -> int:
-    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+def directory_bytes(d: Dir) -> int:
+    return sum(d.check_file(f).st_size for f in d.listdir())
 
 

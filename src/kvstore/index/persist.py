@@ -3,7 +3,7 @@
 Layout: ``KVIDX001`` magic, header length (u32), header xxh3-64 (u64), the JSON header, then
 each array at a 64-byte aligned offset. The header names the index kind, its parameters and,
 per array, dtype, shape, offset, length and xxh3-64. No pickle or other code-executing format.
-Files are written with :func:`kvstore.fsutil.atomic_write`, so a crash leaves the old file or
+Files are written with :meth:`kvstore.confined.Dir.atomic_write`, so a crash leaves the old file or
 the new one, never half of one. On load, a checksum mismatch, a truncated or missing file, or
 contents that do not fit together raise :class:`kvstore.CorruptData` (alignment padding is not
 checksummed: it is never read).
@@ -19,8 +19,8 @@ import tempfile
 import numpy as np
 import xxhash
 
+from kvstore.confined import Dir
 from kvstore.errors import CorruptData
-from kvstore.fsutil import atomic_write
 from kvstore.index.flat import FlatIndex
 from kvstore.index.graph import GraphIndex, _bottom_layer
 from kvstore.index.pq import PQIndex
@@ -52,12 +52,26 @@ def _arrays(index) -> tuple[dict[str, np.ndarray], dict[str, object]]:
 
 def save_index(index, path: str | os.PathLike[str]) -> None:
     """Write ``index`` to ``path`` atomically and durably."""
-    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+    with Dir.open_root(directory, create=False) as d:
+        save_index_at(index, d, name)
+
+
+def load_index(path: str | os.PathLike[str]):
+    """Read an index written by :func:`save_index`; :class:`CorruptData` on any mismatch."""
+    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+    with Dir.open_root(directory, create=False) as d:
+        return load_index_at(d, name)
+
+
+def save_index_at(index, d: Dir, name: str) -> None:
+    """Write ``index`` as the file ``name`` of the store directory ``d``, atomically and
+    durably (never through a symlink)."""
     arrs, extra = _arrays(index)
     entries, offset = [], 0
-    for name, a in arrs.items():
+    for array_name, a in arrs.items():
         a = np.ascontiguousarray(a)
-        entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
+        entries.append({"name": array_name, "dtype": a.dtype.str, "shape": list(a.shape),
                         "offset": offset, "nbytes": a.nbytes,
                         "xxh3": xxhash.xxh3_64_intdigest(a.tobytes())})
         offset += -(-a.nbytes // ALIGN) * ALIGN
@@ -72,15 +86,16 @@ def save_index(index, path: str | os.PathLike[str]) -> None:
             f.write(np.ascontiguousarray(a).tobytes())
         f.truncate(base + entries[-1]["offset"] + entries[-1]["nbytes"])  # no trailing pad
 
-    atomic_write(path, write)
+    d.atomic_write(name, write)
 
 
-def load_index(path: str | os.PathLike[str]):
-    """Read an index written by :func:`save_index`; :class:`CorruptData` on any mismatch."""
-    path = os.fspath(path)
+def load_index_at(d: Dir, name: str):
+    """Read the index file ``name`` of the store directory ``d`` (never through a symlink);
+    :class:`CorruptData` on any mismatch, :class:`~kvstore.confined.UnsafePath` if a symlink or
+    special file is there."""
+    path = d.show(name)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = d.read_bytes(name)
     except FileNotFoundError:
         raise CorruptData(f"index file {path!r} is missing") from None
     if len(raw) < _PRE.size:
