@@ -5,21 +5,43 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from urllib.parse import quote
 
 from kvstore.cli import add_store_commands, run
-from kvstore.fsutil import atomic_write
+from kvstore.confined import Dir
+
+CONVERSATIONS = "conversations"
+MAX_NAME_BYTES = 200  # of the escaped name: a file name stays under the usual 255-byte limit
+MAX_STATE_BYTES = 64 << 20
 
 
-def _conversation_path(store_dir: str, name: str) -> str:
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-    return os.path.join(store_dir, "conversations", f"{safe}.json")
+def conversation_file(name: str) -> str:
+    """The state file name of conversation ``name``: one-to-one (every byte but ASCII letters,
+    digits, ``-`` and ``_`` is percent-escaped, so ``a/b``, ``a_b``, ``a?b`` and ``a b`` get four
+    files). ValueError if the name is empty or too long."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("--conversation must be a non-empty name")
+    escaped = quote(name, safe="-_")  # '.', '~' and '%' escaped too: no '.'/'..', no clashes
+    escaped = escaped.replace(".", "%2E").replace("~", "%7E")
+    if len(escaped) > MAX_NAME_BYTES:
+        raise ValueError(f"--conversation is too long: {len(escaped)} bytes once escaped, at "
+                         f"most {MAX_NAME_BYTES}")
+    return f"{escaped}.json"
 
 
-def _save_json_atomic(path: str, obj: object) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_write(path, json.dumps(obj))
+def _load_state(conversations: Dir, file: str) -> dict | None:
+    try:
+        raw = conversations.read_bytes(file, limit=MAX_STATE_BYTES)
+    except FileNotFoundError:
+        return None
+    try:
+        state = json.loads(raw)
+        return {"ids": [int(x) for x in state["ids"]], "namespace": state["namespace"],
+                "truncations": int(state["truncations"])}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"conversation state {conversations.show(file)!r} is damaged ({e})"
+                         ) from None
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -28,21 +50,24 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from engine.model import load_model
     from kvstore.truncation import Truncation
 
+    try:
+        file = conversation_file(args.conversation)
+    except ValueError as e:
+        print(f"kvstore chat: {e}", file=sys.stderr)
+        return 2
     model = load_model()
-    state_path = _conversation_path(args.store, args.conversation)
-    state = None
-    if os.path.exists(state_path):
-        with open(state_path) as f:
-            state = json.load(f)
-    with kvstore.open(args.store, layout=model.layout) as store:
+    with kvstore.open(args.store, layout=model.layout) as store, \
+            Dir.open_root(args.store, create=False) as root, \
+            root.sub(CONVERSATIONS, create=True) as conversations:
+        state = _load_state(conversations, file)
         gen = Generator(model, store)
         conv = Conversation(gen, args.conversation,
                             truncation=Truncation(drop_ratio=args.drop_ratio, sink=args.sink),
                             window=args.window)
         if state is not None:
-            conv.ids = [int(x) for x in state["ids"]]
+            conv.ids = state["ids"]
             conv.namespace = state["namespace"]
-            conv.truncations = int(state["truncations"])
+            conv.truncations = state["truncations"]
             print(f"[continuing conversation {args.conversation!r}: {len(conv.ids)} tokens of "
                   f"history, {store.match(conv.ids, namespace=conv.namespace)} stored]",
                   flush=True)
@@ -66,8 +91,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print(f"[reused {r.reused_tokens} tokens, prefilled {r.prefilled_tokens}, "
                   f"TTFT {r.ttft_s * 1000:.0f} ms, {len(r.tokens)} tokens generated{note}]",
                   flush=True)
-            _save_json_atomic(state_path, {"ids": conv.ids, "namespace": conv.namespace,
-                                           "truncations": conv.truncations})
+            conversations.atomic_write(file, json.dumps({
+                "ids": conv.ids, "namespace": conv.namespace,
+                "truncations": conv.truncations}))
     return 0
 
 

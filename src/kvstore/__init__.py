@@ -8,6 +8,7 @@ from kvstore.errors import (
     LayoutMismatch,
     StoreClosed,
     StoreLocked,
+    UnsafePath,
 )
 from kvstore.layout import KVLayout
 
@@ -20,6 +21,7 @@ __all__ = [
     "CapacityError",
     "StoreClosed",
     "FormatError",
+    "UnsafePath",
 ]
 
 from kvstore.config import StoreConfig  # noqa: E402

@@ -25,15 +25,12 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import UnsafePath
 
 TEMP_MARK = ".tmp-"  # temporary names contain it: leftovers of a crash are collected at open
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
-
-class UnsafePath(KVStoreError):
-    """A symlink, or something else that is not the store's own regular file or directory,
-    sits where the store expects one of its files; the store refuses to use it."""
+__all__ = ["TEMP_MARK", "Dir", "UnsafePath"]
 
 
 def _kind(mode: int) -> str:

@@ -28,3 +28,9 @@ class StoreClosed(KVStoreError):
 
 class FormatError(KVStoreError):
     """The store directory has an unknown format version or unreadable metadata."""
+
+
+class UnsafePath(KVStoreError):
+    """A symlink, or something else that is not the store's own regular file or directory,
+    sits where the store expects one of its files; the store refuses to use it (it never
+    follows a link out of the store directory)."""

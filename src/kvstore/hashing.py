@@ -51,7 +51,11 @@ def as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
                 raise TypeError(
                     f"{name} must hold integer token ids, got {type(t).__name__} {t!r}"
                 )
-        arr = np.asarray(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
+        try:
+            arr = np.asarray(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
+        except OverflowError:
+            raise ValueError(f"{name} must be in [0, 2**32), got an id beyond 64 bits"
+                             ) from None
     else:
         raise TypeError(
             f"{name} must be a list, numpy array or torch tensor of ints, "

@@ -74,6 +74,12 @@ class HbmTier:
             self._idle[n].append(buf)
             self._idle_bytes += n
 
+    def forget(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` from :meth:`acquire` will never come back (its load was
+        dropped unclosed): it leaves the budget and is freed when its last view goes."""
+        with self._lock:
+            self._used -= nbytes
+
     def clear(self) -> None:
         with self._lock:
             self._idle.clear()

@@ -12,6 +12,7 @@ itself (``CorruptData``), never as a hang or wrong data.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,12 +26,66 @@ class LayerLoad:
     ``load_layer`` returns the copy event of the layer and ``wait`` makes the current stream
     wait for it. Thread-safety: ``wait`` and ``close`` may be called from any thread; the loader
     runs on its own thread, started by ``start``.
+
+    A handle dropped without :meth:`close` (or ``with``) is cleaned up when it is collected:
+    loading stops, the disk slots are unpinned, and its execution buffer leaves the hbm
+    budget (``on_abandon``; the memory itself is freed once no view of it is left, never
+    handed to another load).
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor,
                  load_layer: Callable[[int], torch.cuda.Event | None], *,
                  buffer_layers: int | None, on_done: Callable[[], None],
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None,
+                 on_abandon: Callable[[], None] | None = None) -> None:
+        self._loader = _Loader(keys, values, load_layer, buffer_layers=buffer_layers,
+                               on_done=on_done, on_close=on_close, on_abandon=on_abandon)
+        self.keys, self.values = keys, values  # [L, H, T, D]
+        self.num_layers = self._loader.num_layers
+        self.buffer_layers = buffer_layers
+        self._finalizer = weakref.finalize(self, self._loader.abandon)
+
+    @property
+    def loader(self) -> _Loader:
+        """The loading state (what the store tracks; it does not keep the handle alive)."""
+        return self._loader
+
+    def start(self) -> LayerLoad:
+        self._loader.start()
+        return self
+
+    def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block until ``layer`` is loaded; layers below it are released from the read buffer.
+
+        Raises the loader's error (e.g. :class:`~kvstore.errors.CorruptData`) for the layer that
+        failed and every layer after it.
+        """
+        return self._loader.wait(layer)
+
+    def done(self) -> bool:
+        return self._loader.done()
+
+    def close(self) -> None:
+        """Stop loading (pending layers are abandoned), wait for the loader thread, and give
+        the execution buffer back. Idempotent."""
+        self._loader.close()
+        self._finalizer.detach()
+
+    def __enter__(self) -> LayerLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Loader:
+    """The state of one load, shared by its handle and its loader thread."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor,
+                 load_layer: Callable[[int], torch.cuda.Event | None], *,
+                 buffer_layers: int | None, on_done: Callable[[], None],
+                 on_close: Callable[[], None] | None,
+                 on_abandon: Callable[[], None] | None) -> None:
         assert keys.shape == values.shape
         self.keys, self.values = keys, values  # [L, H, T, D]
         self.num_layers = keys.shape[0]
@@ -43,6 +98,7 @@ class LayerLoad:
         self._load_layer = load_layer
         self._on_done = on_done
         self._on_close = on_close
+        self._on_abandon = on_abandon
         self._ready = [threading.Event() for _ in range(self.num_layers)]
         self._copied: list[torch.cuda.Event | None] = [None] * self.num_layers
         self._cond = threading.Condition()
@@ -53,11 +109,10 @@ class LayerLoad:
         self._n_loaded = 0  # layers 0.._n_loaded-1 are complete
         self._thread: threading.Thread | None = None
 
-    def start(self) -> LayerLoad:
+    def start(self) -> None:
         thread = threading.Thread(target=self._run, name="kvstore-layerload", daemon=True)
         thread.start()
         self._thread = thread  # only once it runs: close() joins started threads only
-        return self
 
     def _may_load(self, layer: int) -> bool:
         if self.buffer_layers is None:
@@ -128,15 +183,20 @@ class LayerLoad:
         if self._thread is not None:
             self._thread.join()
         with self._cond:
-            on_close, self._on_close = self._on_close, None
+            on_close, self._on_close, self._on_abandon = self._on_close, None, None
         if on_close is not None:
             if self.keys.device.type == "cuda":
                 # compute and the copy stream are done with the buffer before it is reused
                 torch.cuda.synchronize(self.keys.device)
             on_close()
 
-    def __enter__(self) -> LayerLoad:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def abandon(self) -> None:
+        """The handle was dropped unclosed (a finalizer; any thread, the loader's included):
+        stop loading without waiting, and take the buffer out of the budget, not back into
+        the pool (views of it may still be in use)."""
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+            on_abandon, self._on_close, self._on_abandon = self._on_abandon, None, None
+        if on_abandon is not None:
+            on_abandon()

@@ -108,6 +108,22 @@ class KVLayout:
         """Shape of the keys (or values) tensor for ``num_tokens`` tokens: [L, H, T, D]."""
         return (self.num_layers, self.num_kv_heads, num_tokens, self.head_dim)
 
+    def check_tensor(self, name: str, t: object) -> torch.Tensor:
+        """``t`` as KV of this layout can be given: a dense torch tensor of the layout's dtype
+        holding data on a CPU or CUDA device (TypeError/ValueError naming ``name``; the shape
+        is the caller's to check). No cast happens anywhere: a float32 tensor is refused."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != self.torch_dtype:
+            raise TypeError(f"{name} must have dtype {self.torch_dtype} (the layout's "
+                            f"{self.dtype!r}), got {t.dtype}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} must hold its data on a CPU or CUDA device, got a tensor "
+                             f"on {t.device.type!r}")
+        if t.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+        return t
+
     # ---- identity ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, object]:
         return {

@@ -30,6 +30,7 @@ from kvstore.owners import PROCS, Owner, collect_dead
 from kvstore.policy import make_policy
 from kvstore.recovery import apply as apply_recovery
 from kvstore.recovery import plan as recovery_plan
+from kvstore.saving import physical_memory
 from kvstore.segments import SEGMENTS, SegmentFiles, SegmentGeometry
 from kvstore.slots import SlotAllocator
 from kvstore.stats import Counters
@@ -188,6 +189,9 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
               config: StoreConfig, readonly: bool) -> Store:
     path = root.path
     policy = make_policy(config.policy)
+    if config.dram_bytes > physical_memory():
+        raise ValueError(f"dram_bytes={config.dram_bytes} is more than this machine's memory "
+                         f"({physical_memory()} bytes); give a smaller dram_bytes")
     geo = SegmentGeometry.for_budget(slot_bytes=layout.chunk_bytes(config.chunk_tokens),
                                      disk_bytes=config.disk_bytes)
     counters = Counters()

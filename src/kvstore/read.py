@@ -27,7 +27,7 @@ from kvstore.core import Core
 from kvstore.dram import Entry
 from kvstore.errors import CorruptData, StoreClosed
 from kvstore.hbm import HbmTier
-from kvstore.layerwise import LayerLoad
+from kvstore.layerwise import LayerLoad, _Loader
 from kvstore.mirror import writing
 from kvstore.records import ChunkRecord
 from kvstore.tree import Piece, served
@@ -265,7 +265,7 @@ class Loads:
     def __init__(self, core: Core, files: IndexFiles) -> None:
         self.core = core
         self._files = files
-        self._loads: set[LayerLoad] = set()
+        self._loads: set[_Loader] = set()  # running loads (not their handles)
         self._hbm_tiers: dict[str, HbmTier] = {}
 
     def hbm(self, device: torch.device) -> HbmTier:
@@ -281,7 +281,7 @@ class Loads:
     def tiers(self) -> list[HbmTier]:
         return list(self._hbm_tiers.values())
 
-    def running(self) -> list[LayerLoad]:
+    def running(self) -> list[_Loader]:
         with self.core.mutex:
             return list(self._loads)
 
@@ -334,15 +334,20 @@ class Loads:
             self._load_layer(pieces, kr, vr, layer)
             return None if copy is None else copy.layer(layer)
 
+        loader: list[_Loader] = []
+
         def done() -> None:
             unpin()
             with core.mutex:
-                self._loads.discard(load)
+                self._loads.discard(loader[0])
 
+        nbytes = 0 if buf is None else buf.numel()
         load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
-                         on_close=None if buf is None else (lambda: hbm.release(buf)))
+                         on_close=None if buf is None else (lambda: hbm.release(buf)),
+                         on_abandon=None if buf is None else (lambda: hbm.forget(nbytes)))
+        loader.append(load.loader)
         with core.mutex:
-            self._loads.add(load)
+            self._loads.add(load.loader)
         try:
             return load.start()
         except BaseException:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,9 +45,29 @@ class _Job:
     keys: torch.Tensor  # [L, H, T - base, D] CPU
     values: torch.Tensor
     ready: torch.cuda.Event | None
-    nbytes: int
-    held: list[bytes]
+    hold: _Hold
     future: Future[None]
+
+
+class _Hold:
+    """What one save holds until it is written or dropped: ``nbytes`` of write buffer and the
+    stored chunks ``held`` (they must not be evicted under it). Released exactly once: by
+    ``abort``, by the writer when the save is over, or by a finalizer when a handle is dropped
+    without either (so a forgotten handle never blocks later saves)."""
+
+    def __init__(self, saver: Saver, nbytes: int, held: list[bytes]) -> None:
+        self._saver = saver
+        self.nbytes = nbytes
+        self.held = held
+        self._lock = threading.Lock()
+        self._released = False
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._saver._done(self.nbytes, self.held)
 
 
 def physical_memory() -> int:
@@ -73,8 +94,10 @@ class SaveHandle:
         self.base = base  # tokens before this are stored already (held until the save ends)
         self._extra: list[np.ndarray] = []
         self._n_extra = 0
-        self._held = held
-        self._nbytes = nbytes
+        self._hold = hold = _Hold(saver, nbytes, held)
+        # A handle dropped unfinished gives back what it holds (the finalizer holds no
+        # reference to the handle, only to what it must release).
+        self._finalizer = weakref.finalize(self, hold.release)
         self._state = "open"  # open -> finished | aborted
         try:
             if torch.cuda.is_available():  # pinned: the copies from the GPU are asynchronous
@@ -109,12 +132,7 @@ class SaveHandle:
             dst.copy_(src)
 
     def _check_kv(self, name: str, t: object) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != self._layout.torch_dtype:
-            raise TypeError(f"{name} must have dtype {self._layout.torch_dtype} (the layout's "
-                            f"{self._layout.dtype!r}), got {t.dtype}")
-        return t
+        return self._layout.check_tensor(name, t)
 
     def layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Layer ``layer``'s KV of the prompt, [num_kv_heads, T_prompt, head_dim] each (keys
@@ -186,16 +204,21 @@ class SaveHandle:
         missing = np.flatnonzero(~self._layers)
         if len(missing):
             raise ValueError(f"layers {missing.tolist()} were never given to layer()")
+        try:
+            toks = np.concatenate([self.tokens, *self._extra]) if self._extra else self.tokens
+            n = len(toks) - self.base
+            ready = None
+            if self._on_gpu:
+                ready = torch.cuda.Event()
+                ready.record()
+            job = _Job(tokens=toks, namespace=self.namespace, base=self.base,
+                       keys=self._k[:, :, :n], values=self._v[:, :, :n], ready=ready,
+                       hold=self._hold, future=Future())
+        except BaseException:
+            self.abort()
+            raise
         self._state = "finished"
-        toks = np.concatenate([self.tokens, *self._extra]) if self._extra else self.tokens
-        n = len(toks) - self.base
-        ready = None
-        if self._on_gpu:
-            ready = torch.cuda.Event()
-            ready.record()
-        job = _Job(tokens=toks, namespace=self.namespace, base=self.base,
-                   keys=self._k[:, :, :n], values=self._v[:, :, :n], ready=ready,
-                   nbytes=self._nbytes, held=self._held, future=Future())
+        self._finalizer.detach()  # the job owns the hold now: the writer releases it
         self._saver._submit(job)
         return job.future
 
@@ -203,7 +226,7 @@ class SaveHandle:
         """Drop the save; nothing of it is stored. Idempotent."""
         if self._state == "open":
             self._state = "aborted"
-            self._saver._done(self._nbytes, self._held)
+            self._finalizer()
 
     def __enter__(self) -> SaveHandle:
         return self
@@ -307,7 +330,7 @@ class Saver:
         """A queued save is over (written, failed or abandoned): release what it held, then
         complete its future."""
         try:
-            self._done(job.nbytes, job.held)
+            job.hold.release()
         except BaseException as e:  # reported by flush(); the writer keeps going
             error = error or e
         with self._cond:

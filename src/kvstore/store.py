@@ -37,11 +37,7 @@ from kvstore.write import Writer
 
 
 def check_kv(layout: KVLayout, name: str, t: object, n_tokens: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != layout.torch_dtype:
-        raise TypeError(f"{name} must have dtype {layout.torch_dtype} (the layout's "
-                        f"{layout.dtype!r}), got {t.dtype}")
+    t = layout.check_tensor(name, t)
     want = layout.kv_shape(n_tokens)
     if tuple(t.shape) != want:
         raise ValueError(f"{name} must have shape [num_layers, num_kv_heads, T, head_dim] = "
@@ -307,8 +303,9 @@ class Store:
                              f"{v_out.device}")
         if k_out.device.type not in ("cpu", "cuda"):
             raise ValueError(f"out tensors must be on a CPU or CUDA device, got {k_out.device}")
-        if k_out.device.type == "cpu" and np.shares_memory(extent.raw(k_out),
-                                                           extent.raw(v_out)):
+        if k_out.untyped_storage().data_ptr() == v_out.untyped_storage().data_ptr() or (
+                k_out.device.type == "cpu"
+                and np.shares_memory(extent.raw(k_out), extent.raw(v_out))):
             raise ValueError("out[0] and out[1] must not share memory")
         return k_out, v_out
 

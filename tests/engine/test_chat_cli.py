@@ -29,3 +29,53 @@ def test_chat_continues_from_stored_kv(tmp_path):
     r3 = subprocess.run([sys.executable, "-m", "engine.cli", "verify", str(store)],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r3.returncode == 0, r3.stdout + r3.stderr
+
+
+def test_conversation_names_map_one_to_one_to_safe_files():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from engine.cli import conversation_file
+
+    names = ["a/b", "a_b", "a?b", "a b", "a%2Fb", ".", "..", "a.b", "a~b", "A", "a"]
+    files = [conversation_file(n) for n in names]
+    assert len(set(files)) == len(names)
+    for f in files:
+        assert "/" not in f and f not in (".json", "..json") and not f.startswith(".")
+
+    @settings(max_examples=200, derandomize=True)
+    @given(st.text(min_size=1, max_size=40), st.text(min_size=1, max_size=40))
+    def injective(a, b):
+        fa, fb = conversation_file(a), conversation_file(b)
+        assert (fa == fb) == (a == b)
+        assert "/" not in fa and "\x00" not in fa and not fa.startswith(".")
+
+    injective()
+    import pytest
+
+    with pytest.raises(ValueError, match="--conversation is too long"):
+        conversation_file("x" * 300)
+    with pytest.raises(ValueError, match="non-empty"):
+        conversation_file("")
+
+
+def test_chat_state_is_never_read_or_written_through_a_symlink(tmp_path):
+    """A symlink planted at a conversation's state file is refused, never followed."""
+    from engine.cli import CONVERSATIONS, _load_state, conversation_file
+    from kvstore.confined import Dir, UnsafePath
+
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"ids": [1], "namespace": null, "truncations": 0}')
+    conv = tmp_path / "st" / CONVERSATIONS
+    conv.mkdir(parents=True)
+    name = conversation_file("demo")
+    (conv / name).symlink_to(outside)
+    import pytest
+
+    with Dir.open_root(str(tmp_path / "st"), create=False) as root, \
+            root.sub(CONVERSATIONS) as d:
+        with pytest.raises(UnsafePath, match="symlink"):
+            _load_state(d, name)
+        d.atomic_write(name, "{}")  # replaces the link itself
+    assert outside.read_text().startswith('{"ids": [1]')
+    assert not (conv / name).is_symlink()

@@ -152,3 +152,118 @@ def test_exclusive_open_keeps_other_processes_out(tmp_path, first_exclusive):
             kvstore.open(path)
     with kvstore.open(path, exclusive=True) as s:  # released on close
         assert s.match(list(range(5))) == 5
+
+
+# -- issue 13: every bad argument a typed error, every reservation released on every path ---
+
+def test_more_bad_arguments_are_typed_errors(filled, tmp_path):
+    toks = list(range(10))
+    k, v = causal_kv(SMALL, toks)
+    before = _snapshot(filled)
+    with pytest.raises(ValueError, match="tokens must be in"):
+        filled.put([2**70] + toks[1:], k, v)
+    with pytest.raises(ValueError, match="keys must hold its data on a CPU or CUDA device"):
+        filled.put(list(range(300, 310)), k.to("meta"), v.to("meta"))
+    with pytest.raises(ValueError, match="tokens must be in"):
+        filled.match([2**70])
+    with pytest.raises(ValueError, match="dram_bytes=.* more than this machine's memory"):
+        kvstore.open(tmp_path / "huge", layout=SMALL, dram_bytes=1 << 50)
+    with pytest.raises(ValueError, match="device must name a torch device"):
+        filled.get(toks, device="bogus")
+    h = filled.begin_save(list(range(400, 410)), max_new_tokens=2)
+    with pytest.raises(TypeError, match="keys must be a torch.Tensor"):
+        h.layer(0, k[0].numpy(), v[0].numpy())
+    with pytest.raises(TypeError, match="keys must have dtype torch.float16"):
+        h.layer(0, k[0].float(), v[0].float())  # never cast silently
+    with pytest.raises(ValueError, match="tokens must be in"):
+        h.append([-1], k[:, :, :1], v[:, :, :1])
+    with pytest.raises(TypeError, match="tokens must hold integer"):
+        h.append([34.9], k[:, :, :1], v[:, :, :1])
+    h.abort()
+    with pytest.raises(TypeError, match="tokens must hold integer"):
+        filled.put([34.9] + toks[1:], k, v)
+    assert _snapshot(filled) == before
+    assert_get_exact(filled, toks)
+
+
+def test_aliased_out_is_refused_before_any_read(open_small):
+    s = open_small()
+    toks = list(range(10))
+    put_causal(s, toks)
+    s.drop_caches()  # cold: the read would come from disk
+    buf = torch.empty(SMALL.kv_shape(len(toks)), dtype=SMALL.torch_dtype)
+    with pytest.raises(ValueError, match="must not share memory"):
+        s.get(toks, out=(buf, buf))
+    with pytest.raises(ValueError, match="must not share memory"):
+        s.get(toks, out=(buf, buf[:]))
+    assert s.stats()["corrupt"]["dropped_contexts"] == 0
+    assert_get_exact(s, toks)
+
+
+def _completes(fn, timeout=60.0):
+    """Run ``fn`` on a thread; True if it returned within ``timeout`` (a leak makes it block)."""
+    import threading
+
+    done = threading.Event()
+    err = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001  (re-raised below on the test thread)
+            err.append(e)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    ok = done.wait(timeout)
+    if err:
+        raise err[0]
+    return ok
+
+
+def _save(store, toks):
+    k, v = causal_kv(store.layout, toks)
+    with store.begin_save(toks) as h:
+        h.layers(k, v)
+    store.flush()
+
+
+def test_failed_or_dropped_saves_release_their_write_buffer(open_small):
+    import gc
+
+    tb = SMALL.token_bytes
+    s = open_small(write_buffer_bytes=40 * tb)
+    with pytest.raises(kvstore.CapacityError, match="does not fit this machine's memory"):
+        s.begin_save(list(range(10)), max_new_tokens=10**13)
+    h = s.begin_save(list(range(100, 130)))  # 30 of 40 tokens of write buffer
+    with pytest.raises(ValueError, match="tokens must be in"):
+        h.append([-1], *causal_kv(SMALL, [1]))
+    del h  # dropped without finish() or abort()
+    gc.collect()
+    assert s.stats()["saves"]["write_buffer_used"] == 0
+    # a save larger than the whole write buffer waits for it to be empty: it must not hang
+    assert _completes(lambda: _save(s, list(range(200, 260))))
+    assert_get_exact(s, list(range(200, 260)))
+    h = s.begin_save(list(range(300, 310)))
+    with pytest.raises(ValueError, match="layers .* were never given"):
+        h.finish()
+    h.abort()
+    assert s.stats()["saves"]["write_buffer_used"] == 0
+
+
+def test_a_dropped_layer_load_gives_its_budget_back(open_small):
+    import gc
+
+    toks = list(range(40))
+    s = open_small(hbm_bytes=len(toks) * SMALL.token_bytes)  # room for one load at a time
+    put_causal(s, toks)
+    load = s.load_layers(toks, buffer_layers=0)
+    load.wait(0)
+    with pytest.raises(kvstore.CapacityError):
+        s.load_layers(toks)  # the first one holds the whole budget
+    del load  # dropped without close()
+    gc.collect()
+    assert s.stats()["hbm"]["bytes"] == 0
+    with s.load_layers(toks) as again:
+        for layer in range(SMALL.num_layers):
+            again.wait(layer)

@@ -42,7 +42,7 @@ def test_buffer_bounds_how_far_the_loader_runs_ahead(store):
     put_causal(store, toks)
     with store.load_layers(toks, buffer_layers=0) as load:
         load.wait(0)
-        assert not load._ready[2].is_set()  # layer 2 may only load once layer 1 is asked for
+        assert not load.loader._ready[2].is_set()  # layer 2 may only load once layer 1 is asked for
         load.wait(1)
         load.wait(LAYOUT.num_layers - 1)
 
@@ -53,15 +53,15 @@ def test_read_buffer_before_compute_starts(store):
     toks = list(range(12))
     put_causal(store, toks)
     with store.load_layers(toks, buffer_layers=2) as load:
-        load._ready[1].wait()
-        assert not load._ready[2].is_set()
+        load.loader._ready[1].wait()
+        assert not load.loader._ready[2].is_set()
         load.wait(0)  # compute starts: layers up to 0 + 1 + 2 may load
-        load._ready[3].wait()
-        assert not load._ready[4].is_set()
+        load.loader._ready[3].wait()
+        assert not load.loader._ready[4].is_set()
         load.wait(LAYOUT.num_layers - 1)
     with store.load_layers(toks, buffer_layers=0) as load:  # no read buffer: nothing early
         load.wait(0)
-        assert not load._ready[2].is_set()
+        assert not load.loader._ready[2].is_set()
 
 
 def test_execution_buffers_are_bounded_and_reused(tmp_path):
