@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -23,7 +23,7 @@ import torch
 
 from kvstore.core import Core
 from kvstore.errors import CorruptData
-from kvstore.fsutil import fsync_dir
+from kvstore.index import persist as fs
 from kvstore.index.build import build_index
 from kvstore.index.context import (
     ContextIndexes,
@@ -32,8 +32,10 @@ from kvstore.index.context import (
     read_context_indexes,
 )
 from kvstore.index.spec import IndexSpec
+from kvstore.layout import KVLayout
 from kvstore.mirror import writing
 from kvstore.records import ContextRecord, IndexEntry
+from kvstore.rope import apply_rope
 from kvstore.tree import served
 
 
@@ -43,6 +45,79 @@ class _KeysUnavailable(Exception):
 
 class _Gone(Exception):
     """The context left the store while its indexes were built."""
+
+
+class StoredKeys:
+    """The :class:`~kvstore.index.keys.KeySource` of a stored context: its keys read through
+    the store's get path (once, on first use: fp16 pre-RoPE [L, H, T, D], the KV itself, not a
+    copy made for the index) and positioned on demand with :mod:`kvstore.rope`, bit for bit
+    the numbers :func:`~kvstore.index.context.positioned_keys` gives. ``rows`` positions only
+    the rows asked for; ``dense`` positions a whole head once and keeps it (the graph search
+    scores scattered tokens). A get error (KeyError: the context left the store;
+    CorruptData: a chunk failed its checksum) is raised by the first index query that needs
+    keys. Thread-safety: any thread."""
+
+    def __init__(self, read: Callable[[], torch.Tensor], layout: KVLayout, n_tokens: int
+                 ) -> None:
+        self._read = read  # -> pre-RoPE keys [L, H, T, D] of the context
+        self.layout = layout
+        self.n_tokens = n_tokens
+        self._keys: torch.Tensor | None = None
+        self._dense: dict[tuple[int, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def _all(self) -> torch.Tensor:
+        with self._lock:
+            if self._keys is None:
+                k = self._read()
+                L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+                if tuple(k.shape) != (L, H, self.n_tokens, D):
+                    raise CorruptData(f"the stored keys have shape {tuple(k.shape)}, the "
+                                      f"indexes {(L, H, self.n_tokens, D)}")
+                self._keys = k.detach().to("cpu")
+            return self._keys
+
+    def head(self, layer: int, kv_head: int) -> _StoredHead:
+        return _StoredHead(self, layer, kv_head)
+
+    def rows(self, layer: int, kv_head: int, ids: np.ndarray) -> np.ndarray:
+        dense = self._dense.get((layer, kv_head))
+        if dense is not None:
+            return dense[ids]
+        pos = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+        k = self._all()[layer, kv_head, pos].to(torch.float32)  # [r, D]
+        return apply_rope(k, pos, self.layout).numpy()
+
+    def dense(self, layer: int, kv_head: int) -> np.ndarray:
+        key = (layer, kv_head)
+        got = self._dense.get(key)
+        if got is None:
+            k = self._all()[layer, kv_head].to(torch.float32)  # [T, D]
+            got = np.ascontiguousarray(apply_rope(k, 0, self.layout).numpy())
+            with self._lock:
+                got = self._dense.setdefault(key, got)
+        return got
+
+
+class _StoredHead:
+    """One head of a :class:`StoredKeys` (a :class:`~kvstore.index.keys.HeadKeys`)."""
+
+    def __init__(self, src: StoredKeys, layer: int, kv_head: int) -> None:
+        self._src, self._layer, self._head = src, layer, kv_head
+
+    @property
+    def n(self) -> int:
+        return self._src.n_tokens
+
+    @property
+    def dim(self) -> int:
+        return self._src.layout.head_dim
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        return self._src.rows(self._layer, self._head, ids)
+
+    def dense(self) -> np.ndarray:
+        return self._src.dense(self._layer, self._head)
 
 
 class IndexFiles:
@@ -58,26 +133,20 @@ class IndexFiles:
     def remove(self, dirs: list[tuple[bytes, IndexEntry]]) -> None:
         """Remove the directories of dropped entries (after the commit that dropped them)."""
         for key, entry in dirs:
-            shutil.rmtree(self.path(key, entry), ignore_errors=True)
+            fs._remove_tree(self.root, entry.dirname(key))
 
     def collect(self, live: set[str]) -> int:
         """Remove every entry of ``indexes/`` that is not a directory named in ``live`` (only by
         a process holding the store alone). Returns how many."""
-        if not os.path.isdir(self.root):
-            return 0
         n = 0
-        for name in sorted(os.listdir(self.root)):
-            full = os.path.join(self.root, name)
-            is_dir = os.path.isdir(full) and not os.path.islink(full)
-            if name in live and is_dir:
-                for f in os.listdir(full):  # a head rewrite a crash interrupted
+        for name in fs._list(self.root):
+            if name in live and fs._is_dir(self.root, name):
+                full = os.path.join(self.root, name)
+                for f in fs._list(full):  # a head rewrite a crash interrupted
                     if ".tmp-" in f:
-                        os.unlink(os.path.join(full, f))
+                        fs._remove_file(full, f)
                 continue
-            if is_dir:
-                shutil.rmtree(full, ignore_errors=True)
-            else:
-                os.unlink(full)
+            fs._remove_tree(self.root, name)
             n += 1
         return n
 
@@ -123,9 +192,6 @@ class ContextIndexStore:
         if ctx is None:
             return False
         built = ContextIndexes.build(positioned_keys(keys, core.layout), spec)
-        if not os.path.isdir(self.files.root):
-            os.makedirs(self.files.root, exist_ok=True)
-            fsync_dir(core.path)
         tmp, nbytes = built.stage(self.files.root)
         entry = IndexEntry(nbytes, secrets.randbits(63) | 1)
         old: list[tuple[bytes, IndexEntry]] = []
@@ -149,8 +215,7 @@ class ContextIndexStore:
             old.append((ctx.key, entry))  # published, never referenced
             return False
         finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
+            fs._remove_tree(self.files.root, os.path.basename(tmp))  # if still staged
             self.files.remove(old)
 
     def _stored(self, toks: np.ndarray, namespace: str | None) -> ContextRecord | None:
@@ -193,19 +258,19 @@ class ContextIndexStore:
             ctx_toks = np.concatenate([tree.chunks[c].tokens for c in s.chunks])
             entry = tree.indexed[s.key]
             path = self.files.path(s.key, entry)
-        full: list[np.ndarray] = []
+        source = StoredKeys(lambda: self._get(ctx_toks, namespace)[0], core.layout, s.n_tokens)
 
         def rebuild(layer: int, head: int, spec: IndexSpec):
-            if not full:  # the context's keys, read (and checked) once
-                try:
-                    keys, _ = self._get(ctx_toks, namespace)
-                except (KeyError, CorruptData) as e:  # evicted, or a chunk failed its checksum
-                    raise _KeysUnavailable(str(e)) from e
-                full.append(positioned_keys(keys, core.layout))
-            return build_index(full[0][layer, head], spec)
+            try:
+                keys = source.head(layer, head)
+                keys.dense()  # the context's keys, read (and checked) once
+            except (KeyError, CorruptData) as e:  # evicted, or a chunk failed its checksum
+                raise _KeysUnavailable(str(e)) from e
+            return build_index(keys, spec)
 
         try:
-            ci, rebuilt = read_context_indexes(path, rebuild=rebuild, rewrite=not core.readonly)
+            ci, rebuilt = read_context_indexes(path, source, rebuild=rebuild,
+                                               rewrite=not core.readonly)
             ok = (ci.n_tokens == s.n_tokens and ci.num_layers == core.layout.num_layers
                   and ci.num_kv_heads == core.layout.num_kv_heads)
         except CorruptData:

@@ -1,18 +1,19 @@
 """The indexes of one stored context: one per (layer, kv-head), kept as a directory of files.
 
-A context's directory holds ``L{layer}H{head}.kvidx`` (:func:`kvstore.index.save_index`, each
-checksummed) and ``manifest.json`` (the spec, the token count and the shape, under its own
-xxh3). It is written under a temporary name, every file fsynced, then renamed into place, so a
-reader sees all of it or none. Indexes are built over *positioned* keys: RoPE applied at
-positions ``0..T-1``, which is what a decode query at a later position scores against.
+A context's directory holds ``L{layer}H{head}.kvidx`` (:mod:`kvstore.index.persist`, each
+checksummed and validated on load) and ``manifest.json`` (the spec, the token count and the
+shape, under its own xxh3). It is written under a temporary name, every file fsynced, then
+renamed into place, so a reader sees all of it or none. Every filesystem operation goes
+through :mod:`kvstore.index.persist`. Indexes are over *positioned* keys: RoPE applied at
+positions ``0..T-1``, which is what a decode query at a later position scores against; the
+files hold no keys, and loaded indexes are bound to a :class:`~kvstore.index.keys.KeySource`
+that reads them from the KV.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -21,9 +22,10 @@ import torch
 import xxhash
 
 from kvstore.errors import CorruptData
-from kvstore.fsutil import fsync_dir
+from kvstore.index import persist as fs
 from kvstore.index.build import build_index
-from kvstore.index.persist import load_index, save_index
+from kvstore.index.keys import ArrayKeys, KeySource
+from kvstore.index.persist import decode_index, encode_index
 from kvstore.index.spec import IndexSpec
 from kvstore.layout import KVLayout
 from kvstore.rope import apply_rope
@@ -73,36 +75,41 @@ class ContextIndexes:
         if not isinstance(spec, IndexSpec):
             raise TypeError(f"spec must be a kvstore.index.IndexSpec, got {type(spec).__name__}")
         L, H, T, _ = keys_pos.shape
-        heads = tuple(tuple(build_index(keys_pos[layer, h], spec) for h in range(H))
+        heads = tuple(tuple(build_index(ArrayKeys(keys_pos[layer, h]), spec) for h in range(H))
                       for layer in range(L))
         return cls(spec=spec, n_tokens=T, heads=heads)
+
+    def bind(self, source: KeySource) -> ContextIndexes:
+        """The same indexes reading keys from ``source`` (ValueError if a head's keys do not
+        have its shape)."""
+        heads = tuple(tuple(ix.bind(source.head(layer, h)) for h, ix in enumerate(row))
+                      for layer, row in enumerate(self.heads))
+        return ContextIndexes(spec=self.spec, n_tokens=self.n_tokens, heads=heads)
+
+    def nbytes(self) -> int:
+        """The size of the index files (the keys they read are the KV's, not counted)."""
+        return sum(len(encode_index(ix)) for row in self.heads for ix in row)
 
     def stage(self, parent: str) -> tuple[str, int]:
         """Write every file, fsynced, into a new temporary directory under ``parent``; returns
         (its path, bytes written). :func:`publish` then renames it into place."""
-        if not os.path.isdir(parent):
-            os.makedirs(parent, exist_ok=True)
-            fsync_dir(os.path.dirname(os.path.abspath(parent)))  # the new directory's entry
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+        tmp = fs._make_dir(parent)
         try:
             total = 0
             for layer, row in enumerate(self.heads):
                 for h, ix in enumerate(row):
-                    p = os.path.join(tmp, _file(layer, h))
-                    save_index(ix, p)
-                    total += os.path.getsize(p)
+                    raw = encode_index(ix)
+                    fs._write_bytes(tmp, _file(layer, h), raw)
+                    total += len(raw)
             body = json.dumps({"version": MANIFEST_VERSION, "spec": _spec_dict(self.spec),
                                "n_tokens": self.n_tokens, "num_layers": self.num_layers,
                                "num_kv_heads": self.num_kv_heads}, sort_keys=True)
             raw = json.dumps({"body": body, "xxh3": xxhash.xxh3_64_intdigest(body.encode())})
-            with open(os.path.join(tmp, MANIFEST), "w") as f:
-                f.write(raw)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
+            fs._write_bytes(tmp, MANIFEST, raw.encode())
+            fs._fsync_dir(tmp)
             return tmp, total + len(raw)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            fs._remove_tree(parent, os.path.basename(tmp))
             raise
 
     def write(self, directory: str) -> int:
@@ -116,15 +123,15 @@ def publish(tmp: str, directory: str) -> None:
     """Rename a staged directory into place, replacing an existing one, durably. The old one
     is renamed aside first: a crash between the two renames leaves the context without
     indexes (the old ones a leftover collected at open), never with a mix of two."""
-    parent = os.path.dirname(os.path.abspath(directory))
+    parent, name = os.path.split(os.path.abspath(directory))
     old = None
-    if os.path.exists(directory):
-        old = tempfile.mkdtemp(prefix=".tmp-old-", dir=parent)
-        os.rename(directory, os.path.join(old, "indexes"))
-    os.rename(tmp, directory)
-    fsync_dir(parent)
+    if fs._exists(parent, name):
+        old = os.path.basename(fs._make_dir(parent, prefix=".tmp-old-"))
+        fs._rename(parent, name, os.path.join(old, "indexes"))
+    fs._rename(parent, os.path.basename(tmp), name)
+    fs._fsync_dir(parent)
     if old is not None:
-        shutil.rmtree(old)
+        fs._remove_tree(parent, old)
 
 
 def read_manifest(directory: str) -> dict[str, object]:
@@ -132,8 +139,7 @@ def read_manifest(directory: str) -> dict[str, object]:
     fails its checksum or does not describe a valid spec and shape."""
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path, "rb") as f:
-            outer = json.loads(f.read())
+        outer = json.loads(fs._read_bytes(directory, MANIFEST))
         body = outer["body"]
         if xxhash.xxh3_64_intdigest(body.encode()) != outer["xxh3"]:
             raise CorruptData(f"index manifest {path!r} fails its checksum")
@@ -149,14 +155,16 @@ def read_manifest(directory: str) -> dict[str, object]:
         raise
     except FileNotFoundError:
         raise CorruptData(f"index manifest {path!r} is missing") from None
-    except (OSError, KeyError, TypeError, ValueError, AttributeError) as err:
+    except (OSError, KeyError, TypeError, ValueError, AttributeError, RecursionError) as err:
         raise CorruptData(f"index manifest {path!r} is unreadable ({err})") from None
 
 
-def read_context_indexes(directory: str, *,
+def read_context_indexes(directory: str, source: KeySource | None = None, *,
                          rebuild: Callable[[int, int, IndexSpec], object] | None = None,
                          rewrite: bool = True) -> tuple[ContextIndexes, list[tuple[int, int]]]:
-    """Load an index directory. A head file that is corrupt or missing is rebuilt with
+    """Load an index directory, each head bound to ``source.head(layer, head)`` (unbound
+    without a source: enough to check the files). A head file that is corrupt, missing, of
+    an older format, or does not fit its manifest or its keys is rebuilt with
     ``rebuild(layer, head, spec)`` when given (and, with ``rewrite``, saved in place
     atomically), else raises :class:`CorruptData`. Returns (indexes, the (layer, head) pairs
     that were rebuilt). A bad manifest always raises: without it nothing can be rebuilt."""
@@ -167,18 +175,29 @@ def read_context_indexes(directory: str, *,
     for layer in range(meta["num_layers"]):
         row = []
         for h in range(meta["num_kv_heads"]):
-            path = os.path.join(directory, _file(layer, h))
+            name = _file(layer, h)
+            what = repr(os.path.join(directory, name))
             try:
-                ix = load_index(path)
+                try:
+                    raw = fs._read_bytes(directory, name)
+                except FileNotFoundError:
+                    raise CorruptData(f"index file {what} is missing") from None
+                ix = decode_index(raw, what)
                 if ix.kind != spec.kind or ix.n != T:
-                    raise CorruptData(f"index file {path!r} does not match its manifest "
+                    raise CorruptData(f"index file {what} does not match its manifest "
                                       f"({ix.kind}, {ix.n} tokens)")
+                if source is not None:
+                    try:
+                        ix = ix.bind(source.head(layer, h))
+                    except ValueError as err:
+                        raise CorruptData(f"index file {what} does not fit its keys "
+                                          f"({err})") from None
             except CorruptData:
                 if rebuild is None:
                     raise
                 ix = rebuild(layer, h, spec)
                 if rewrite:
-                    save_index(ix, path)
+                    fs._write_bytes(directory, name, encode_index(ix))
                 rebuilt.append((layer, h))
             row.append(ix)
         rows.append(tuple(row))
@@ -186,6 +205,4 @@ def read_context_indexes(directory: str, *,
 
 
 def directory_bytes(directory: str) -> int:
-    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-
-
+    return sum(fs._size(directory, f) for f in fs._list(directory))
