@@ -76,11 +76,21 @@ def check_beta(beta: object) -> float:
     return float(beta)
 
 
+SINK_TOKENS = 4  # the first tokens, attention sinks (StreamingLLM), always in the side list
+
+
 def low_norm_ids(keys: np.ndarray, count: int) -> np.ndarray:
-    """The ``count`` keys of smallest norm (the attention sink among them): the exact side
-    list every index scores with each query. int64 ids ascending."""
+    """The exact side list every index scores with each query: the first ``SINK_TOKENS``
+    tokens (attention sinks) and the smallest-norm keys, ``count`` in all (fewer if n is
+    smaller). int64 ids ascending."""
+    count = min(count, len(keys))
+    if not count:
+        return np.empty(0, np.int64)
+    first = np.arange(min(SINK_TOKENS, count), dtype=np.int64)
     norms = (keys.astype(np.float64) ** 2).sum(1)  # [n]
-    return np.sort(top_ids(-norms, count)) if count else np.empty(0, np.int64)
+    norms[first] = np.inf  # already in
+    rest = top_ids(-norms, count - len(first)) if count > len(first) else first[:0]
+    return np.sort(np.concatenate([first, rest]))
 
 
 def check_k(k: int) -> int:
