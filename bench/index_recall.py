@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     keys, vals, qs = capture(model, ids, args.queries)
     print(f"captured {keys.shape} keys and {qs.shape} queries in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
+    torch.set_num_threads(1)  # the queries: small ops, where more threads only contend
     ctx = ids[: keys.shape[2]]
     n = len(ctx)
     d = model.layout.head_dim

@@ -35,7 +35,7 @@ from kvstore.index.spec import IndexSpec
 from kvstore.layout import KVLayout
 from kvstore.mirror import writing
 from kvstore.records import ContextRecord, IndexEntry
-from kvstore.rope import apply_rope
+from kvstore.rope import cos_sin
 from kvstore.tree import served
 
 
@@ -50,23 +50,26 @@ class _Gone(Exception):
 class StoredKeys:
     """The :class:`~kvstore.index.keys.KeySource` of a stored context: its keys read through
     the store's get path (once, on first use: fp16 pre-RoPE [L, H, T, D], the KV itself, not a
-    copy made for the index) and positioned on demand with :mod:`kvstore.rope`, bit for bit
-    the numbers :func:`~kvstore.index.context.positioned_keys` gives. ``rows`` positions only
-    the rows asked for; ``dense`` positions a whole head once and keeps it (the graph search
-    scores scattered tokens). A get error (KeyError: the context left the store;
-    CorruptData: a chunk failed its checksum) is raised by the first index query that needs
-    keys. Thread-safety: any thread."""
+    copy made for the index) and positioned on demand with :mod:`kvstore.rope`'s tables, bit
+    for bit the numbers :func:`~kvstore.index.context.positioned_keys` gives (the same float32
+    products and sum, in numpy: torch's per-op cost dominates for a few hundred rows).
+    ``rows`` positions only the rows asked for; ``dense`` positions a whole head once and
+    keeps it (the graph search scores scattered tokens). A get error (KeyError: the context
+    left the store; CorruptData: a chunk failed its checksum) is raised by the first index
+    query that needs keys. Thread-safety: any thread."""
 
     def __init__(self, read: Callable[[], torch.Tensor], layout: KVLayout, n_tokens: int
                  ) -> None:
         self._read = read  # -> pre-RoPE keys [L, H, T, D] of the context
         self.layout = layout
         self.n_tokens = n_tokens
-        self._keys: torch.Tensor | None = None
+        self._keys: np.ndarray | None = None  # [L, H, T, D] in the cache dtype
+        self._cos: np.ndarray | None = None  # [T, D] float32 RoPE tables at 0..T-1
+        self._sin: np.ndarray | None = None
         self._dense: dict[tuple[int, int], np.ndarray] = {}
         self._lock = threading.Lock()
 
-    def _all(self) -> torch.Tensor:
+    def _all(self) -> np.ndarray:
         with self._lock:
             if self._keys is None:
                 k = self._read()
@@ -74,8 +77,16 @@ class StoredKeys:
                 if tuple(k.shape) != (L, H, self.n_tokens, D):
                     raise CorruptData(f"the stored keys have shape {tuple(k.shape)}, the "
                                       f"indexes {(L, H, self.n_tokens, D)}")
-                self._keys = k.detach().to("cpu")
+                cos, sin = cos_sin(self.layout, torch.arange(self.n_tokens))  # [T, D] each
+                self._cos, self._sin = cos.numpy(), sin.numpy()
+                self._keys = k.detach().to("cpu").numpy()
             return self._keys
+
+    def _position(self, x: np.ndarray, pos: np.ndarray | slice) -> np.ndarray:
+        """RoPE at ``pos`` of float32 rows x [r, D]: x * cos + rotate_half(x) * sin."""
+        half = x.shape[1] // 2
+        rh = np.concatenate([-x[:, half:], x[:, :half]], axis=1)  # [r, D]
+        return x * self._cos[pos] + rh * self._sin[pos]
 
     def head(self, layer: int, kv_head: int) -> _StoredHead:
         return _StoredHead(self, layer, kv_head)
@@ -84,16 +95,16 @@ class StoredKeys:
         dense = self._dense.get((layer, kv_head))
         if dense is not None:
             return dense[ids]
-        pos = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-        k = self._all()[layer, kv_head, pos].to(torch.float32)  # [r, D]
-        return apply_rope(k, pos, self.layout).numpy()
+        ids = np.asarray(ids, dtype=np.int64)
+        x = self._all()[layer, kv_head, ids].astype(np.float32)  # [r, D]
+        return self._position(x, ids)
 
     def dense(self, layer: int, kv_head: int) -> np.ndarray:
         key = (layer, kv_head)
         got = self._dense.get(key)
         if got is None:
-            k = self._all()[layer, kv_head].to(torch.float32)  # [T, D]
-            got = np.ascontiguousarray(apply_rope(k, 0, self.layout).numpy())
+            x = self._all()[layer, kv_head].astype(np.float32)  # [T, D]
+            got = np.ascontiguousarray(self._position(x, slice(None)))
             with self._lock:
                 got = self._dense.setdefault(key, got)
         return got
