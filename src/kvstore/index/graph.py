@@ -71,9 +71,6 @@ def _from_hnsw(hnsw, max_entries: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return count.astype(np.uint16), idx, upper[order][:max_entries].astype(np.int64)
 
 
-OVERFETCH = 256  # (kept for callers) prefix filters need no over-fetch: the walk filters
-
-
 class GraphIndex:
     """Thread-safety: read-only after build; queries may run concurrently."""
 
