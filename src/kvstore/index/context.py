@@ -86,10 +86,6 @@ class ContextIndexes:
                       for layer, row in enumerate(self.heads))
         return ContextIndexes(spec=self.spec, n_tokens=self.n_tokens, heads=heads)
 
-    def nbytes(self) -> int:
-        """The size of the index files (the keys they read are the KV's, not counted)."""
-        return sum(len(encode_index(ix)) for row in self.heads for ix in row)
-
     def stage(self, parent: str) -> tuple[str, int]:
         """Write every file, fsynced, into a new temporary directory under ``parent``; returns
         (its path, bytes written). :func:`publish` then renames it into place."""
