@@ -1,12 +1,25 @@
-"""Index recall on SmolLM2's real keys and queries (issue 6's first measurement).
+"""Index recall, the maximum, DIPR and sizes on SmolLM2's real keys and decode queries.
 
-Runs the model over a ShareGPT context (chats concatenated to ``--tokens``), captures the
-post-RoPE keys of the context and the queries of the last ``--queries`` tokens in a few layers,
-and measures per kv-head: recall@k of PQ (without and with exact re-ranking) and graph top-k
-against the exact top-k, and the fraction of DIPR critical tokens (AlayaDB Definition 1 with
-alpha = 0.1, so beta = sqrt(d) ln 10) found by window + DIPR.
+Runs the model over ShareGPT chats that no other bench uses (``--skip`` conversations are
+skipped; the other benches start at 0, 50 and 80), captures in every layer the KV of the first
+``N - Q`` tokens and the queries of the last ``Q`` tokens (the decode queries the model computes
+for them), stores the context in a kvstore (fp16 pre-RoPE keys, as the store keeps them) and,
+per index variant, builds the indexes with ``store.build_indexes`` and queries what
+``store.indexes()`` returns: indexes that read keys through the store's key source. The oracle
+is brute force over the same positioned keys.
 
-    .venv/bin/python bench/index_recall.py --tokens 4096 --out bench/results/index_recall.json
+Per variant (means over every layer, kv-head and query of its group):
+
+- ``top1``: the first result is the highest-scoring key (ties count);
+- ``recall_at_k``: |top-k ∩ exact top-k| / k;
+- ``dipr_recall``: DIPR alone (no window), |found ∩ critical| / |critical|, critical = every key
+  within beta = sqrt(D) ln 10 of the true maximum (AlayaDB Definition 1, alpha = 0.1);
+  ``dipr_below``: the share of returned tokens below max - beta; ``dipr_zero``: queries that
+  found no critical token;
+- ``bytes_per_1k`` and ``vs_kv``: the index files against the context's fp16 KV.
+
+    .venv/bin/python bench/index_recall.py --tokens 8192 --skip 3000 \\
+        --out bench/results/index_recall_8k.json
 """
 
 from __future__ import annotations
@@ -15,94 +28,149 @@ import argparse
 import json
 import math
 import os
+import tempfile
 import time
 
 import numpy as np
 
 
+def parse_variant(text: str):
+    """``kind`` or ``kind:field=value,...`` -> (name, IndexSpec)."""
+    from kvstore.index import IndexSpec
+
+    kind, _, rest = text.partition(":")
+    kw = {k: int(v) for k, v in (p.split("=") for p in rest.split(";") if p)}
+    return text, IndexSpec(kind=kind, **kw)
+
+
+def capture(model, ids: list[int], q_tokens: int):
+    """(keys pre-RoPE fp16 [L, Hkv, N, D], values fp16, queries [L, H, Q, D] float32) for the
+    first N = len(ids) - q_tokens tokens and the last q_tokens queries."""
+    import torch
+
+    from engine.model import full_attention
+    from kvstore.rope import remove_rope
+
+    cap = {}
+
+    def attend(i, q, k, v, mask, causal):
+        cap[i] = (q[:, -q_tokens:].clone(), k[:, :-q_tokens].clone(), v[:, :-q_tokens].clone())
+        return full_attention(i, q, k, v, mask, causal)
+
+    with torch.no_grad():
+        model.forward(ids, attend=attend)
+    layers = range(len(cap))
+    keys = torch.stack([remove_rope(cap[i][1].float(), 0, model.layout) for i in layers])
+    vals = torch.stack([cap[i][2].float() for i in layers])
+    qs = torch.stack([cap[i][0].float() for i in layers]).numpy()
+    dt = model.layout.torch_dtype
+    return keys.to(dt), vals.to(dt), qs
+
+
+def evaluate(ci, kpos: np.ndarray, qs: np.ndarray, k: int, beta: float, kind: str) -> dict:
+    """Per-layer metrics of the indexes ``ci`` against brute force over kpos [L, Hkv, N, D]
+    for queries qs [L, H, Q, D]."""
+    L, Hkv = kpos.shape[:2]
+    g = qs.shape[1] // Hkv
+    rows = []
+    for layer in range(L):
+        t1, rk, dr, below, zero, lat = [], [], [], [], [], []
+        for h in range(Hkv):
+            keys = kpos[layer, h]  # [N, D]
+            ix = ci.head(layer, h)
+            for q in qs[layer, h * g:(h + 1) * g].reshape(-1, keys.shape[1]):
+                s = keys @ q  # [N] the oracle
+                t0 = time.perf_counter()
+                got = ix.topk(q, k)
+                lat.append(time.perf_counter() - t0)
+                t1.append(bool(s[got[0]] >= s.max()))
+                exact = np.argsort(-s, kind="stable")[:k]
+                rk.append(len(np.intersect1d(got, exact)) / len(exact))
+                if kind == "flat":
+                    continue
+                truth = np.flatnonzero(s >= s.max() - beta)
+                found = ix.dipr(q, beta)
+                hit = len(np.intersect1d(found, truth))
+                dr.append(hit / len(truth))
+                zero.append(hit == 0)
+                below.append(float(np.mean(s[found] < s.max() - beta)) if len(found) else 0.0)
+        rows.append({"layer": layer, "top1": float(np.mean(t1)), "recall_at_k": float(np.mean(rk)),
+                     "dipr_recall": float(np.mean(dr)) if dr else None,
+                     "dipr_below": float(np.mean(below)) if below else None,
+                     "dipr_zero": float(np.mean(zero)) if zero else None,
+                     "topk_ms_p50": 1e3 * float(np.median(lat)), "queries": len(t1)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--queries", type=int, default=32)
-    p.add_argument("--layers", default="0,5,15,29")
+    p.add_argument("--tokens", type=int, default=4096, help="context + query tokens")
+    p.add_argument("--queries", type=int, default=32, help="decode queries per query head")
+    p.add_argument("--skip", type=int, default=3000, help="ShareGPT conversations skipped")
     p.add_argument("--k", type=int, default=100)
-    p.add_argument("--sink", type=int, default=4)
-    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--variants", default="flat,pq,graph",
+                   help="comma-separated kind[:field=value;...], e.g. graph:side=0")
     p.add_argument("--out", default="bench/results/index_recall.json")
     args = p.parse_args(argv)
 
     import torch
 
-    from engine.model import full_attention, load_model
+    import kvstore
+    from engine.model import load_model
     from engine.sharegpt import chat_ids
-    from kvstore.index import FlatIndex, IndexSpec, build_index, recall
+    from kvstore.confined import Dir
+    from kvstore.index.context import directory_bytes, positioned_keys
 
-    layers = [int(x) for x in args.layers.split(",")]
+    torch.set_num_threads(2)
     model = load_model()
-    ids = chat_ids(model, args.tokens)
-    cap = {}
-
-    def attend(i, q, k, v, mask, causal):
-        if i in layers:
-            cap[i] = (q[:, -args.queries:].numpy().copy(), k[:, :-args.queries].numpy().copy())
-        return full_attention(i, q, k, v, mask, causal)
-
-    with torch.no_grad():
-        model.forward(ids, attend=attend)
-    specs = {"pq": IndexSpec(kind="pq", pq_rerank=1), "pq+rerank4": IndexSpec(kind="pq"),
-             "graph": IndexSpec(kind="graph")}
-    d = model.config.head_dim
+    ids = chat_ids(model, args.tokens, skip=args.skip)
+    t0 = time.perf_counter()
+    keys, vals, qs = capture(model, ids, args.queries)
+    print(f"captured {keys.shape} keys and {qs.shape} queries in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    torch.set_num_threads(1)  # the queries: small ops, where more threads only contend
+    ctx = ids[: keys.shape[2]]
+    n = len(ctx)
+    d = model.layout.head_dim
     beta = math.sqrt(d) * math.log(10)
-    rows = []
-    for layer in layers:
-        q_all, k_all = cap[layer]  # [H, Q, D], [Hkv, N, D]
-        g = q_all.shape[0] // k_all.shape[0]
-        for h in range(k_all.shape[0]):
-            keys = k_all[h]
-            n = len(keys)
-            qs = q_all[h * g:(h + 1) * g].reshape(-1, d)
-            flat = FlatIndex.build(keys)
-            win = np.r_[np.arange(args.sink), np.arange(n - args.window, n)]
-            for name, spec in specs.items():
-                t0 = time.perf_counter()
-                ix = build_index(keys, spec)
-                build_s = time.perf_counter() - t0
-                rk, crit, found, lat = [], [], [], []
-                for q in qs:
-                    t0 = time.perf_counter()
-                    got = ix.topk(q, args.k)
-                    lat.append(time.perf_counter() - t0)
-                    rk.append(recall(got, flat.topk(q, args.k)))
-                    s = keys @ q
-                    truth = np.flatnonzero(s >= s.max() - beta)
-                    hit = np.union1d(win, ix.dipr(q, beta, floor=float(s[win].max())))
-                    crit.append(recall(hit, truth))
-                    found.append(len(hit))
-                rows.append({"layer": layer, "kv_head": h, "index": name, "n": n,
-                             "recall_at_k": float(np.mean(rk)),
-                             "dipr_critical_found": float(np.mean(crit)),
-                             "dipr_tokens_attended": float(np.mean(found)),
-                             "critical_tokens": float(np.mean([
-                                 len(flat.dipr(q, beta)) for q in qs])),
-                             "build_s": build_s, "topk_ms_p50": 1e3 * float(np.median(lat))})
-    summary = {}
-    for name in specs:
-        sel = [r for r in rows if r["index"] == name]
-        summary[name] = {"recall_at_k": float(np.mean([r["recall_at_k"] for r in sel])),
-                         "dipr_critical_found": float(np.mean(
-                             [r["dipr_critical_found"] for r in sel])),
-                         "build_s_per_1k_tokens": float(np.mean(
-                             [r["build_s"] / r["n"] * 1000 for r in sel]))}
-    report = {"tokens": len(ids), "k": args.k, "beta": beta, "window": [args.sink, args.window],
-              "summary": summary, "rows": rows}
+    kv_bytes = 2 * keys.numel() * keys.element_size()
+    report = {"tokens": n, "queries": args.queries, "skip": args.skip, "k": args.k,
+              "beta": beta, "kv_bytes_per_1k": kv_bytes / n * 1000, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = kvstore.open(os.path.join(tmp, "store"), layout=model.layout,
+                             dram_bytes=kv_bytes + (64 << 20), disk_bytes=2 * kv_bytes + (64 << 20))
+        store.put(ctx, keys, vals)
+        kpos = positioned_keys(store.get(ctx)[0], model.layout)  # [L, Hkv, N, D] the oracle's
+        for text in args.variants.split(","):
+            name, spec = parse_variant(text)
+            t0 = time.perf_counter()
+            assert store.build_indexes(ctx, spec)
+            build_s = time.perf_counter() - t0
+            (path,) = store.index_dirs().values()
+            with Dir.open_root(path, create=False) as d:
+                nbytes = directory_bytes(d)
+            ci = store.indexes(ctx)
+            rows = evaluate(ci, kpos, qs, args.k, beta, spec.kind)
+
+            def mean(key, rows=rows):
+                vals_ = [r[key] for r in rows if r[key] is not None]
+                return float(np.mean(vals_)) if vals_ else None
+
+            summary = {"top1": mean("top1"), "top1_worst_layer": min(r["top1"] for r in rows),
+                       "recall_at_k": mean("recall_at_k"), "dipr_recall": mean("dipr_recall"),
+                       "dipr_below": mean("dipr_below"), "dipr_zero": mean("dipr_zero"),
+                       "topk_ms_p50": mean("topk_ms_p50"),
+                       "bytes_per_1k": nbytes / n * 1000, "vs_kv": nbytes / kv_bytes,
+                       "build_s_per_1k": build_s / n * 1000}
+            report["variants"][name] = {"spec": text, "summary": summary, "layers": rows}
+            print(f"{name:>16}: " + "  ".join(
+                f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in summary.items()), flush=True)
+        store.close()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(json.dumps(summary, indent=2))
-    for r in rows:
-        print(f"L{r['layer']:>2} h{r['kv_head']} {r['index']:>11}  recall@{args.k} "
-              f"{r['recall_at_k']:.3f}  DIPR found {r['dipr_critical_found']:.3f} "
-              f"({r['dipr_tokens_attended']:.0f} tokens for {r['critical_tokens']:.0f} critical)")
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -27,6 +27,7 @@
 #endif
 
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,7 +45,7 @@
 #define KV_API __attribute__((visibility("default")))
 #endif
 
-#define KV_ABI_VERSION 1
+#define KV_ABI_VERSION 2
 #define KV_ERR_NOMEM (-1)
 #define KV_ERR_ADJ (-2)  /* adjacency: ptr not monotone / out of range, or an id outside 0..n-1 */
 #define KV_ERR_CODE (-3) /* a PQ code >= K */
@@ -525,6 +526,177 @@ done:
     free(state);
     free(cscore);
     free(heap);
+    free(nb);
+    free(sc);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- beam search (top-k) */
+
+/* The result heap: Python tuples (score, id), smallest on top (heapq). */
+static int rtuple_lt(const hent *a, const hent *b) { /* hent.neg holds +score here */
+    if (a->neg == b->neg) return a->id < b->id;
+    return a->neg < b->neg;
+}
+
+static void r_siftdown(hent *h, int64_t startpos, int64_t pos) {
+    hent newitem = h[pos];
+    while (pos > startpos) {
+        int64_t parentpos = (pos - 1) >> 1;
+        if (rtuple_lt(&newitem, &h[parentpos])) {
+            h[pos] = h[parentpos];
+            pos = parentpos;
+            continue;
+        }
+        break;
+    }
+    h[pos] = newitem;
+}
+
+static void r_siftup(hent *h, int64_t endpos, int64_t pos) {
+    int64_t startpos = pos;
+    hent newitem = h[pos];
+    int64_t childpos = 2 * pos + 1;
+    while (childpos < endpos) {
+        int64_t rightpos = childpos + 1;
+        if (rightpos < endpos && !rtuple_lt(&h[childpos], &h[rightpos])) childpos = rightpos;
+        h[pos] = h[childpos];
+        pos = childpos;
+        childpos = 2 * pos + 1;
+    }
+    h[pos] = newitem;
+    r_siftdown(h, startpos, pos);
+}
+
+static int cmp_rank(const void *a, const void *b) { /* score descending, then id ascending */
+    const hent *x = (const hent *)a, *y = (const hent *)b;
+    if (x->neg != y->neg) return x->neg > y->neg ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+static double finite_or_low(float x) { return x != x ? -INFINITY : (double)x; }
+
+/* Best-first beam search over the CSR graph (HNSW's searchLayer on one layer), replaying
+ * native.py's _beam_py step for step: `cand` is a heapq of (-score, id), `res` a heapq of
+ * (score, id) holding at most ef ids < limit; a NaN score counts as -inf. entries: distinct
+ * ids in 0..n-1. out: room for min(k, ef) ids, best first. Returns how many. */
+KV_API int64_t kv_graph_search(const float *keys, int64_t n, int64_t d, const int64_t *ptr,
+                               const void *idx, int idx64, int64_t nnz, const float *q,
+                               const int64_t *entries, int64_t nent, int64_t ef, int64_t limit,
+                               int64_t k, int64_t *out) {
+    if (n < 1 || d < 1 || nnz < 0 || nent < 1 || ef < 1 || limit < 1 || limit > n || k < 1)
+        return KV_ERR_ARG;
+    const int32_t *idx32 = (const int32_t *)idx;
+    const int64_t *idx64p = (const int64_t *)idx;
+    int64_t rc = 0;
+    unsigned char *state = (unsigned char *)calloc((size_t)n, 1);
+    int64_t ccap = 256, csize = 0, rsize = 0;
+    hent *cand = (hent *)malloc((size_t)ccap * sizeof(hent));
+    hent *res = (hent *)malloc((size_t)(ef + 1) * sizeof(hent));
+    int64_t bcap = nent > 64 ? nent : 64;
+    int64_t *nb = (int64_t *)malloc((size_t)bcap * sizeof(int64_t));
+    float *sc = (float *)malloc((size_t)bcap * sizeof(float));
+    if (!state || !cand || !res || !nb || !sc) {
+        rc = KV_ERR_NOMEM;
+        goto done;
+    }
+    for (int64_t t = 0; t < nent; t++) {
+        if (entries[t] < 0 || entries[t] >= n || state[entries[t]]) {
+            rc = KV_ERR_ID;
+            goto done;
+        }
+        state[entries[t]] = VISITED;
+    }
+    dot_rows(keys, d, entries, nent, q, sc);
+    int64_t cnt = nent;
+    memcpy(nb, entries, (size_t)nent * sizeof(int64_t));
+    int first = 1;
+    for (;;) {
+        if (!first) {
+            if (csize == 0) break;
+            hent top; /* heapq.heappop(cand) */
+            hent last = cand[--csize];
+            if (csize > 0) {
+                top = cand[0];
+                cand[0] = last;
+                py_siftup(cand, csize, 0);
+            } else {
+                top = last;
+            }
+            if (rsize >= ef && -top.neg < res[0].neg) break;
+            int64_t u = top.id;
+            int64_t a = ptr[u], b = ptr[u + 1];
+            if (a < 0 || b < a || b > nnz) {
+                rc = KV_ERR_ADJ;
+                goto done;
+            }
+            if (b - a > bcap) {
+                bcap = b - a;
+                int64_t *nb2 = (int64_t *)realloc(nb, (size_t)bcap * sizeof(int64_t));
+                if (nb2) nb = nb2;
+                float *sc2 = (float *)realloc(sc, (size_t)bcap * sizeof(float));
+                if (sc2) sc = sc2;
+                if (!nb2 || !sc2) {
+                    rc = KV_ERR_NOMEM;
+                    goto done;
+                }
+            }
+            for (int64_t t = a; t < b; t++) {
+                int64_t v = idx64 ? idx64p[t] : (int64_t)idx32[t];
+                if (v < 0 || v >= n) {
+                    rc = KV_ERR_ADJ;
+                    goto done;
+                }
+            }
+            cnt = 0; /* unvisited neighbours, a repeated link once */
+            for (int64_t t = a; t < b; t++) {
+                int64_t v = idx64 ? idx64p[t] : (int64_t)idx32[t];
+                if (!(state[v] & VISITED)) {
+                    state[v] |= VISITED;
+                    nb[cnt++] = v;
+                }
+            }
+            if (cnt == 0) continue;
+            dot_rows(keys, d, nb, cnt, q, sc);
+        }
+        for (int64_t t = 0; t < cnt; t++) {
+            int64_t v = nb[t];
+            double sv = finite_or_low(sc[t]);
+            if (!first && !(rsize < ef || sv > res[0].neg)) continue;
+            if (csize == ccap) {
+                ccap *= 2;
+                hent *c2 = (hent *)realloc(cand, (size_t)ccap * sizeof(hent));
+                if (!c2) {
+                    rc = KV_ERR_NOMEM;
+                    goto done;
+                }
+                cand = c2;
+            }
+            cand[csize].neg = -sv;
+            cand[csize].id = v;
+            csize++;
+            py_siftdown(cand, 0, csize - 1);
+            if (v < limit) {
+                res[rsize].neg = sv;
+                res[rsize].id = v;
+                rsize++;
+                r_siftdown(res, 0, rsize - 1);
+                if (rsize > ef) { /* heapq.heappop(res) */
+                    hent last = res[--rsize];
+                    res[0] = last;
+                    r_siftup(res, rsize, 0);
+                }
+            }
+        }
+        first = 0;
+    }
+    qsort(res, (size_t)rsize, sizeof(hent), cmp_rank);
+    rc = rsize < k ? rsize : k;
+    for (int64_t t = 0; t < rc; t++) out[t] = res[t].id;
+done:
+    free(state);
+    free(cand);
+    free(res);
     free(nb);
     free(sc);
     return rc;

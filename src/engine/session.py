@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import kvstore
 from engine.sparse import SparseConfig, SparsePlan, merge, partial_attention, retrieve
-from kvstore.index import ContextIndexes, build_index
+from kvstore.index import ArrayKeys, ContextIndexes, build_index
 from kvstore.layout import KVLayout
 from kvstore.rope import apply_rope
 
@@ -41,6 +41,8 @@ class Session:
     attention). ``indexes``: stored indexes covering the context (their first N tokens are
     searched: the prefix filter), used for layers whose plan names their kind (with their own
     parameters); missing ones are built from the keys with ``sparse.spec`` on first use.
+    Indexes of exactly this context read their keys from the session's own KV; those of a
+    longer context keep the store's key source (they walk through its later tokens).
     Unlike :class:`~engine.sparse.SparseDecoder`, which retrieves only from before the
     window, the index is searched over the whole context and hits inside the window are
     attended once, so of ``k`` results fewer may add tokens.
@@ -83,6 +85,8 @@ class Session:
         self._k[:, :, :N] = apply_rope(kc.to(torch.float32), 0, layout)
         self._v[:, :, :N] = values.detach().to("cpu", layout.torch_dtype).to(torch.float32)
         self._len = [N] * L
+        if indexes is not None and indexes.n_tokens == N:  # read keys from the KV held here
+            indexes = indexes.bind(_HeldKeys(self._kn, N))
         self._indexes = indexes
         self._built: dict[tuple[int, int], object] = {}
         self.attended: dict[int, list[float]] = {}
@@ -184,6 +188,17 @@ class Session:
         used = Hkv * len(local) + int(valid.sum())
         self.attended.setdefault(layer, []).append(used / (Hkv * n))
         return torch.from_numpy(merge(parts)).reshape(H, 1, D)
+
+
+class _HeldKeys:
+    """The session's own positioned context keys as the indexes' key source (the numbers the
+    store's source gives, already in memory: nothing read twice)."""
+
+    def __init__(self, k: np.ndarray, n: int) -> None:
+        self._k, self._n = k, n  # [L, Hkv, cap, D] float32
+
+    def head(self, layer: int, kv_head: int) -> ArrayKeys:
+        return ArrayKeys(self._k[layer, kv_head, :self._n])  # a view: [n, D] is contiguous
 
 
 def open_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *,

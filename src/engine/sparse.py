@@ -101,8 +101,7 @@ class SparseConfig:
     """Sparse decode over a context of ``context`` tokens: sink + recent window always, plus what
     each kv-head's index retrieves for its query group (top-``k`` per query head, or DIPR with
     ``beta`` and the window's best score as the floor, AlayaDB §7.1, keeping at most
-    ``dipr_cap`` tokens per query, the best by exact score (by estimate for a PQ index that
-    keeps no keys): the budget; None: no cap)."""
+    ``dipr_cap`` tokens per query, the best by exact score: the budget; None: no cap)."""
 
     sink: int = 4
     window: int = 64
@@ -180,10 +179,7 @@ def retrieve(plan: SparsePlan, cfg: SparseConfig, indexes: Sequence[object],
                 floor = None if floors is None else float(floors[h, j])
                 got = ix.dipr(queries[h, j], cfg.beta, floor=floor, limit=limit)
                 if cfg.dipr_cap is not None and len(got) > cfg.dipr_cap:
-                    if ix.keys is not None:  # the budget: the best by exact score
-                        score = ix.keys[got] @ queries[h, j]
-                    else:  # a PQ index without kept keys: by its estimates
-                        score = ix.approx_scores(queries[h, j], limit=limit)[got]
+                    score = ix.exact(queries[h, j], got)  # the budget: the best by exact score
                     got = got[top_ids(score, cfg.dipr_cap)]
                 ids.append(got)
         out.append(np.unique(np.concatenate(ids)))

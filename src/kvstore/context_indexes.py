@@ -33,8 +33,10 @@ from kvstore.index.context import (
     read_context_indexes,
 )
 from kvstore.index.spec import IndexSpec
+from kvstore.layout import KVLayout
 from kvstore.mirror import writing
 from kvstore.records import ContextRecord, IndexEntry
+from kvstore.rope import cos_sin
 from kvstore.tree import served
 
 
@@ -44,6 +46,90 @@ class _KeysUnavailable(Exception):
 
 class _Gone(Exception):
     """The context left the store while its indexes were built."""
+
+
+class StoredKeys:
+    """The :class:`~kvstore.index.keys.KeySource` of a stored context: its keys read through
+    the store's get path (once, on first use: fp16 pre-RoPE [L, H, T, D], the KV itself, not a
+    copy made for the index) and positioned on demand with :mod:`kvstore.rope`'s tables, bit
+    for bit the numbers :func:`~kvstore.index.context.positioned_keys` gives (the same float32
+    products and sum, in numpy: torch's per-op cost dominates for a few hundred rows).
+    ``rows`` positions only the rows asked for; ``dense`` positions a whole head once and
+    keeps it (the graph search scores scattered tokens). A get error (KeyError: the context
+    left the store; CorruptData: a chunk failed its checksum) is raised by the first index
+    query that needs keys. Thread-safety: any thread."""
+
+    def __init__(self, read: Callable[[], torch.Tensor], layout: KVLayout, n_tokens: int
+                 ) -> None:
+        self._read = read  # -> pre-RoPE keys [L, H, T, D] of the context
+        self.layout = layout
+        self.n_tokens = n_tokens
+        self._keys: np.ndarray | None = None  # [L, H, T, D] in the cache dtype
+        self._cos: np.ndarray | None = None  # [T, D] float32 RoPE tables at 0..T-1
+        self._sin: np.ndarray | None = None
+        self._dense: dict[tuple[int, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def _all(self) -> np.ndarray:
+        with self._lock:
+            if self._keys is None:
+                k = self._read()
+                L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+                if tuple(k.shape) != (L, H, self.n_tokens, D):
+                    raise CorruptData(f"the stored keys have shape {tuple(k.shape)}, the "
+                                      f"indexes {(L, H, self.n_tokens, D)}")
+                cos, sin = cos_sin(self.layout, torch.arange(self.n_tokens))  # [T, D] each
+                self._cos, self._sin = cos.numpy(), sin.numpy()
+                self._keys = k.detach().to("cpu").numpy()
+            return self._keys
+
+    def _position(self, x: np.ndarray, pos: np.ndarray | slice) -> np.ndarray:
+        """RoPE at ``pos`` of float32 rows x [r, D]: x * cos + rotate_half(x) * sin."""
+        half = x.shape[1] // 2
+        rh = np.concatenate([-x[:, half:], x[:, :half]], axis=1)  # [r, D]
+        return x * self._cos[pos] + rh * self._sin[pos]
+
+    def head(self, layer: int, kv_head: int) -> _StoredHead:
+        return _StoredHead(self, layer, kv_head)
+
+    def rows(self, layer: int, kv_head: int, ids: np.ndarray) -> np.ndarray:
+        dense = self._dense.get((layer, kv_head))
+        if dense is not None:
+            return dense[ids]
+        ids = np.asarray(ids, dtype=np.int64)
+        x = self._all()[layer, kv_head, ids].astype(np.float32)  # [r, D]
+        return self._position(x, ids)
+
+    def dense(self, layer: int, kv_head: int) -> np.ndarray:
+        key = (layer, kv_head)
+        got = self._dense.get(key)
+        if got is None:
+            x = self._all()[layer, kv_head].astype(np.float32)  # [T, D]
+            got = np.ascontiguousarray(self._position(x, slice(None)))
+            with self._lock:
+                got = self._dense.setdefault(key, got)
+        return got
+
+
+class _StoredHead:
+    """One head of a :class:`StoredKeys` (a :class:`~kvstore.index.keys.HeadKeys`)."""
+
+    def __init__(self, src: StoredKeys, layer: int, kv_head: int) -> None:
+        self._src, self._layer, self._head = src, layer, kv_head
+
+    @property
+    def n(self) -> int:
+        return self._src.n_tokens
+
+    @property
+    def dim(self) -> int:
+        return self._src.layout.head_dim
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        return self._src.rows(self._layer, self._head, ids)
+
+    def dense(self) -> np.ndarray:
+        return self._src.dense(self._layer, self._head)
 
 
 INDEXES = "indexes"
@@ -229,20 +315,19 @@ class ContextIndexStore:
             s = min((tree.contexts[k] for k in cands), key=lambda r: (r.n_tokens, r.key))
             ctx_toks = np.concatenate([tree.chunks[c].tokens for c in s.chunks])
             entry = tree.indexed[s.key]
-        full: list[np.ndarray] = []
+        source = StoredKeys(lambda: self._get(ctx_toks, namespace)[0], core.layout, s.n_tokens)
 
         def rebuild(layer: int, head: int, spec: IndexSpec):
-            if not full:  # the context's keys, read (and checked) once
-                try:
-                    keys, _ = self._get(ctx_toks, namespace)
-                except (KeyError, CorruptData) as e:  # evicted, or a chunk failed its checksum
-                    raise _KeysUnavailable(str(e)) from e
-                full.append(positioned_keys(keys, core.layout))
-            return build_index(full[0][layer, head], spec)
+            try:
+                keys = source.head(layer, head)
+                keys.dense()  # the context's keys, read (and checked) once
+            except (KeyError, CorruptData) as e:  # evicted, or a chunk failed its checksum
+                raise _KeysUnavailable(str(e)) from e
+            return build_index(keys, spec)
 
         try:
             with self.files.open(s.key, entry) as d:
-                ci, rebuilt = read_context_indexes(d, rebuild=rebuild,
+                ci, rebuilt = read_context_indexes(d, source, rebuild=rebuild,
                                                    rewrite=not core.readonly)
             ok = (ci.n_tokens == s.n_tokens and ci.num_layers == core.layout.num_layers
                   and ci.num_kv_heads == core.layout.num_kv_heads)

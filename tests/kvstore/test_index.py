@@ -144,7 +144,9 @@ def test_index_files_round_trip_and_detect_corruption(data, tmp_path, kind):
     ix = build_index(keys[:600], IndexSpec(kind=kind))
     path = tmp_path / f"{kind}.kvi"
     save_index(ix, path)
-    back = load_index(path)
+    kv = 600 * 64 * 2 * 2  # the fp16 KV of these keys: no keys in the file
+    assert path.stat().st_size <= kv * (0.75 if kind == "graph" else 0.10)
+    back = load_index(path, keys[:600])
     assert type(back) is type(ix)
     for q in qs[:4]:
         assert back.topk(q, 10).tolist() == ix.topk(q, 10).tolist()
@@ -156,7 +158,7 @@ def test_index_files_round_trip_and_detect_corruption(data, tmp_path, kind):
         bad[pos] ^= 0x40
         path.write_bytes(bytes(bad))
         with pytest.raises(CorruptData):
-            load_index(path)
+            load_index(path, keys[:600])
     path.write_bytes(bytes(raw[: len(raw) // 3]))
     with pytest.raises(CorruptData):
         load_index(path)
@@ -187,7 +189,7 @@ def test_consistent_but_malformed_index_files_are_corrupt(data, tmp_path):
     def rewrite(m):
         header = json.dumps(m).encode().ljust(hlen)  # same length: offsets stay valid
         assert len(header) == hlen
-        path.write_bytes(struct.pack("<8sIQ", b"KVIDX001", hlen,
+        path.write_bytes(struct.pack("<8sIQ", b"KVIDX002", hlen,
                                      xxhash.xxh3_64_intdigest(header)) + header + body)
 
     for change in (lambda m: m["extra"].pop("rerank"),
@@ -209,3 +211,60 @@ def test_graph_prefix_search_on_a_sparse_graph_falls_back(data):
     got = ix.topk_batch(qs[:3], 64, limit=44)
     assert got.shape == (3, 44) and got.max() < 44
     assert sorted(got[0].tolist()) == list(range(44))
+
+
+def sink_context(n=3000, d=64, seed=7):
+    """Keys like SmolLM2's: clusters of norm about 19, and token 0 an attention sink of norm 5
+    in a direction the queries share, so that it is their best key although it is far from
+    every other key (the MIPS lift makes it an outlier the graph reaches badly)."""
+    rng = np.random.default_rng(seed)
+    sink_dir = np.zeros(d, np.float32)
+    sink_dir[0] = 1.0
+    centers = rng.standard_normal((16, d)) * 2.4
+    keys = centers[rng.integers(0, 16, n)] + rng.standard_normal((n, d)) * 0.8
+    keys[:, 0] = rng.standard_normal(n) * 0.3  # the others barely point the sink's way
+    small = rng.integers(1, n, 60)  # other small-norm keys (punctuation, newlines...)
+    keys[small] *= 4.0 / np.linalg.norm(keys[small], axis=1, keepdims=True)  # below the sink
+    keys[0] = 5.0 * sink_dir
+    qs = 12.0 * sink_dir + rng.standard_normal((40, d)) * 0.35
+    qs[:, 0] = 12.0
+    return keys.astype(np.float32), qs.astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["pq", "graph"])
+def test_the_maximum_is_found_when_it_is_a_small_norm_sink(kind):
+    """Issue 15 item 4: top-k returns the highest-scoring key, sink included, and DIPR on its
+    own finds the keys within beta of it and nothing below."""
+    keys, qs = sink_context()
+    flat = FlatIndex.build(keys)
+    assert np.mean([flat.topk(q, 1)[0] == 0 for q in qs]) >= 0.9  # the sink is the max
+    ix = build_index(keys, IndexSpec(kind=kind))
+    assert 0 in ix.side
+    for q in qs:
+        s = keys @ q
+        assert s[ix.topk(q, 10)[0]] == s.max()
+        assert s[ix.topk_batch(q[None], 10, limit=2000)[0][0]] == s[:2000].max()
+        found = ix.dipr(q, 6.0)
+        truth = flat.dipr(q, 6.0)
+        assert recall(found, truth) >= 0.9 and (s[found] >= s.max() - 6.0).all()
+
+
+def test_the_side_list_reaches_a_key_no_link_reaches():
+    """The mechanism: in a graph where no token links to the sink (as the MIPS lift leaves it,
+    far from every other key), only the side list's exact scan finds it."""
+    from kvstore.index.spec import IndexSpec as Spec
+
+    keys, qs = sink_context()
+    g = build_index(keys, IndexSpec(kind="graph"))
+    adj = [a[a != 0] for a in g.adj]  # cut every link into token 0
+    deg = np.array([len(a) for a in adj], np.uint16)
+    idx = np.concatenate(adj).astype(np.int32)
+    entries = g.entries[g.entries != 0]
+    cut = GraphIndex(deg, idx, entries, np.empty(0, np.int64), g.dim, Spec(kind="graph"),
+                     g.keys)
+    fixed = GraphIndex(deg, idx, entries, g.side, g.dim, Spec(kind="graph"), g.keys)
+    for q in qs:
+        s = keys @ q
+        assert s.argmax() == 0 or s[0] < s.max()
+        if s.argmax() == 0:
+            assert cut.topk(q, 10)[0] != 0 and fixed.topk(q, 10)[0] == 0

@@ -339,12 +339,49 @@ def test_graph_index_dipr_is_the_same_either_way(graph, monkeypatch):
     for avail in (native.AVAILABLE, False):
         monkeypatch.setattr(native, "AVAILABLE", avail)
         runs.append([g.dipr(q, 6.0, **c) for q in qs for c in cases])
-    assert all(np.array_equal(a, b) for a, b in zip(*runs, strict=True))
-    # the adjacency lists and the CSR form agree, and a list builds the same index
+        runs.append([g.topk(q, k, limit=lim) for q in qs for k, lim in
+                     ((1, None), (10, None), (200, None), (10, 700), (30, 40))])
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0], runs[2], strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(runs[1], runs[3], strict=True))
+    # the adjacency lists and the CSR form agree, and the file's arrays give the same index
     assert all(np.array_equal(a, g.idx[g.ptr[u]:g.ptr[u + 1]]) for u, a in enumerate(g.adj))
-    h = GraphIndex(g.hnsw, g.keys, g.adj, g.spec)
+    from kvstore.index.persist import decode_index, encode_index
+    h = decode_index(encode_index(g), "test").bind(g.keys)
     assert np.array_equal(h.ptr, g.ptr) and np.array_equal(h.idx, g.idx)
     assert np.array_equal(h.dipr(qs[0], 6.0), runs[0][0])
+
+
+@needs_lib
+@fixed
+@given(n=st.integers(1, 300), d=st.integers(1, 20), deg=st.integers(0, 12),
+       seed=st.integers(0, 2**16), ef=st.integers(1, 80), k=st.integers(1, 90),
+       nent=st.integers(1, 6), scale=st.sampled_from([1.0, 1e20]),
+       lim_frac=st.floats(0.01, 1.0))
+def test_beam_search_is_the_same_either_way(n, d, deg, seed, ef, k, nent, scale, lim_frac):
+    """The C beam search replays the Python one: ids equal on random graphs (isolated nodes,
+    duplicate links, self-links), prefix limits and overflowing scores (NaN as -inf)."""
+    rng = np.random.default_rng(seed)
+    keys = (rng.standard_normal((n, d)) * scale).astype(np.float32)
+    keys[rng.integers(0, n, n // 7)] = keys[0]  # equal scores: ties by id
+    q = (rng.standard_normal(d) * scale).astype(np.float32)
+    ptr, idx = native.csr([rng.integers(0, n, rng.integers(0, deg + 1)) for _ in range(n)])
+    ent = rng.choice(n, min(nent, n), replace=False).astype(np.int64)
+    lim = max(1, int(n * lim_frac))
+    a = native.graph_search(keys, ptr, idx, q, ent, ef, lim, k, native=True)
+    b = native.graph_search(keys, ptr, idx, q, ent, ef, lim, k, native=False)
+    assert np.array_equal(a, b)
+    assert len(a) <= min(k, ef) and (a < lim).all() and len(set(a.tolist())) == len(a)
+
+
+def test_beam_search_on_a_complete_graph_is_exact():
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((60, 8)).astype(np.float32)
+    ptr, idx = native.csr([np.array([v for v in range(60) if v != u]) for u in range(60)])
+    for q in rng.standard_normal((5, 8)).astype(np.float32):
+        for mode in (None, False):
+            got = native.graph_search(keys, ptr, idx, q, np.array([3], np.int64), 60, 50, 10,
+                                      native=mode)
+            assert got.tolist() == top_ids(native.dot_seq(keys[:50], q), 10).tolist()
 
 
 # ---------------------------------------------------------------- bad arguments
@@ -356,7 +393,13 @@ def test_bad_arguments_are_named():
     lut = np.ones((2, 16), np.float32)
     codes = np.zeros((10, 2), np.uint8)
     ptr, idx = native.csr([np.array([(u + 1) % 10]) for u in range(10)])
+    ent = np.array([0], np.int64)
     bad = [
+        (lambda: native.graph_search(f32, ptr, idx, q, np.array([0, 0]), 5, 10, 3), "entries"),
+        (lambda: native.graph_search(f32, ptr, idx, q, np.array([10]), 5, 10, 3), "entries"),
+        (lambda: native.graph_search(f32, ptr, idx, q, ent, 0, 10, 3), "ef"),
+        (lambda: native.graph_search(f32, ptr[:-1], idx, q, ent, 5, 10, 3), "ptr"),
+        (lambda: native.graph_search(f32, ptr, idx.astype(np.int16), q, ent, 5, 10, 3), "idx"),
         (lambda: native.dot_seq(f32.astype(np.float64), q), "keys"),
         (lambda: native.dot_seq(np.ones((4, 10), np.float32).T, q), "keys"),
         (lambda: native.dot_seq([[1.0]], q), "keys"),

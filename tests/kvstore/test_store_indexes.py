@@ -209,7 +209,7 @@ def test_positioned_keys_match_the_runtime_rotation(layout):
     ref = apply_rope(k.to(torch.float32), torch.arange(len(TOKENS)), layout).numpy()
     assert np.array_equal(kp, ref)
     ix = build_index(kp[0, 0], IndexSpec(kind="flat"))
-    assert np.array_equal(ix.keys, kp[0, 0])
+    assert np.array_equal(ix.keys.dense(), kp[0, 0])
 
 
 def test_review_edge_cases(open_small, layout, tmp_path):
@@ -280,3 +280,35 @@ def test_a_stray_file_in_the_index_root_does_not_break_open(open_small, layout):
     with kvstore.open(path) as s2:
         assert os.listdir(root) == [] and s2.stats()["indexes"]["collected"] == 2
         assert s2.indexes(TOKENS) is None and s2.match(TOKENS) == len(TOKENS)
+
+
+def test_stored_keys_position_rows_bit_for_bit(open_small, layout):
+    """The store's key source gives exactly the positioned keys the indexes were built over,
+    for any rows and for whole heads, read through get once."""
+    from kvstore.context_indexes import StoredKeys
+
+    s = open_small()
+    k, v = causal_kv(layout, TOKENS)
+    s.put(TOKENS, k, v)
+    reads = []
+
+    def read():
+        reads.append(1)
+        return s.get(TOKENS)[0]
+
+    src = StoredKeys(read, layout, len(TOKENS))
+    kp = positioned_keys(s.get(TOKENS)[0], layout)  # [L, H, T, D]
+    ids = np.array([59, 0, 7, 7, 31], np.int64)
+    for layer in range(layout.num_layers):
+        for h in range(layout.num_kv_heads):
+            hk = src.head(layer, h)
+            assert hk.n == len(TOKENS) and hk.dim == layout.head_dim
+            assert np.array_equal(hk.rows(ids).view(np.uint32), kp[layer, h, ids].view(np.uint32))
+            assert np.array_equal(hk.dense().view(np.uint32), kp[layer, h].view(np.uint32))
+    assert len(reads) == 1
+    ci = s.indexes(TOKENS)
+    assert ci is None  # no indexes were built: nothing to bind
+    s.build_indexes(TOKENS, IndexSpec(kind="pq", pq_subspaces=4))
+    ci = s.indexes(TOKENS)
+    q = _queries(layout)[0]
+    assert np.array_equal(ci.head(1, 1).exact(q, ids), kp[1, 1, ids] @ q)

@@ -12,7 +12,8 @@ INDEX_TYPES = {"flat": FlatIndex, "pq": PQIndex, "graph": GraphIndex}
 
 
 def build_index(keys: object, spec: IndexSpec | None = None) -> FlatIndex | PQIndex | GraphIndex:
-    """An index of ``spec.kind`` over ``keys`` [n, D] (default spec: flat)."""
+    """An index of ``spec.kind`` over ``keys`` (a float32 [n, D] array, or a
+    :class:`~kvstore.index.keys.HeadKeys`), bound to them (default spec: flat)."""
     spec = spec or IndexSpec()
     if not isinstance(spec, IndexSpec):
         raise TypeError(f"spec must be a kvstore.index.IndexSpec, got {type(spec).__name__}")

@@ -1,10 +1,13 @@
 """The indexes of one stored context: one per (layer, kv-head), kept as a directory of files.
 
-A context's directory holds ``L{layer}H{head}.kvidx`` (:func:`kvstore.index.save_index`, each
-checksummed) and ``manifest.json`` (the spec, the token count and the shape, under its own
-xxh3). It is written under a temporary name, every file fsynced, then renamed into place, so a
-reader sees all of it or none. Indexes are built over *positioned* keys: RoPE applied at
-positions ``0..T-1``, which is what a decode query at a later position scores against.
+A context's directory holds ``L{layer}H{head}.kvidx`` (:mod:`kvstore.index.persist`, each
+checksummed and validated on load) and ``manifest.json`` (the spec, the token count and the
+shape, under its own xxh3). It is written under a temporary name, every file fsynced, then
+renamed into place, so a reader sees all of it or none. Every file is reached through the
+store's confinement (:class:`kvstore.confined.Dir`). Indexes are over *positioned* keys: RoPE
+applied at positions ``0..T-1``, which is what a decode query at a later position scores
+against; the files hold no keys, and loaded indexes are bound to a
+:class:`~kvstore.index.keys.KeySource` that reads them from the KV.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import xxhash
 from kvstore.confined import Dir, UnsafePath
 from kvstore.errors import CorruptData
 from kvstore.index.build import build_index
-from kvstore.index.persist import load_index_at, save_index_at
+from kvstore.index.keys import ArrayKeys, KeySource
+from kvstore.index.persist import decode_index, encode_index
 from kvstore.index.spec import IndexSpec
 from kvstore.layout import KVLayout
 from kvstore.rope import apply_rope
@@ -72,9 +76,16 @@ class ContextIndexes:
         if not isinstance(spec, IndexSpec):
             raise TypeError(f"spec must be a kvstore.index.IndexSpec, got {type(spec).__name__}")
         L, H, T, _ = keys_pos.shape
-        heads = tuple(tuple(build_index(keys_pos[layer, h], spec) for h in range(H))
+        heads = tuple(tuple(build_index(ArrayKeys(keys_pos[layer, h]), spec) for h in range(H))
                       for layer in range(L))
         return cls(spec=spec, n_tokens=T, heads=heads)
+
+    def bind(self, source: KeySource) -> ContextIndexes:
+        """The same indexes reading keys from ``source`` (ValueError if a head's keys do not
+        have its shape)."""
+        heads = tuple(tuple(ix.bind(source.head(layer, h)) for h, ix in enumerate(row))
+                      for layer, row in enumerate(self.heads))
+        return ContextIndexes(spec=self.spec, n_tokens=self.n_tokens, heads=heads)
 
     def stage(self, parent: Dir) -> tuple[str, int]:
         """Write every file, fsynced, into a new temporary directory in ``parent``; returns
@@ -85,9 +96,9 @@ class ContextIndexes:
             with parent.sub(tmp) as d:
                 for layer, row in enumerate(self.heads):
                     for h, ix in enumerate(row):
-                        name = _file(layer, h)
-                        save_index_at(ix, d, name)
-                        total += d.check_file(name).st_size
+                        raw = encode_index(ix)
+                        d.atomic_write(_file(layer, h), raw)
+                        total += len(raw)
                 body = json.dumps({"version": MANIFEST_VERSION, "spec": _spec_dict(self.spec),
                                    "n_tokens": self.n_tokens, "num_layers": self.num_layers,
                                    "num_kv_heads": self.num_kv_heads}, sort_keys=True)
@@ -155,14 +166,16 @@ def read_manifest(d: Dir) -> dict[str, object]:
         raise
     except FileNotFoundError:
         raise CorruptData(f"index manifest {path!r} is missing") from None
-    except (OSError, KeyError, TypeError, ValueError, AttributeError) as err:
+    except (OSError, KeyError, TypeError, ValueError, AttributeError, RecursionError) as err:
         raise CorruptData(f"index manifest {path!r} is unreadable ({err})") from None
 
 
-def read_context_indexes(d: Dir, *,
+def read_context_indexes(d: Dir, source: KeySource | None = None, *,
                          rebuild: Callable[[int, int, IndexSpec], object] | None = None,
                          rewrite: bool = True) -> tuple[ContextIndexes, list[tuple[int, int]]]:
-    """Load the index directory ``d``. A head file that is corrupt or missing is rebuilt with
+    """Load the index directory ``d``, each head bound to ``source.head(layer, head)``
+    (unbound without a source: enough to check the files). A head file that is corrupt,
+    missing, of an older format, or does not fit its manifest or its keys is rebuilt with
     ``rebuild(layer, head, spec)`` when given (and, with ``rewrite``, saved in place
     atomically), else raises :class:`CorruptData`. Returns (indexes, the (layer, head) pairs
     that were rebuilt). A bad manifest always raises: without it nothing can be rebuilt."""
@@ -174,17 +187,28 @@ def read_context_indexes(d: Dir, *,
         row = []
         for h in range(meta["num_kv_heads"]):
             name = _file(layer, h)
+            what = repr(d.show(name))
             try:
-                ix = load_index_at(d, name)
+                try:
+                    raw = d.read_bytes(name)
+                except FileNotFoundError:
+                    raise CorruptData(f"index file {what} is missing") from None
+                ix = decode_index(raw, what)
                 if ix.kind != spec.kind or ix.n != T:
-                    raise CorruptData(f"index file {d.show(name)!r} does not match its "
-                                      f"manifest ({ix.kind}, {ix.n} tokens)")
+                    raise CorruptData(f"index file {what} does not match its manifest "
+                                      f"({ix.kind}, {ix.n} tokens)")
+                if source is not None:
+                    try:
+                        ix = ix.bind(source.head(layer, h))
+                    except ValueError as err:
+                        raise CorruptData(f"index file {what} does not fit its keys "
+                                          f"({err})") from None
             except CorruptData:
                 if rebuild is None:
                     raise
                 ix = rebuild(layer, h, spec)
                 if rewrite:
-                    save_index_at(ix, d, name)
+                    d.atomic_write(name, encode_index(ix))
                 rebuilt.append((layer, h))
             row.append(ix)
         rows.append(tuple(row))
@@ -193,5 +217,3 @@ def read_context_indexes(d: Dir, *,
 
 def directory_bytes(d: Dir) -> int:
     return sum(d.check_file(f).st_size for f in d.listdir())
-
-

@@ -14,7 +14,9 @@ Arithmetic shared by both sides, so that they agree to the bit:
 - a PQ estimate is ``lut[0, c_0] + lut[1, c_1] + ... + lut[m-1, c_(m-1)]`` in float32, in j order;
 - top-k: the ``k`` largest, best first, equal scores by lower id (:func:`spec.top_ids`);
 - the DIPR walk is :func:`_dipr_walk_py` (``GraphIndex.dipr``'s walk, with the dot products
-  above); the C walk replays its ``heapq`` of ``(-score, id)`` tuples step for step.
+  above); the C walk replays its ``heapq`` of ``(-score, id)`` tuples step for step;
+- the top-k beam search is :func:`_beam_py`, replayed by C the same way (a NaN score, which
+  only overflowing products give, counts as -inf on both sides).
 
 Arguments are checked before any pointer reaches C: arrays must already have the dtype, shape
 and C-contiguous, aligned layout named below (nothing is copied silently), else ValueError
@@ -36,10 +38,10 @@ import numpy as np
 
 from kvstore.index.spec import top_ids
 
-__all__ = ["AVAILABLE", "LIBRARY", "UNAVAILABLE_REASON", "dipr_walk", "dot_seq", "pq_scores",
-           "pq_topk", "pq_topk_batch"]
+__all__ = ["AVAILABLE", "LIBRARY", "UNAVAILABLE_REASON", "dipr_walk", "dot_seq",
+           "graph_search", "pq_scores", "pq_topk", "pq_topk_batch"]
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _ERRORS = {
     -1: (MemoryError, "the native kernel ran out of memory"),
     -2: (ValueError, "adjacency (ptr/idx) is malformed: a row outside idx or an id outside "
@@ -81,6 +83,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         lib.kv_dipr_walk.argtypes = [_P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _P, _I64,
                                      ctypes.c_double, ctypes.c_int, ctypes.c_double, _I64, _I64,
                                      _P]
+        lib.kv_graph_search.restype = _I64
+        lib.kv_graph_search.argtypes = [_P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _P, _P, _I64,
+                                        _I64, _I64, _I64, _P]
     except (OSError, AttributeError) as err:
         return None, path, f"cannot load {path}: {err}"
     return lib, path, None
@@ -354,6 +359,92 @@ def dipr_walk(keys: np.ndarray, ptr: np.ndarray, idx: np.ndarray, q: np.ndarray,
         _ptr(keys), n, d, _ptr(ptr), _ptr(idx), int(idx.dtype == np.int64), nnz, _ptr(q), seed,
         beta, floor is not None, 0.0 if floor is None else floor, lim, min(capacity, lim),
         _ptr(out)))
+    return out[:got].copy()
+
+
+# ---------------------------------------------------------------- the top-k beam search
+
+def _beam_py(keys, ptr, idx, q, entries, ef, lim, k) -> np.ndarray:
+    """Best-first beam search (HNSW's searchLayer on one layer), the reference for C."""
+    n = keys.shape[0]
+    visited = np.zeros(n, dtype=bool)
+    visited[entries] = True
+    cand: list[tuple[float, int]] = []  # (-score, id): best first
+    res: list[tuple[float, int]] = []  # (score, id), ids < lim, at most ef: worst first
+
+    def scores(ids: np.ndarray) -> list[float]:
+        sc = _dot_seq_py(keys[ids], q)  # [len(ids)]
+        return np.where(np.isnan(sc), np.float32(-np.inf), sc).tolist()
+
+    def offer(ids: np.ndarray, sc: list[float], always: bool) -> None:
+        for v, sv in zip(ids.tolist(), sc, strict=True):
+            if not (always or len(res) < ef or sv > res[0][0]):
+                continue
+            heapq.heappush(cand, (-sv, v))
+            if v < lim:
+                heapq.heappush(res, (sv, v))
+                if len(res) > ef:
+                    heapq.heappop(res)
+
+    offer(entries, scores(entries), True)
+    while cand:
+        neg, u = heapq.heappop(cand)
+        if len(res) >= ef and -neg < res[0][0]:
+            break
+        a, b = int(ptr[u]), int(ptr[u + 1])
+        if not 0 <= a <= b <= len(idx):
+            raise ValueError(_ERRORS[-2][1])
+        nb = idx[a:b].astype(np.int64)
+        if len(nb) and (int(nb.min()) < 0 or int(nb.max()) >= n):
+            raise ValueError(_ERRORS[-2][1])
+        fresh = []  # unvisited neighbours, a repeated link once
+        for v in nb.tolist():
+            if not visited[v]:
+                visited[v] = True
+                fresh.append(v)
+        if not fresh:
+            continue
+        nb = np.array(fresh, dtype=np.int64)
+        offer(nb, scores(nb), False)
+    best = sorted(res, key=lambda t: (-t[0], t[1]))[:k]
+    return np.array([v for _, v in best], dtype=np.int64)
+
+
+def graph_search(keys: np.ndarray, ptr: np.ndarray, idx: np.ndarray, q: np.ndarray,
+                 entries: np.ndarray, ef: int, limit: int | None, k: int, *,
+                 native: bool | None = None) -> np.ndarray:
+    """Top-k by inner product over the graph ``ptr``/``idx`` (CSR), best-first from
+    ``entries`` (distinct ids) with a result list of ``ef``; tokens ``>= limit`` are walked
+    through, never returned. Returns int64 [<= min(k, ef)] ids, best first, ties by lower id
+    (fewer when the walk reaches fewer tokens below the limit).
+
+    keys: float32 [n, D]; ptr: int64 [n+1]; idx: int32/int64 [nnz]; q: float32 [D];
+    entries: int64 [e]."""
+    keys = _array(keys, "keys", _F32, 2)
+    n, d = keys.shape
+    ptr = _array(ptr, "ptr", _I64S, 1)
+    if ptr.shape != (n + 1,):
+        raise ValueError(f"ptr must have shape ({n + 1},), got {ptr.shape}")
+    idx = _array(idx, "idx", _IDX, 1, empty=True)
+    q = _array(q, "q", _F32, 1)
+    if q.shape != (d,):
+        raise ValueError(f"q must have shape ({d},), got {q.shape}")
+    entries = _array(entries, "entries", _I64S, 1)
+    if int(entries.min()) < 0 or int(entries.max()) >= n \
+            or len(np.unique(entries)) != len(entries):
+        raise ValueError(f"entries must be distinct ids in 0..{n - 1}")
+    lim = _limit(limit, n)
+    ef = _int(ef, "ef", 1)
+    k = _int(k, "k", 1)
+    if not _use(native):
+        return _beam_py(keys, ptr, idx, q, entries, ef, lim, k)
+    out = np.empty(min(k, ef), np.int64)
+    nnz = len(idx)
+    if not nnz:
+        idx = np.zeros(1, idx.dtype)  # a valid pointer; nnz = 0 keeps C from reading it
+    got = _check(_lib.kv_graph_search(
+        _ptr(keys), n, d, _ptr(ptr), _ptr(idx), int(idx.dtype == np.int64), nnz, _ptr(q),
+        _ptr(entries), len(entries), ef, lim, k, _ptr(out)))
     return out[:got].copy()
 
 

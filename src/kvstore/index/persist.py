@@ -1,12 +1,24 @@
-"""Index files: one index per file, numpy arrays under a JSON header, every part checksummed.
+"""Index files, and every filesystem operation on the store's ``indexes/`` tree.
 
-Layout: ``KVIDX001`` magic, header length (u32), header xxh3-64 (u64), the JSON header, then
-each array at a 64-byte aligned offset. The header names the index kind, its parameters and,
-per array, dtype, shape, offset, length and xxh3-64. No pickle or other code-executing format.
-Files are written with :meth:`kvstore.confined.Dir.atomic_write`, so a crash leaves the old file or
-the new one, never half of one. On load, a checksum mismatch, a truncated or missing file, or
-contents that do not fit together raise :class:`kvstore.CorruptData` (alignment padding is not
-checksummed: it is never read).
+**Files are bytes in and out**: :func:`encode_index` and :func:`decode_index`. Inside a store
+every index file is read and written through the store's confinement
+(:class:`kvstore.confined.Dir`: relative to a directory descriptor, never following a symlink);
+:func:`save_index` and :func:`load_index` do the same in the directory of a path.
+
+**File format** (version 2, magic ``KVIDX002``): the magic, header length (u32), header xxh3-64
+(u64), a JSON header, then each array at a 64-byte aligned offset. The header names the index
+kind, its parameters and, per array, dtype, shape, offset, length and xxh3-64. No pickle and no
+native blob: a graph is its own arrays (links, entry points, side list), never hnswlib's
+serialized index. No key vectors either: indexes read keys from the KV
+(:mod:`kvstore.index.keys`).
+
+**Loading is a validation.** A checksum proves integrity, not that the bytes are safe: every
+array must have the exact dtype and rank its kind expects (:data:`SCHEMA`), and the index types'
+constructors check every id against n, every count against its bound and every shape against
+the others before any of it reaches native code. A file that fails any check, a truncated or
+missing file, and a file of the previous format (``KVIDX001``, which embedded hnswlib's blob
+and the keys) raise :class:`kvstore.CorruptData`; the store then rebuilds that head from its
+keys.
 """
 
 from __future__ import annotations
@@ -14,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 
 import numpy as np
 import xxhash
@@ -22,132 +33,152 @@ import xxhash
 from kvstore.confined import Dir
 from kvstore.errors import CorruptData
 from kvstore.index.flat import FlatIndex
-from kvstore.index.graph import GraphIndex, _bottom_layer
+from kvstore.index.graph import GraphIndex
 from kvstore.index.pq import PQIndex
-from kvstore.index.spec import IndexSpec, check_keys
+from kvstore.index.spec import IndexSpec
 
-MAGIC = b"KVIDX001"
+# ---------------------------------------------------------------- the index file format
+
+MAGIC = b"KVIDX002"
+OLD_MAGICS = (b"KVIDX001",)
 _PRE = struct.Struct("<8sIQ")  # magic, header length, header checksum
 ALIGN = 64
+MAX_HEADER = 1 << 20
+
+#: per kind, each array's allowed dtypes and rank (every listed array is required)
+SCHEMA: dict[str, dict[str, tuple[tuple[str, ...], int]]] = {
+    "flat": {},
+    "pq": {"codebooks": (("<f2",), 3), "codes": (("|u1",), 2), "side": (("<i4",), 1)},
+    "graph": {"deg": (("<u2",), 1), "idx": (("<i4",), 1), "entries": (("<i4",), 1),
+              "side": (("<i4",), 1)},
+}
 
 
 def _arrays(index) -> tuple[dict[str, np.ndarray], dict[str, object]]:
     if isinstance(index, FlatIndex):
-        return {"keys": index.keys}, {}
+        return {}, {"n": index.n, "dim": index.dim}
     if isinstance(index, PQIndex):
-        arrs = {"codebooks": index.codebooks, "codes": index.codes}
-        if index.keys is not None:
-            arrs["keys"] = index.keys
-        return arrs, {"rerank": index.rerank}
+        return ({"codebooks": index.codebooks.astype(np.float16), "codes": index.codes,
+                 "side": index.side.astype(np.int32)}, {"rerank": index.rerank})
     if isinstance(index, GraphIndex):
-        with tempfile.TemporaryDirectory() as d:
-            p = os.path.join(d, "hnsw.bin")
-            index.hnsw.save_index(p)
-            with open(p, "rb") as f:
-                blob = np.frombuffer(f.read(), dtype=np.uint8)
         spec = {k: getattr(index.spec, k) for k in index.spec.__dataclass_fields__}
-        return {"keys": index.keys, "hnsw": blob}, {"spec": spec}
+        return ({"deg": index.deg, "idx": index.idx, "entries": index.entries.astype(np.int32),
+                 "side": index.side.astype(np.int32)}, {"spec": spec, "dim": index.dim})
     raise TypeError(f"index must be a FlatIndex, PQIndex or GraphIndex, got {type(index)}")
 
 
-def save_index(index, path: str | os.PathLike[str]) -> None:
-    """Write ``index`` to ``path`` atomically and durably."""
-    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
-    with Dir.open_root(directory, create=False) as d:
-        save_index_at(index, d, name)
-
-
-def load_index(path: str | os.PathLike[str]):
-    """Read an index written by :func:`save_index`; :class:`CorruptData` on any mismatch."""
-    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
-    with Dir.open_root(directory, create=False) as d:
-        return load_index_at(d, name)
-
-
-def save_index_at(index, d: Dir, name: str) -> None:
-    """Write ``index`` as the file ``name`` of the store directory ``d``, atomically and
-    durably (never through a symlink)."""
+def encode_index(index) -> bytes:
+    """The file bytes of ``index`` (its own arrays only, never the keys)."""
     arrs, extra = _arrays(index)
     entries, offset = [], 0
-    for array_name, a in arrs.items():
+    for name, a in arrs.items():
         a = np.ascontiguousarray(a)
-        entries.append({"name": array_name, "dtype": a.dtype.str, "shape": list(a.shape),
+        arrs[name] = a
+        entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
                         "offset": offset, "nbytes": a.nbytes,
                         "xxh3": xxhash.xxh3_64_intdigest(a.tobytes())})
         offset += -(-a.nbytes // ALIGN) * ALIGN
     header = json.dumps({"kind": index.kind, "extra": extra, "arrays": entries}).encode()
     base = -(-(_PRE.size + len(header)) // ALIGN) * ALIGN
-
-    def write(f) -> None:
-        f.write(_PRE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header)))
-        f.write(header)
-        for e, a in zip(entries, arrs.values(), strict=True):
-            f.seek(base + e["offset"])
-            f.write(np.ascontiguousarray(a).tobytes())
-        f.truncate(base + entries[-1]["offset"] + entries[-1]["nbytes"])  # no trailing pad
-
-    d.atomic_write(name, write)
+    end = base + entries[-1]["offset"] + entries[-1]["nbytes"] if entries \
+        else _PRE.size + len(header)
+    out = bytearray(end)
+    _PRE.pack_into(out, 0, MAGIC, len(header), xxhash.xxh3_64_intdigest(header))
+    out[_PRE.size:_PRE.size + len(header)] = header
+    for e, a in zip(entries, arrs.values(), strict=True):
+        out[base + e["offset"]: base + e["offset"] + e["nbytes"]] = a.tobytes()
+    return bytes(out)
 
 
-def load_index_at(d: Dir, name: str):
-    """Read the index file ``name`` of the store directory ``d`` (never through a symlink);
-    :class:`CorruptData` on any mismatch, :class:`~kvstore.confined.UnsafePath` if a symlink or
-    special file is there."""
-    path = d.show(name)
-    try:
-        raw = d.read_bytes(name)
-    except FileNotFoundError:
-        raise CorruptData(f"index file {path!r} is missing") from None
+def decode_index(raw: bytes, what: str):
+    """The index in file bytes ``raw`` (unbound to keys); :class:`CorruptData` naming
+    ``what`` on any mismatch."""
     if len(raw) < _PRE.size:
-        raise CorruptData(f"index file {path!r} is truncated")
+        raise CorruptData(f"index file {what}: truncated")
     magic, hlen, hsum = _PRE.unpack_from(raw)
+    if magic in OLD_MAGICS:
+        raise CorruptData(f"index file {what}: an older format ({magic!r}), to be rebuilt")
     header = raw[_PRE.size:_PRE.size + hlen]
-    if magic != MAGIC or len(header) != hlen or xxhash.xxh3_64_intdigest(header) != hsum:
-        raise CorruptData(f"index file {path!r}: bad magic or header checksum")
+    if magic != MAGIC or hlen > MAX_HEADER or len(header) != hlen \
+            or xxhash.xxh3_64_intdigest(header) != hsum:
+        raise CorruptData(f"index file {what}: bad magic or header checksum")
     try:
         meta = json.loads(header)
+        kind = meta["kind"]
+        schema = SCHEMA[kind]
         base = -(-(_PRE.size + hlen) // ALIGN) * ALIGN
         arrs = {}
         for e in meta["arrays"]:
-            blob = raw[base + e["offset"]: base + e["offset"] + e["nbytes"]]
-            if len(blob) != e["nbytes"] or xxhash.xxh3_64_intdigest(blob) != e["xxh3"]:
-                raise CorruptData(f"index file {path!r}: array {e['name']!r} fails its checksum")
-            arrs[e["name"]] = np.frombuffer(blob, dtype=np.dtype(e["dtype"])).reshape(
-                e["shape"]).copy()
-        return _rebuild(meta["kind"], meta["extra"], arrs)
+            name = e["name"]
+            dtypes, ndim = schema[name]
+            shape = e["shape"]
+            if name in arrs or e["dtype"] not in dtypes or not isinstance(shape, list) \
+                    or len(shape) != ndim \
+                    or not all(isinstance(x, int) and 0 <= x < 2**40 for x in shape):
+                raise CorruptData(f"index file {what}: array {name!r} has a bad dtype or shape")
+            off, nbytes = e["offset"], e["nbytes"]
+            if not (isinstance(off, int) and isinstance(nbytes, int) and off >= 0
+                    and nbytes == int(np.prod(shape)) * np.dtype(e["dtype"]).itemsize):
+                raise CorruptData(f"index file {what}: array {name!r} has a bad extent")
+            blob = raw[base + off: base + off + nbytes]
+            if len(blob) != nbytes or xxhash.xxh3_64_intdigest(blob) != e["xxh3"]:
+                raise CorruptData(f"index file {what}: array {name!r} fails its checksum")
+            arrs[name] = np.frombuffer(blob, dtype=np.dtype(e["dtype"])).reshape(shape).copy()
+        if set(arrs) != set(schema):
+            raise CorruptData(f"index file {what}: arrays {sorted(arrs)} are not "
+                              f"{sorted(schema)}")
+        es = meta["arrays"]
+        end = base + es[-1]["offset"] + es[-1]["nbytes"] if es else _PRE.size + hlen
+        if len(raw) != end:
+            raise CorruptData(f"index file {what}: {len(raw)} bytes, its header says {end}")
+        return _rebuild(kind, meta["extra"], arrs)
     except CorruptData:
         raise
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError,
+            RecursionError) as err:
         # checksums only catch accidents: a consistent but malformed file lands here
-        raise CorruptData(f"index file {path!r}: inconsistent contents ({err})") from None
+        raise CorruptData(f"index file {what}: inconsistent contents ({err})") from None
 
 
 def _rebuild(kind: str, extra: dict, arrs: dict[str, np.ndarray]):
-    """The index from checked arrays; ValueError/KeyError/... if they do not fit together."""
-    keys = check_keys(arrs["keys"]) if "keys" in arrs else None
+    """The index from schema-checked arrays; the constructors check ids, counts and shapes
+    (ValueError if they do not fit together)."""
+    if not isinstance(extra, dict):
+        raise ValueError("extra must be an object")
     if kind == "flat":
-        return FlatIndex(keys)
+        return FlatIndex(extra["n"], extra["dim"])
     if kind == "pq":
-        books, codes = arrs["codebooks"], arrs["codes"]
-        if books.ndim != 3 or codes.ndim != 2 or codes.dtype != np.uint8 \
-                or codes.shape[1] != books.shape[0] or int(codes.max()) >= books.shape[1]:
-            raise ValueError("codebooks and codes do not match")
-        if keys is not None and (len(keys) != len(codes)
-                                 or keys.shape[1] != books.shape[0] * books.shape[2]):
-            raise ValueError("keys do not match the codes")
-        return PQIndex(books, codes, keys, int(extra["rerank"]))
-    if kind == "graph":
-        import hnswlib
+        return PQIndex(arrs["codebooks"], arrs["codes"], arrs["side"], extra["rerank"])
+    spec = IndexSpec(**extra["spec"])
+    if spec.kind != "graph":
+        raise ValueError("a graph file with a non-graph spec")
+    return GraphIndex(arrs["deg"], arrs["idx"], arrs["entries"], arrs["side"], extra["dim"],
+                      spec)
 
-        spec = IndexSpec(**extra["spec"])
-        hnsw = hnswlib.Index(space="l2", dim=keys.shape[1] + 1)
-        with tempfile.TemporaryDirectory() as d:
-            p = os.path.join(d, "hnsw.bin")
-            with open(p, "wb") as f:
-                f.write(arrs["hnsw"].tobytes())
-            hnsw.load_index(p, max_elements=keys.shape[0])
-        if hnsw.get_current_count() != len(keys):
-            raise ValueError("the graph and the keys have different sizes")
-        hnsw.set_ef(spec.graph_ef_search)
-        return GraphIndex(hnsw, keys, _bottom_layer(hnsw), spec)
-    raise ValueError(f"unknown index kind {kind!r}")
+
+def save_index(index, path: str | os.PathLike[str]) -> int:
+    """Write ``index`` to ``path`` atomically and durably; returns the bytes written."""
+    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+    raw = encode_index(index)
+    with Dir.open_root(directory, create=False) as d:
+        d.atomic_write(name, raw)
+    return len(raw)
+
+
+def load_index(path: str | os.PathLike[str], keys: object | None = None):
+    """Read an index written by :func:`save_index` (bound to ``keys`` when given: a HeadKeys
+    or an array); :class:`CorruptData` on any mismatch."""
+    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+    try:
+        with Dir.open_root(directory, create=False) as d:
+            raw = d.read_bytes(name)
+    except FileNotFoundError:
+        raise CorruptData(f"index file {os.fspath(path)!r} is missing") from None
+    ix = decode_index(raw, repr(os.fspath(path)))
+    if keys is None:
+        return ix
+    try:
+        return ix.bind(keys)
+    except ValueError as err:
+        raise CorruptData(f"index file {os.fspath(path)!r} does not fit its keys ({err})") \
+            from None

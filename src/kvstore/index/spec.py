@@ -22,16 +22,20 @@ class IndexSpec:
     graph_m: int = 16  # HNSW out-degree
     graph_ef_construction: int = 100
     graph_ef_search: int = 128
+    graph_entries: int = 32  # entry points kept from HNSW's upper layers
+    side: int = 32  # the exact side list: this many smallest-norm keys, scored with every query
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         for name in ("pq_subspaces", "pq_iters", "pq_rerank", "graph_m",
-                     "graph_ef_construction", "graph_ef_search"):
+                     "graph_ef_construction", "graph_ef_search", "graph_entries"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(self.side, bool) or not isinstance(self.side, int) or self.side < 0:
+            raise ValueError(f"side must be an int >= 0, got {self.side!r}")
         if isinstance(self.pq_bits, bool) or self.pq_bits not in range(1, 9):
             raise ValueError(f"pq_bits must be an int in 1..8 (uint8 codes), got {self.pq_bits!r}")
 
@@ -63,6 +67,30 @@ def check_limit(limit: int | None, n: int) -> int:
             or not 1 <= limit <= n:
         raise ValueError(f"limit must be an int in 1..{n}, got {limit!r}")
     return int(limit)
+
+
+def check_beta(beta: object) -> float:
+    if isinstance(beta, bool) or not isinstance(beta, int | float | np.floating | np.integer) \
+            or not beta >= 0:
+        raise ValueError(f"beta must be a number >= 0, got {beta!r}")
+    return float(beta)
+
+
+SINK_TOKENS = 4  # the first tokens, attention sinks (StreamingLLM), always in the side list
+
+
+def low_norm_ids(keys: np.ndarray, count: int) -> np.ndarray:
+    """The exact side list every index scores with each query: the first ``SINK_TOKENS``
+    tokens (attention sinks) and the smallest-norm keys, ``count`` in all (fewer if n is
+    smaller). int64 ids ascending."""
+    count = min(count, len(keys))
+    if not count:
+        return np.empty(0, np.int64)
+    first = np.arange(min(SINK_TOKENS, count), dtype=np.int64)
+    norms = (keys.astype(np.float64) ** 2).sum(1)  # [n]
+    norms[first] = np.inf  # already in
+    rest = top_ids(-norms, count - len(first)) if count > len(first) else first[:0]
+    return np.sort(np.concatenate([first, rest]))
 
 
 def check_k(k: int) -> int:
