@@ -334,6 +334,11 @@ class Store:
         corrupt, and None is returned; if the stored keys cannot be read for a rebuild (a
         corrupt chunk), None is returned too. Thread-safe: files are read and heads rebuilt
         without the metadata lock.
+
+        The index files hold no keys: the returned indexes read the context's keys through
+        this store's get path on their first query that needs them (re-ranking, the graph
+        walk). If the context was evicted or a chunk failed its checksum since this call, that
+        query raises ``KeyError`` or :class:`CorruptData` (a miss: recompute).
         """
         return self._indexes.read(as_tokens(tokens), namespace)
 
