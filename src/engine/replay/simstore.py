@@ -17,6 +17,16 @@ chunks, so it can hold part of a context in DRAM); a context replaced by a longe
 turn) or by a truncated one is updated in place; saving costs no time here (asynchronous saving
 hides it, docs/benchmarks.md Fig. 20).
 
+Policies that say so (``belady``, ``reuse``: see :mod:`kvstore.policy`) get three more rules:
+a running job's context is not pinned once the job has read it (``pins_running``), a save
+ranked below every victim it would need is refused (``admission``; into DRAM it then goes only
+if that evicts nothing ranked above it), and victims that still fit after the save are put
+back (``size_aware``). A time-varying policy (``reuse``) gets the wall clock and every
+context's turns and save time, learns from each return (:class:`~kvstore.policy.ReturnModel`)
+and has its priorities refreshed whenever the clock moved on by a twentieth of the mean think
+time seen. Every save, read and drop goes to ``log`` (a
+:class:`~engine.replay.offline.RequestLog`) when one is given: the offline bound's input.
+
 Queue hints are incremental, for speed over a long trace: the scheduler calls :meth:`enqueue`
 when a job arrives (FCFS: jobs start in arrival order), :meth:`start` when it runs and
 :meth:`finish` when it is done. ``belady`` instead gets :meth:`next_use`: when each context is
@@ -30,10 +40,12 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from engine.replay.offline import RequestLog
 from kvstore.policy import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued, make_policy
 from kvstore.schedule import Windows
 
 _RUNNING = Queued(position=-1, in_window=True)
+UNKNOWN = object()  # put(next_use=UNKNOWN): not known yet (finish() will give it)
 
 
 @dataclass(slots=True)
@@ -58,6 +70,8 @@ class SimCounters:
     prefetched: int = 0
     prefetched_bytes: int = 0
     dropped: int = 0
+    bypassed: int = 0  # saves refused by admission (nothing evicted for them)
+    kept_back: int = 0  # victims put back because the save fit without them
 
 
 @dataclass
@@ -70,6 +84,7 @@ class SimStore:
     policy: EvictionPolicy | str = "scheduler"
     disk_bandwidth: float = 5e9  # bytes/s for background prefetch
     counters: SimCounters = field(default_factory=SimCounters)
+    log: RequestLog | None = None
 
     def __post_init__(self) -> None:
         for name in ("dram_bytes", "disk_bytes", "token_bytes"):
@@ -84,6 +99,10 @@ class SimStore:
             self.policy = make_policy(self.policy)
         self._pol: EvictionPolicy = self.policy
         self._belady = self._pol.name == "belady"
+        self._learns = self._pol.time_varying and hasattr(self._pol, "model")
+        self._seen: dict[Hashable, tuple[float, int]] = {}  # key -> (saved at, turns)
+        self._turns: dict[Hashable, int] = {}
+        self._refreshed_at = -1.0
         self._entries: dict[Hashable, SimEntry] = {}
         self._disk_heap = PriorityHeap()
         self._dram_heap = PriorityHeap()
@@ -127,7 +146,7 @@ class SimStore:
         return self._clock
 
     def _queued(self, key: Hashable) -> Queued | None:
-        if key in self._running:
+        if key in self._running and self._pol.pins_running:
             return _RUNNING
         if self._belady:
             when = self._next_use.get(key)
@@ -205,10 +224,21 @@ class SimStore:
     def lookup(self, key: Hashable) -> str | None:
         """Read a context for a job: ``"dram"``, ``"disk"`` (then DRAM caches it) or None.
         Counts an access."""
+        if self.log is not None:
+            self.log.read(key)
+        if self._belady:
+            self._next_use.pop(key, None)  # this read was the use
+        if self._learns:
+            seen = self._seen.pop(key, None)
+            if seen is not None:
+                self._pol.model.returned(self._now - seen[0], seen[1])
         e = self._entries.get(key)
         if e is None:
             return None
         e.stats.touch(self._tick())
+        if not self._pol.pins_running:
+            e.stats.spent = True
+            e.queued = self._queued(key)
         tier = "dram" if e.in_dram else "disk"
         prio = self._priority(e)
         self._disk_heap.push(key, prio)
@@ -218,13 +248,34 @@ class SimStore:
             self._dram_insert(e)
         return tier
 
-    def put(self, key: Hashable, tokens: int) -> bool:
+    def put(self, key: Hashable, tokens: int, *, now: float | None = None,
+            next_use: float | None | object = UNKNOWN) -> bool:
         """Save the context of ``key`` as ``tokens`` tokens (replacing what was stored), evicting
-        other contexts from disk as the policy orders. False if it cannot fit at all."""
+        other contexts from disk as the policy orders. False if it cannot fit at all, or if the
+        policy's admission refused it. ``now``: the wall clock (default: the latest
+        :meth:`advance`); ``next_use``: when it is needed next, None never (``belady`` only;
+        left unknown, :meth:`finish` gives it and this save is admitted without question)."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
             raise ValueError(f"tokens must be a positive int, got {tokens!r}")
         nbytes = tokens * self.token_bytes
         self.counters.puts += 1
+        if now is not None and now > self._now:
+            self._now = now  # the clock only (the prefetcher moves in advance())
+        if self.log is not None:
+            self.log.save(key, nbytes)
+        judge = self._pol.admission
+        if self._belady:
+            if next_use is UNKNOWN:
+                judge = False
+            elif next_use is None:
+                self._next_use.pop(key, None)
+            else:
+                self._next_use[key] = next_use  # type: ignore[assignment]
+        turns = self._turns.get(key, 0) + 1
+        self._turns[key] = turns
+        if self._learns:
+            self._seen[key] = (self._now, turns)
+            self._refresh()
         old = self._entries.get(key)
         if nbytes > self.disk_bytes:
             self.counters.refused += 1
@@ -234,26 +285,80 @@ class SimStore:
         clock = self._tick()
         if old is not None:
             self._remove(key)
-        while self.disk_used + nbytes > self.disk_bytes:
-            victim = self._disk_heap.pop()
-            q = self._entries[victim].queued
-            if self._pol.exempt(q):
-                self.counters.disk_evictions_in_window += 1
-            self.counters.disk_evictions += 1
-            self._remove(victim)
         # A new context, as in the store (each turn's put is a new session record).
         e = SimEntry(key=key, tokens=tokens, nbytes=nbytes,
-                     stats=AccessStats(inserted=clock, last_access=clock))
+                     stats=AccessStats(inserted=clock, last_access=clock, tokens=tokens,
+                                       turns=turns, saved_at=self._now))
+        e.queued = self._queued(key)
+        if not self._evict_for(e, judge):
+            self.counters.bypassed += 1
+            return False
         self._entries[key] = e
         self.disk_used += nbytes
-        e.queued = self._queued(key)
-        self._disk_heap.push(key, self._priority(e))
-        self._dram_insert(e)
+        prio = self._priority(e)
+        self._disk_heap.push(key, prio)
+        self._dram_insert(e, only_if_below=prio if judge else None)
         self._derive_windows()
         return True
 
+    def _evict_for(self, e: SimEntry, judge: bool) -> bool:
+        """Make room on disk for ``e``. With admission, refuse (evicting nothing) when ``e``
+        ranks below a victim it would need; size-aware, put back victims that still fit."""
+        need = self.disk_used + e.nbytes - self.disk_bytes
+        if need <= 0:
+            return True
+        pol = self._pol
+        mine = self._priority(e) if judge else None
+        victims: list[tuple[SimEntry, Priority]] = []
+        freed = 0
+        while freed < need:
+            vp = self._disk_heap.peek_priority()
+            if mine is not None and mine < vp:  # type: ignore[operator]
+                for ve, p in victims:
+                    self._disk_heap.push(ve.key, p)
+                return False
+            ve = self._entries[self._disk_heap.pop()]
+            victims.append((ve, vp))
+            freed += ve.nbytes
+        if pol.size_aware:  # the most valuable victims first, if the save fits without them
+            for ve, p in sorted(victims, key=lambda v: v[1], reverse=True):
+                if freed - ve.nbytes >= need:
+                    freed -= ve.nbytes
+                    self._disk_heap.push(ve.key, p)
+                    victims.remove((ve, p))
+                    self.counters.kept_back += 1
+        for ve, _ in victims:
+            if pol.exempt(ve.queued):
+                self.counters.disk_evictions_in_window += 1
+            self.counters.disk_evictions += 1
+            self._remove(ve.key)
+        return True
+
+    def _refresh(self) -> None:
+        """Time-varying priorities: count the conversations gone longer than any think time
+        seen as ended, and re-rank every context, at most every 1/20 of the mean think time."""
+        model = self._pol.model
+        if not model.ready:
+            return
+        step = model.mean_gap_s / 20
+        if self._now - self._refreshed_at < step:
+            return
+        self._refreshed_at = self._now
+        self._pol.now = self._now
+        horizon = model.horizon_s
+        for k, (at, turns) in list(self._seen.items()):
+            if self._now - at > horizon:
+                model.ended(turns)
+                del self._seen[k]
+        for k in self._entries:
+            self._reprioritize(k)
+
     def drop(self, key: Hashable) -> bool:
         """Invalidate a stored context (e.g. positions baked in and the history truncated)."""
+        if self.log is not None:
+            self.log.drop(key)
+        if self._learns:
+            self._seen.pop(key, None)
         if key not in self._entries:
             return False
         self._remove(key)
@@ -289,6 +394,8 @@ class SimStore:
         never), used by ``belady`` only."""
         self._running.discard(key)
         if self._belady:
+            if key in self._entries:
+                self._entries[key].stats.spent = False
             if next_use is None:
                 self._next_use.pop(key, None)
             else:
