@@ -134,7 +134,8 @@ class ReturnModel:
     * ``returned(gap_s, turns)``: a conversation whose context was saved ``gap_s`` seconds ago
       after ``turns`` turns asked for it again: one think-time sample, one return at ``turns``.
     * ``ended(turns)``: a conversation stayed away longer than every think time seen so far
-      (the owner calls it once per context that did): one end at ``turns``.
+      (the owner calls it once per context that did): one end at ``turns``; if it comes back
+      after all, the owner takes the end back (``ended(turns, -1)``) and counts the return.
 
     The survival function ``S(t)`` is the empirical one of the returns' gaps; the return rate
     at ``turns`` is (returns + r) / (returns + ends + 1) with the pooled rate ``r`` as the prior
@@ -148,6 +149,8 @@ class ReturnModel:
         self._sorted = np.empty(0)
         self._suffix = np.empty(1)
         self._dirty = False
+        self._built_n = 0
+        self._gap_sum = 0.0
         self._returns: dict[int, int] = {}
         self._ends: dict[int, int] = {}
         self._total_returns = 0
@@ -163,19 +166,22 @@ class ReturnModel:
 
     @property
     def mean_gap_s(self) -> float:
-        return sum(self._gaps) / len(self._gaps) if self._gaps else 0.0
+        return self._gap_sum / len(self._gaps) if self._gaps else 0.0
 
     def returned(self, gap_s: float, turns: int) -> None:
-        self._gaps.append(max(0.0, float(gap_s)))
+        g = max(0.0, float(gap_s))
+        self._gaps.append(g)
+        self._gap_sum += g
         self._dirty = True
         b = self.bucket(turns)
         self._returns[b] = self._returns.get(b, 0) + 1
         self._total_returns += 1
 
-    def ended(self, turns: int) -> None:
+    def ended(self, turns: int, count: int = 1) -> None:
+        """``count`` -1 takes back an end counted too early (the conversation came back)."""
         b = self.bucket(turns)
-        self._ends[b] = self._ends.get(b, 0) + 1
-        self._total_ends += 1
+        self._ends[b] = self._ends.get(b, 0) + count
+        self._total_ends += count
 
     @staticmethod
     def bucket(turns: int) -> int:
@@ -183,7 +189,11 @@ class ReturnModel:
         return turns if turns <= 3 else 1 + max(turns - 1, 1).bit_length()
 
     def _build(self) -> None:
-        if self._dirty:
+        # Re-sorted once the samples grew by 2% (or below 100): the distribution a long
+        # replay sees changes slowly, and sorting per sample would cost O(n log n) each.
+        n = len(self._gaps)
+        if self._dirty and (n < 100 or n >= self._built_n * 1.02):
+            self._built_n = n
             self._sorted = np.sort(np.asarray(self._gaps, dtype=np.float64))
             # suffix sums: _suffix[i] = sum(sorted[i:])
             self._suffix = np.concatenate((np.cumsum(self._sorted[::-1])[::-1], [0.0]))
@@ -219,6 +229,20 @@ class ReturnModel:
         r, e = self._returns.get(b, 0), self._ends.get(b, 0)
         return (r + pooled) / (r + e + 1)
 
+    def arrays(self, idle_s: np.ndarray, turns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`p_return` and :meth:`remaining_s` for many contexts at once."""
+        self._build()
+        srt, n = self._sorted, len(self._sorted)
+        i = np.searchsorted(srt, idle_s, side="right")
+        k = n - i
+        surv = k / n if n else np.ones_like(idle_s)
+        rem = np.where(k > 0, self._suffix[i] / np.maximum(k, 1) - idle_s, 0.0)
+        q = np.array([self.return_rate(int(t)) for t in turns]) if len(turns) else np.empty(0)
+        sq = q * surv
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.where(sq > 0, sq / (sq + 1.0 - q), 0.0)
+        return p, rem
+
     def p_return(self, idle_s: float, turns: int) -> float:
         q = self.return_rate(turns)
         s = q * self.survival(idle_s)
@@ -230,8 +254,9 @@ class ReuseProbability(EvictionPolicy):
 
     Unqueued contexts rank by ``p * value(tokens) / (tokens * (wait + 1 s))``: ``p`` the
     probability their conversation returns given idle time and turns, ``wait`` the expected
-    time until it does, ``value`` the seconds a hit saves (default: its tokens; the simulator
-    passes recompute minus load time). The 1 s floor only keeps a context whose conversation is
+    time until it does, ``value`` what a hit is worth (default 1: one hit, so the expected hits
+    per byte-second, which is what a hit rate rewards; pass e.g. the seconds a hit saves to
+    weigh long contexts up). The 1 s floor only keeps a context whose conversation is
     due now finite. Queued contexts are certain and rank as ``scheduler`` ranks them (their
     window exempts them on disk); spent ones (read by the running job, replaced when it ends)
     go first. Without statistics: LRU. ``now``: the owner's wall clock (seconds), set before
@@ -258,8 +283,16 @@ class ReuseProbability(EvictionPolicy):
         p = self.model.p_return(idle, max(stats.turns, 1))
         if p <= 0.0:
             return 0.0
-        v = stats.tokens if self.value is None else self.value(stats.tokens)
+        v = 1.0 if self.value is None else self.value(stats.tokens)
         return p * v / (stats.tokens * (self.model.remaining_s(idle) + 1.0))
+
+    def benefits(self, saved_at: np.ndarray, turns: np.ndarray, tokens: np.ndarray
+                 ) -> np.ndarray:
+        """:meth:`benefit` for many unqueued, unspent contexts at once (``self.now``)."""
+        idle = np.maximum(0.0, self.now - saved_at)
+        p, rem = self.model.arrays(idle, np.maximum(turns, 1))
+        v = 1.0 if self.value is None else np.array([self.value(int(t)) for t in tokens])
+        return p * v / (tokens * (rem + 1.0))
 
     def priority(self, stats: AccessStats, queued: Queued | None = None) -> Priority:
         if queued is not None:

@@ -101,7 +101,7 @@ class CostModel:
         tail = cn / self.num_layers
 
         def done(m: int) -> float:
-            front = m * self.prefill_s_per_token + m * (m + 1) / 2 * self.prefill_s_per_pair
+            front = self.front_s(m)
             load = self.load_s(reused - m, tier) - head_start_s if m < reused else 0.0
             return max(front + cn, load + tail)
 
@@ -110,6 +110,10 @@ class CostModel:
         cands.update(x for x in (math.floor(m_star), math.ceil(m_star)) if 0 <= x <= reused)
         best = min(sorted(cands), key=done)
         return best, done(best)
+
+    def front_s(self, m: float) -> float:
+        """Compute time of the first ``m`` tokens of a prefix, no fixed cost (inside a job)."""
+        return m * self.prefill_s_per_token + m * (m + 1) / 2 * self.prefill_s_per_pair
 
     def meeting_point(self, reused: int, tier: str, *, budget_s: float = 0.0) -> float:
         """Where compute from the front and load from the back cross (real-valued, clamped to

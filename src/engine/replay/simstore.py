@@ -37,8 +37,11 @@ Thread-safety: none; a simulation drives it from one thread.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from engine.replay.offline import RequestLog
 from kvstore.policy import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued, make_policy
@@ -100,7 +103,10 @@ class SimStore:
         self._pol: EvictionPolicy = self.policy
         self._belady = self._pol.name == "belady"
         self._learns = self._pol.time_varying and hasattr(self._pol, "model")
-        self._seen: dict[Hashable, tuple[float, int]] = {}  # key -> (saved at, turns)
+        # Learning (time-varying policies): each key's latest save (time, turns, whether it was
+        # already counted as an end), and the saves in time order for the end sweep.
+        self._seen: dict[Hashable, tuple[float, int, bool]] = {}
+        self._by_time: deque[tuple[float, Hashable]] = deque()
         self._turns: dict[Hashable, int] = {}
         self._refreshed_at = -1.0
         self._entries: dict[Hashable, SimEntry] = {}
@@ -231,6 +237,8 @@ class SimStore:
         if self._learns:
             seen = self._seen.pop(key, None)
             if seen is not None:
+                if seen[2]:  # counted as an end too early: it was a long think
+                    self._pol.model.ended(seen[1], -1)
                 self._pol.model.returned(self._now - seen[0], seen[1])
         e = self._entries.get(key)
         if e is None:
@@ -274,7 +282,8 @@ class SimStore:
         turns = self._turns.get(key, 0) + 1
         self._turns[key] = turns
         if self._learns:
-            self._seen[key] = (self._now, turns)
+            self._seen[key] = (self._now, turns, False)
+            self._by_time.append((self._now, key))
             self._refresh()
         old = self._entries.get(key)
         if nbytes > self.disk_bytes:
@@ -346,12 +355,28 @@ class SimStore:
         self._refreshed_at = self._now
         self._pol.now = self._now
         horizon = model.horizon_s
-        for k, (at, turns) in list(self._seen.items()):
-            if self._now - at > horizon:
-                model.ended(turns)
-                del self._seen[k]
-        for k in self._entries:
-            self._reprioritize(k)
+        q = self._by_time
+        while q and self._now - q[0][0] > horizon:
+            at, k = q.popleft()
+            seen = self._seen.get(k)
+            if seen is not None and seen[0] == at and not seen[2]:
+                model.ended(seen[1])
+                self._seen[k] = (at, seen[1], True)
+        plain = []
+        for k, e in self._entries.items():
+            if e.queued is None and not e.stats.spent:
+                plain.append(e)
+            else:
+                self._reprioritize(k)
+        if plain:
+            b = self._pol.benefits(np.array([e.stats.saved_at for e in plain]),
+                                   np.array([e.stats.turns for e in plain]),
+                                   np.array([e.tokens for e in plain], dtype=np.float64))
+            for e, x in zip(plain, b.tolist(), strict=True):
+                prio = (0, x)
+                self._disk_heap.push(e.key, prio)
+                if e.in_dram:
+                    self._dram_heap.push(e.key, prio)
 
     def drop(self, key: Hashable) -> bool:
         """Invalidate a stored context (e.g. positions baked in and the history truncated)."""

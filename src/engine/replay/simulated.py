@@ -10,7 +10,7 @@ from engine.replay.costs import CostModel
 from engine.replay.offline import RequestLog
 from engine.replay.server import Job, Method
 from engine.replay.simstore import SimStore
-from kvstore.policy import ReuseProbability, make_policy
+from kvstore.policy import make_policy
 
 
 class SimulatedExecutor:
@@ -23,8 +23,6 @@ class SimulatedExecutor:
         self.store: SimStore | None = None
         if method.caches:
             policy = make_policy(method.policy)
-            if isinstance(policy, ReuseProbability):
-                policy.value = self._hit_value
             self.store = SimStore(dram_bytes=cost.dram_bytes, disk_bytes=cost.disk_bytes,
                                   token_bytes=cost.token_bytes, policy=policy,
                                   disk_bandwidth=cost.disk_to_dram_bps, log=log)
@@ -103,9 +101,3 @@ class SimulatedExecutor:
             self.store.put(job.conv.index, job.context_after, now=job.finish_s,
                            next_use=next_arrival)
             self.store.finish(job.conv.index, next_arrival)
-
-    def _hit_value(self, tokens: int) -> float:
-        """Seconds a hit on a ``tokens``-token context saves against recomputing it, when it is
-        read from disk with the load split (what the ``reuse`` policy weighs per byte)."""
-        _, took = self.cost.split(tokens, 1, "disk")
-        return max(self.cost.prefill_s(tokens + 1, 0) - took, 0.0)
