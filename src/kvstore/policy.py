@@ -82,6 +82,10 @@ class EvictionPolicy(ABC):
         """Whether the disk tier must keep this entry while others can leave instead."""
         return False
 
+    def admits_now(self) -> bool:
+        """Whether a save may be refused now (``admission``, and what it needs is known)."""
+        return self.admission
+
 
 class LRU(EvictionPolicy):
     name = "lru"
@@ -305,6 +309,9 @@ class ReuseProbability(EvictionPolicy):
 
     def exempt(self, queued: Queued | None) -> bool:
         return queued is not None and queued.in_window
+
+    def admits_now(self) -> bool:
+        return self.model.ready  # without statistics it is LRU, which admits every save
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {

@@ -124,3 +124,43 @@ def test_split_is_never_slower_than_either_pure_strategy(preset, tier):
                 ms = c.meeting_point(reused, tier, budget_s=0.0)
                 if 0 < ms < reused:
                     assert c.front_s(ms) == pytest.approx(c.load_s(1, tier) * (reused - ms))
+
+
+# ------------------------------------------------------------------ store vs simulator
+@pytest.mark.parametrize("policy", ["scheduler", "reuse"])
+def test_fig9_same_decisions_in_the_store_and_the_simulator(tmp_path, policy):
+    """AttentionStore's Fig. 9 through kvstore.Store and through SimStore, with the same policy
+    class: the same contexts are prefetched, leave DRAM and leave the disk. (``reuse`` has no
+    statistics here, so both stores rank unqueued contexts LRU.)"""
+    import kvstore
+    from tests.kvstore.conftest import SMALL, put_causal
+
+    slot = 4096
+
+    def session(j):
+        return [100 * j + t for t in range(4)]
+
+    with kvstore.open(tmp_path / "st", layout=SMALL, chunk_tokens=4, dram_bytes=2 * slot,
+                      disk_bytes=4 * slot, policy=policy) as s:
+        for j in (3, 9, 4, 2):
+            put_causal(s, session(j))
+        s.set_queue([session(j) + [100 * j + 50] for j in range(2, 10)])
+        s.wait_prefetched()
+        put_causal(s, session(1))
+        real_dram = {j for j in (1, 2, 3, 4, 9)
+                     if s.residency(session(j))["dram"] == 4}
+        real_disk = {j for j in (1, 2, 3, 4, 9) if s.match(session(j)) == 4}
+    sim = SimStore(dram_bytes=2 * 4, disk_bytes=4 * 4, token_bytes=1, policy=policy,
+                   disk_bandwidth=1e9)
+    for j in (3, 9, 4, 2):
+        sim.put(j, 4)
+    sim.enqueue(1)
+    sim.start(1)
+    for j in range(2, 10):
+        sim.enqueue(j)
+    sim.advance(1.0)
+    assert sim.dram_keys() == {2, 3}
+    sim.put(1, 4)
+    sim.finish(1)
+    assert {j for j in (1, 2, 3, 4, 9) if j in sim} == real_disk == {1, 2, 3, 4}
+    assert {j for j in (1, 2, 3, 4, 9) if sim.tier_of(j) == "dram"} == real_dram == {1, 2}

@@ -271,7 +271,7 @@ class SimStore:
             self._now = now  # the clock only (the prefetcher moves in advance())
         if self.log is not None:
             self.log.save(key, nbytes)
-        judge = self._pol.admission
+        judge = self._pol.admits_now()
         if self._belady:
             if next_use is UNKNOWN:
                 judge = False
