@@ -24,7 +24,7 @@ if that evicts nothing ranked above it), and victims that still fit after the sa
 back (``size_aware``). A time-varying policy (``reuse``) gets the wall clock and every
 context's turns and save time, learns from each return (:class:`~kvstore.policy.ReturnModel`)
 and has its priorities refreshed whenever the clock moved on by a twentieth of the mean think
-time seen. Every save, read and drop goes to ``log`` (a
+time seen, before a save that must evict. Every save, read and drop goes to ``log`` (a
 :class:`~engine.replay.offline.RequestLog`) when one is given: the offline bound's input.
 
 Queue hints are incremental, for speed over a long trace: the scheduler calls :meth:`enqueue`
@@ -123,7 +123,8 @@ class SimStore:
         self._next_use: dict[Hashable, float] = {}
         self._windows = Windows(prefetch=0, eviction=0)
         self._budget = 0.0  # prefetch bytes the disk could still move since the last advance
-        self._now = 0.0
+        self._now = 0.0  # the prefetcher's clock (advance() only)
+        self._wall = 0.0  # the latest time seen (advance() or put(now=)): what learners see
 
     # ------------------------------------------------------------------ inspection
     def __contains__(self, key: Hashable) -> bool:
@@ -239,7 +240,7 @@ class SimStore:
             if seen is not None:
                 if seen[2]:  # counted as an end too early: it was a long think
                     self._pol.model.ended(seen[1], -1)
-                self._pol.model.returned(self._now - seen[0], seen[1])
+                self._pol.model.returned(self._wall - seen[0], seen[1])
         e = self._entries.get(key)
         if e is None:
             return None
@@ -267,8 +268,8 @@ class SimStore:
             raise ValueError(f"tokens must be a positive int, got {tokens!r}")
         nbytes = tokens * self.token_bytes
         self.counters.puts += 1
-        if now is not None and now > self._now:
-            self._now = now  # the clock only (the prefetcher moves in advance())
+        if now is not None and now > self._wall:
+            self._wall = now  # not the prefetcher's clock: its bandwidth accrues in advance()
         if self.log is not None:
             self.log.save(key, nbytes)
         judge = self._pol.admits_now()
@@ -282,9 +283,9 @@ class SimStore:
         turns = self._turns.get(key, 0) + 1
         self._turns[key] = turns
         if self._learns:
-            self._seen[key] = (self._now, turns, False)
-            self._by_time.append((self._now, key))
-            self._refresh()
+            self._seen[key] = (self._wall, turns, False)
+            self._by_time.append((self._wall, key))
+            self._pol.now = self._wall
         old = self._entries.get(key)
         if nbytes > self.disk_bytes:
             self.counters.refused += 1
@@ -297,7 +298,7 @@ class SimStore:
         # A new context, as in the store (each turn's put is a new session record).
         e = SimEntry(key=key, tokens=tokens, nbytes=nbytes,
                      stats=AccessStats(inserted=clock, last_access=clock, tokens=tokens,
-                                       turns=turns, saved_at=self._now))
+                                       turns=turns, saved_at=self._wall))
         e.queued = self._queued(key)
         if not self._evict_for(e, judge):
             self.counters.bypassed += 1
@@ -316,6 +317,8 @@ class SimStore:
         need = self.disk_used + e.nbytes - self.disk_bytes
         if need <= 0:
             return True
+        if self._learns:
+            self._refresh()  # priorities matter only when something must leave
         pol = self._pol
         mine = self._priority(e) if judge else None
         victims: list[tuple[SimEntry, Priority]] = []
@@ -350,13 +353,12 @@ class SimStore:
         if not model.ready:
             return
         step = model.mean_gap_s / 20
-        if self._now - self._refreshed_at < step:
+        if self._wall - self._refreshed_at < step:
             return
-        self._refreshed_at = self._now
-        self._pol.now = self._now
+        self._refreshed_at = self._wall
         horizon = model.horizon_s
         q = self._by_time
-        while q and self._now - q[0][0] > horizon:
+        while q and self._wall - q[0][0] > horizon:
             at, k = q.popleft()
             seen = self._seen.get(k)
             if seen is not None and seen[0] == at and not seen[2]:
@@ -440,6 +442,7 @@ class SimStore:
         allows (bandwidth left unused while there was nothing to fetch is lost)."""
         dt = max(0.0, now - self._now)
         self._now = max(self._now, now)
+        self._wall = max(self._wall, now)
         if not self._pol.uses_queue:
             return
         self._budget += dt * self.disk_bandwidth
