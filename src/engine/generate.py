@@ -91,15 +91,15 @@ class LayerwisePast(Sequence[KV]):
 
     def __init__(self, load: LayerLoad) -> None:
         self.load = load
-        self.last_layer_at: float | None = None  # perf_counter when the last layer was had
+        self.blocked_s = 0.0  # time the forward spent waiting for layers (the exposed load)
 
     def __len__(self) -> int:
         return self.load.num_layers
 
     def __getitem__(self, layer: int) -> KV:  # type: ignore[override]
+        t = time.perf_counter()
         kv = self.load.wait(layer)  # ([H, n, D], [H, n, D])
-        if layer == self.load.num_layers - 1:
-            self.last_layer_at = time.perf_counter()
+        self.blocked_s += time.perf_counter() - t
         return kv
 
 
@@ -246,11 +246,12 @@ class Generator:
         return tier, self.rates.should_load(tier, int(r["dram"]) + int(r["disk"]))
 
     def _observe(self, tier: str | None, tokens: int, n_reused: int, t0: float) -> None:
-        """Feed the rates: the load's arrival when a prefix was loaded, else the prefill."""
+        """Feed the rates: the load's exposed time (what the forward waited for it) when a
+        prefix was loaded, else the prefill. Loading wins while waiting for a token's KV costs
+        less than computing it."""
         past = self._last_past
-        if n_reused > 0 and tier is not None and past is not None \
-                and past.last_layer_at is not None:
-            self.rates.observe_load(tier, n_reused, past.last_layer_at - t0)
+        if n_reused > 0 and tier is not None and past is not None:
+            self.rates.observe_load(tier, n_reused, past.blocked_s)
         elif n_reused == 0:
             self.rates.observe_prefill(tokens, time.perf_counter() - t0)
 

@@ -40,7 +40,8 @@ class LoadRates:
         return new if old is None else (1 - w) * old + w * new
 
     def observe_load(self, tier: str, tokens: int, seconds: float) -> None:
-        """A stored prefix of ``tokens`` read from ``tier`` took ``seconds`` to arrive."""
+        """A stored prefix of ``tokens`` read from ``tier`` kept the computation waiting
+        ``seconds`` (layer-wise loading hides the rest behind the prefill)."""
         if tokens > 0 and seconds >= 0:
             self.load_s_per_token[tier] = self._ewma(self.load_s_per_token.get(tier),
                                                      seconds / tokens)
