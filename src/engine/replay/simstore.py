@@ -19,8 +19,8 @@ hides it, docs/benchmarks.md Fig. 20).
 
 Policies that say so (``belady``, ``reuse``: see :mod:`kvstore.policy`) get three more rules:
 a running job's context is not pinned once the job has read it (``pins_running``), a save
-ranked below every victim it would need is refused (``admission``; into DRAM it then goes only
-if that evicts nothing ranked above it), and victims that still fit after the save are put
+ranked below every victim it would need is refused (``admission``; an admitted save goes into
+DRAM only if that evicts nothing ranked above it), and victims that still fit after the save are put
 back (``size_aware``). A time-varying policy (``reuse``) gets the wall clock and every
 context's turns and save time, learns from each return (:class:`~kvstore.policy.ReturnModel`)
 and has its priorities refreshed whenever the clock moved on by a twentieth of the mean think
