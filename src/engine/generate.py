@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kvstore
+from engine.loadcompute import LoadRates
 from engine.model import KV, Model, split_kv, stack_kv
 from kvstore.layerwise import LayerLoad
 from kvstore.truncation import Truncation
@@ -90,12 +91,16 @@ class LayerwisePast(Sequence[KV]):
 
     def __init__(self, load: LayerLoad) -> None:
         self.load = load
+        self.blocked_s = 0.0  # time the forward spent waiting for layers (the exposed load)
 
     def __len__(self) -> int:
         return self.load.num_layers
 
     def __getitem__(self, layer: int) -> KV:  # type: ignore[override]
-        return self.load.wait(layer)  # ([H, n, D], [H, n, D])
+        t = time.perf_counter()
+        kv = self.load.wait(layer)  # ([H, n, D], [H, n, D])
+        self.blocked_s += time.perf_counter() - t
+        return kv
 
 
 class Generator:
@@ -106,12 +111,16 @@ class Generator:
     With ``async_save`` (the default) each layer's KV goes to the store's write buffer as soon
     as the prefill produces it, decode KV follows in one batch, and a writer thread makes it
     durable (``GenerationResult.saved``; :meth:`flush` waits for all); a later request that
-    shares the pending context's prefix waits for that save first. Thread-safety: one request
-    at a time per Generator (the store itself is thread-safe).
+    shares the pending context's prefix waits for that save first. With ``rates``
+    (:class:`engine.loadcompute.LoadRates`) each request decides load or compute: a stored
+    prefix is recomputed instead when the rates measured so far (per tier it sits in) say
+    loading it is slower, and every request's timings feed the rates. Thread-safety: one
+    request at a time per Generator (the store itself is thread-safe).
     """
 
     def __init__(self, model: Model, store: kvstore.Store, *, layerwise: bool = True,
-                 buffer_layers: int | None = None, async_save: bool = True) -> None:
+                 buffer_layers: int | None = None, async_save: bool = True,
+                 rates: LoadRates | None = None) -> None:
         if store.layout != model.layout:
             raise kvstore.LayoutMismatch(
                 f"store layout {store.layout} does not match the model's {model.layout}"
@@ -121,6 +130,8 @@ class Generator:
         self.layerwise = layerwise
         self.buffer_layers = buffer_layers
         self.async_save = async_save
+        self.rates = rates
+        self._last_past: LayerwisePast | None = None
         tok = model.tokenizer
         stops = {tok.token_to_id("<|im_end|>")}
         if model.config.eos_token_id is not None:
@@ -203,9 +214,14 @@ class Generator:
         if store and self.async_save:  # before loading: it may wait for write-buffer room
             save = self.store.begin_save(ids, namespace=namespace,
                                          max_new_tokens=max_new_tokens - 1)
+        tier = None
+        if reuse and self.rates is not None:
+            tier, reuse = self._load_or_compute(ids, namespace)
         try:
             try:
                 n_reused, load_s, logits, kv = self._prefill(ids, namespace, reuse, save, t0)
+                if self.rates is not None:
+                    self._observe(tier, len(ids), n_reused, t0)
             except KeyError:
                 # The stored prefix left the store after it was matched (another process
                 # evicted it while it loaded): a miss. Recompute it; the save starts over, as
@@ -222,6 +238,23 @@ class Generator:
                 save.abort()  # no-op once finished
             raise
 
+    def _load_or_compute(self, ids: list[int], namespace: str | None) -> tuple[str, bool]:
+        """The tier the stored prefix of ``ids`` is read from (the slowest it touches), and
+        whether to load it (else recompute it)."""
+        r = self.store.residency(ids[:-1], namespace=namespace)
+        tier = "disk" if r.get("disk", 0) > 0 else "dram"
+        return tier, self.rates.should_load(tier, int(r["dram"]) + int(r["disk"]))
+
+    def _observe(self, tier: str | None, tokens: int, n_reused: int, t0: float) -> None:
+        """Feed the rates: the load's exposed time (what the forward waited for it) when a
+        prefix was loaded, else the prefill. Loading wins while waiting for a token's KV costs
+        less than computing it."""
+        past = self._last_past
+        if n_reused > 0 and tier is not None and past is not None:
+            self.rates.observe_load(tier, n_reused, past.blocked_s)
+        elif n_reused == 0:
+            self.rates.observe_prefill(tokens, time.perf_counter() - t0)
+
     def _prefill(self, ids: list[int], namespace: str | None, reuse: bool,
                  save: kvstore.SaveHandle | None, t0: float
                  ) -> tuple[int, float, torch.Tensor, list[KV]]:
@@ -229,6 +262,7 @@ class Generator:
         seconds before compute started, logits, KV per layer). KeyError if the stored prefix
         leaves the store before it is loaded."""
         load = None
+        self._last_past = None
         try:
             if not reuse:
                 n_reused, past = 0, None
@@ -238,7 +272,7 @@ class Generator:
                 if n_reused > 0:
                     load = self.store.load_layers(ids[:n_reused], namespace=namespace,
                                                   buffer_layers=self.buffer_layers)
-                    past = LayerwisePast(load)
+                    past = self._last_past = LayerwisePast(load)
             else:
                 n_reused, past = self.load_prefix(ids, namespace=namespace)
             load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)

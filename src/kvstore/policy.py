@@ -8,26 +8,45 @@ deterministic and survive reopen.
 ``scheduler`` is AttentionStore's scheduler-aware eviction (§3.3.2): entries no queued job needs
 go first (least recently used first), then entries needed beyond the look-ahead eviction window
 (farthest first), then entries inside the window, from its tail towards its head; the disk tier
-exempts entries inside the window. ``belady`` is the offline optimum when the "queue" is the whole
-future access sequence: the entry needed farthest in the future (or never) goes first.
+exempts entries inside the window. ``belady`` is farthest-next-use when the "queue" is the whole
+future access sequence: the entry needed farthest in the future (or never) goes first; it does
+not pin running jobs' contexts, may refuse a save (admission) and frees no more than a save
+needs (``size_aware``). It is a strong offline heuristic, not the optimum with unequal sizes:
+``engine.replay.offline`` holds the exact optimum and a provable bound.
+
+``reuse`` (:class:`ReuseProbability`) estimates, per stored context, the probability that its
+conversation returns, from a model learned online (:class:`ReturnModel`: the empirical think-time
+survival function and the return rate per turn count), and evicts the lowest expected benefit per
+byte and second first; a context a queued job needs is certain (ordered as ``scheduler`` does).
+With no statistics yet it is LRU.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class AccessStats:
-    """What a policy may look at: logical insertion time, last access time, hit count."""
+    """What a policy may look at: logical insertion time, last access time, hit count; and,
+    where the owner knows them (the replay's simulator), the context's tokens, its
+    conversation's turns so far, the wall-clock time of its latest save (``saved_at``, s) and
+    whether its one pending read already happened (``spent``: the running job holds it)."""
 
     inserted: int
     last_access: int
     hits: int = 0
+    tokens: int = 0
+    turns: int = 0
+    saved_at: float | None = None
+    spent: bool = False
 
     def touch(self, clock: int) -> None:
         self.last_access = clock
@@ -51,6 +70,10 @@ class EvictionPolicy(ABC):
 
     name: str = ""
     uses_queue: bool = False  # whether priorities depend on the scheduler's job queue
+    pins_running: bool = True  # running jobs' contexts rank above everything
+    admission: bool = False  # a save ranked below every victim it needs is refused
+    size_aware: bool = False  # victims that still fit after the save are kept
+    time_varying: bool = False  # priorities change with the clock (owner refreshes them)
 
     @abstractmethod
     def priority(self, stats: AccessStats, queued: Queued | None = None) -> Priority: ...
@@ -58,6 +81,10 @@ class EvictionPolicy(ABC):
     def exempt(self, queued: Queued | None) -> bool:
         """Whether the disk tier must keep this entry while others can leave instead."""
         return False
+
+    def admits_now(self) -> bool:
+        """Whether a save may be refused now (``admission``, and what it needs is known)."""
+        return self.admission
 
 
 class LRU(EvictionPolicy):
@@ -90,10 +117,14 @@ class SchedulerAware(EvictionPolicy):
 
 
 class Belady(EvictionPolicy):
-    """Offline optimal (for simulation): give the whole future access sequence as the queue."""
+    """Farthest next use (for simulation): give the whole future access sequence as the queue.
+    A spent context (read by its running job, replaced when the job finishes) has no next use."""
 
     name = "belady"
     uses_queue = True
+    pins_running = False
+    admission = True
+    size_aware = True
 
     def priority(self, stats: AccessStats, queued: Queued | None = None) -> Priority:
         if queued is None:
@@ -101,8 +132,191 @@ class Belady(EvictionPolicy):
         return (1, -queued.position)
 
 
+class ReturnModel:
+    """When conversations come back, learned online from what a store sees (no future).
+
+    * ``returned(gap_s, turns)``: a conversation whose context was saved ``gap_s`` seconds ago
+      after ``turns`` turns asked for it again: one think-time sample, one return at ``turns``.
+    * ``ended(turns)``: a conversation stayed away longer than every think time seen so far
+      (the owner calls it once per context that did): one end at ``turns``; if it comes back
+      after all, the owner takes the end back (``ended(turns, -1)``) and counts the return.
+
+    The survival function ``S(t)`` is the empirical one of the returns' gaps; the return rate
+    at ``turns`` is (returns + r) / (returns + ends + 1) with the pooled rate ``r`` as the prior
+    (one pseudo-observation, so a turn count seen rarely leans on the pool). Then
+    ``P(return | idle t, turns n) = q_n S(t) / (q_n S(t) + 1 - q_n)``. Thread-safety: none; the
+    owning tier serializes access.
+    """
+
+    def __init__(self) -> None:
+        self._gaps: list[float] = []
+        self._sorted = np.empty(0)
+        self._suffix = np.empty(1)
+        self._dirty = False
+        self._built_n = 0
+        self._gap_sum = 0.0
+        self._returns: dict[int, int] = {}
+        self._ends: dict[int, int] = {}
+        self._total_returns = 0
+        self._total_ends = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._total_returns > 0
+
+    @property
+    def samples(self) -> int:
+        return len(self._gaps)
+
+    @property
+    def mean_gap_s(self) -> float:
+        return self._gap_sum / len(self._gaps) if self._gaps else 0.0
+
+    def returned(self, gap_s: float, turns: int) -> None:
+        g = max(0.0, float(gap_s))
+        self._gaps.append(g)
+        self._gap_sum += g
+        self._dirty = True
+        b = self.bucket(turns)
+        self._returns[b] = self._returns.get(b, 0) + 1
+        self._total_returns += 1
+
+    def ended(self, turns: int, count: int = 1) -> None:
+        """``count`` -1 takes back an end counted too early (the conversation came back)."""
+        b = self.bucket(turns)
+        self._ends[b] = self._ends.get(b, 0) + count
+        self._total_ends += count
+
+    @staticmethod
+    def bucket(turns: int) -> int:
+        """Turn counts 1, 2, 3, 4-5, 6-9, 10-17, ... (powers of two past 3)."""
+        return turns if turns <= 3 else 1 + max(turns - 1, 1).bit_length()
+
+    def _build(self) -> None:
+        # Re-sorted once the samples grew by 2% (or below 100): the distribution a long
+        # replay sees changes slowly, and sorting per sample would cost O(n log n) each.
+        n = len(self._gaps)
+        if self._dirty and (n < 100 or n >= self._built_n * 1.02):
+            self._built_n = n
+            self._sorted = np.sort(np.asarray(self._gaps, dtype=np.float64))
+            # suffix sums: _suffix[i] = sum(sorted[i:])
+            self._suffix = np.concatenate((np.cumsum(self._sorted[::-1])[::-1], [0.0]))
+            self._dirty = False
+
+    @property
+    def horizon_s(self) -> float:
+        """The longest think time seen: idle longer than that counts as an end."""
+        self._build()
+        return float(self._sorted[-1]) if len(self._sorted) else math.inf
+
+    def survival(self, t: float) -> float:
+        """Empirical P(think time > t)."""
+        self._build()
+        n = len(self._sorted)
+        if n == 0:
+            return 1.0
+        return float(n - np.searchsorted(self._sorted, t, side="right")) / n
+
+    def remaining_s(self, t: float) -> float:
+        """E[think - t | think > t]: expected wait from idle ``t`` for a conversation that
+        returns (0 past the longest think time seen)."""
+        self._build()
+        i = int(np.searchsorted(self._sorted, t, side="right"))
+        k = len(self._sorted) - i
+        return 0.0 if k == 0 else float(self._suffix[i]) / k - t
+
+    def return_rate(self, turns: int) -> float:
+        """P(the conversation has another turn | it has had ``turns``)."""
+        tot = self._total_returns + self._total_ends
+        pooled = self._total_returns / tot if tot else 1.0
+        b = self.bucket(turns)
+        r, e = self._returns.get(b, 0), self._ends.get(b, 0)
+        return (r + pooled) / (r + e + 1)
+
+    def arrays(self, idle_s: np.ndarray, turns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`p_return` and :meth:`remaining_s` for many contexts at once."""
+        self._build()
+        srt, n = self._sorted, len(self._sorted)
+        i = np.searchsorted(srt, idle_s, side="right")
+        k = n - i
+        surv = k / n if n else np.ones_like(idle_s)
+        rem = np.where(k > 0, self._suffix[i] / np.maximum(k, 1) - idle_s, 0.0)
+        q = np.array([self.return_rate(int(t)) for t in turns]) if len(turns) else np.empty(0)
+        sq = q * surv
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.where(sq > 0, sq / (sq + 1.0 - q), 0.0)
+        return p, rem
+
+    def p_return(self, idle_s: float, turns: int) -> float:
+        q = self.return_rate(turns)
+        s = q * self.survival(idle_s)
+        return s / (s + 1.0 - q) if s > 0 else 0.0
+
+
+class ReuseProbability(EvictionPolicy):
+    """Expected benefit per byte and second (see the module docstring).
+
+    Unqueued contexts rank by ``p * value(tokens) / (tokens * (wait + 1 s))``: ``p`` the
+    probability their conversation returns given idle time and turns, ``wait`` the expected
+    time until it does, ``value`` what a hit is worth (default 1: one hit, so the expected hits
+    per byte-second, which is what a hit rate rewards; pass e.g. the seconds a hit saves to
+    weigh long contexts up). The 1 s floor only keeps a context whose conversation is
+    due now finite. Queued contexts are certain and rank as ``scheduler`` ranks them (their
+    window exempts them on disk); spent ones (read by the running job, replaced when it ends)
+    go first. Without statistics: LRU. ``now``: the owner's wall clock (seconds), set before
+    asking for priorities. Thread-safety: none; the owning tier serializes access.
+    """
+
+    name = "reuse"
+    uses_queue = True
+    pins_running = False
+    admission = True
+    size_aware = True
+    time_varying = True
+
+    def __init__(self, model: ReturnModel | None = None, value=None) -> None:
+        self.model = model if model is not None else ReturnModel()
+        self.value = value  # tokens -> seconds a hit saves; None: tokens
+        self.now = 0.0
+
+    def benefit(self, stats: AccessStats) -> float:
+        """Expected benefit per byte-second of keeping an unqueued context (0 when unknown)."""
+        if stats.saved_at is None or stats.tokens <= 0:
+            return 0.0
+        idle = max(0.0, self.now - stats.saved_at)
+        p = self.model.p_return(idle, max(stats.turns, 1))
+        if p <= 0.0:
+            return 0.0
+        v = 1.0 if self.value is None else self.value(stats.tokens)
+        return p * v / (stats.tokens * (self.model.remaining_s(idle) + 1.0))
+
+    def benefits(self, saved_at: np.ndarray, turns: np.ndarray, tokens: np.ndarray
+                 ) -> np.ndarray:
+        """:meth:`benefit` for many unqueued, unspent contexts at once (``self.now``)."""
+        idle = np.maximum(0.0, self.now - saved_at)
+        p, rem = self.model.arrays(idle, np.maximum(turns, 1))
+        v = 1.0 if self.value is None else np.array([self.value(int(t)) for t in tokens])
+        return p * v / (tokens * (rem + 1.0))
+
+    def priority(self, stats: AccessStats, queued: Queued | None = None) -> Priority:
+        if queued is not None:
+            return (2 if queued.in_window else 1, -queued.position)
+        if stats.spent:
+            return (-1, stats.last_access)
+        if not self.model.ready or stats.saved_at is None:
+            return (0, stats.last_access)
+        return (0, self.benefit(stats))
+
+    def exempt(self, queued: Queued | None) -> bool:
+        return queued is not None and queued.in_window
+
+    def admits_now(self) -> bool:
+        return self.model.ready  # without statistics it is LRU, which admits every save
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "scheduler": SchedulerAware, "lru": LRU, "fifo": FIFO, "belady": Belady,
+    "reuse": ReuseProbability,
 }
 
 

@@ -183,7 +183,9 @@ def test_real_replay_reuses_exactly_and_truncates(model, tmp_path):
     table = real_table(model)
     wl = WorkloadConfig(min_turns=3, context_window=300, warmup_fraction=0.0, think_s=1.0,
                         arrival_rate=0.5)
-    cfg = ReplayConfig(mode="real", methods=(Method("re"), Method("as"), Method("of")),
+    # load="all": the store path's exactness (engine/test_loadcompute.py checks the decision)
+    cfg = ReplayConfig(mode="real", methods=(Method("re"), Method("as", load="all"),
+                                             Method("of", load="all")),
                        workload=wl, store_dir=str(tmp_path / "store"))
     summary = replay(cfg, str(tmp_path / "out"), model=model, table=table, progress=False)
     import pyarrow.parquet as pq
@@ -191,17 +193,17 @@ def test_real_replay_reuses_exactly_and_truncates(model, tmp_path):
     t = pq.read_table(tmp_path / "out" / "turns.parquet").to_pylist()
     by = {(r["method"], r["conv"], r["turn"]): r for r in t}
     assert len(t) == 3 * 9
-    assert summary["methods"]["AS-scheduler"]["hit_rate"] == 1.0
+    assert summary["methods"]["AS-scheduler-loadall"]["hit_rate"] == 1.0
     assert any(r["truncated"] for r in t)
     for r in t:
-        if r["method"] != "AS-scheduler" or r["turn"] == 0:
+        if r["method"] != "AS-scheduler-loadall" or r["turn"] == 0:
             continue
         assert r["reused_tokens"] == r["kept_tokens"]  # the whole (kept) history
         re = by[("RE", r["conv"], r["turn"])]
         assert re["prompt_tokens"] == r["prompt_tokens"]
         if not r["truncated"]:
             assert r["first_token"] == re["first_token"]  # reused KV is exact
-        of = by[("OF-scheduler", r["conv"], r["turn"])]
+        of = by[("OF-scheduler-loadall", r["conv"], r["turn"])]
         if r["truncated"]:
             assert of["hit"] == "miss" and of["reused_tokens"] == 0
     for name in ("turns.parquet", "summary.json", "ttft_cdf.png"):

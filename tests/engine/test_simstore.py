@@ -245,3 +245,18 @@ def test_belady_is_never_beaten_with_equal_sizes(seed):
         hits[policy] = n
     assert hits["belady"] >= max(hits.values())
     assert hits["belady"] > hits["lru"]
+
+
+def test_a_save_time_does_not_eat_prefetch_bandwidth():
+    """put(now=) moves the learners' clock only: the prefetcher still gets every second since
+    its last advance (a regression: it once lost the time up to each save)."""
+    s = SimStore(dram_bytes=10 * TOKEN, disk_bytes=1000 * TOKEN, token_bytes=TOKEN,
+                 disk_bandwidth=10 * TOKEN)  # 10 tokens per second
+    s.put("a", 10)
+    s.put("b", 10)  # pushes a out of DRAM
+    assert s.tier_of("a") == "disk"
+    s.advance(0.0)
+    s.enqueue("a")
+    s.put("c", 1, now=0.9)  # a save late in the second (it evicts b from DRAM)
+    s.advance(1.0)  # one second of bandwidth: 10 tokens, a fits
+    assert s.tier_of("a") == "dram"

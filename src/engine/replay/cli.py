@@ -96,7 +96,7 @@ def format_table(summary: dict) -> str:
             label, _fmt(s["hit_rate"], "%"), _fmt(s["dram_hit_rate"], "%"),
             _fmt(s["disk_hit_rate"], "%"), _fmt(s["ttft_s_turn2plus"]["mean"]),
             _fmt(s["ttft_s_turn2plus"]["p90"]),
-            "-" if not c else f"-{100 * c['ttft_turn2plus_reduction']:.1f}%",
+            "-" if not c else f"{-100 * c['ttft_turn2plus_reduction']:+.1f}%",
             "-" if not c else _fmt(c["prefill_tokens_saved"], "%"), f"{s['gpu_s']:.1f}"))
     widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(r, widths, strict=True))
@@ -160,8 +160,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("replay", help="ShareGPT multi-turn replay (simulated or real)")
     add_workload_args(r)
     r.add_argument("--methods", type=_methods, default=_methods("re,as"),
-                   help="comma-separated: re, as[:policy], of[:policy], or a policy alone "
-                        "(scheduler, lru, fifo, belady)")
+                   help="comma-separated: re, as[:policy[:load]], of[:policy[:load]], or a "
+                        "policy alone (scheduler, lru, fifo, belady, reuse); load is split "
+                        "(default: load or compute per request) or all (load everything)")
     r.add_argument("--out", default="replay-out", help="output directory")
     r.add_argument("--sweep-disk", type=lambda t: [_size(x) for x in t.split(",")],
                    default=None, help="also sweep disk capacities, e.g. 0.5TB,1TB,2TB,10TB")

@@ -86,6 +86,48 @@ class CostModel:
         first = load_s / self.num_layers
         return first + max(0.0, load_s - first - compute_s)
 
+    def split(self, reused: int, new: int, tier: str, *, head_start_s: float = 0.0
+              ) -> tuple[int, float]:
+        """Load or compute, per request (Cake: "Compute or Load KV Cache? Why not both?").
+
+        Of a stored prefix of ``reused`` tokens, the first ``m`` are computed from the front
+        while the other ``reused - m`` load from ``tier`` from the back; then the ``new`` tokens
+        are prefilled over all of them, layer by layer behind the load. The load may have begun
+        ``head_start_s`` before the job starts (negative: it can begin only that much after).
+        Returns ``(m, seconds from the job's start to its first token)``, ``m`` minimizing
+        that time: 0 is load-all, ``reused`` is recompute-all, and in between the two streams
+        meet at :meth:`meeting_point`. Never slower than either pure strategy."""
+        cn = self.prefill_s(new, reused) if new else self.prefill_s_fixed
+        tail = cn / self.num_layers
+
+        def done(m: int) -> float:
+            front = self.front_s(m)
+            load = self.load_s(reused - m, tier) - head_start_s if m < reused else 0.0
+            return max(front + cn, load + tail)
+
+        cands = {0, reused}
+        m_star = self.meeting_point(reused, tier, budget_s=tail - cn - head_start_s)
+        cands.update(x for x in (math.floor(m_star), math.ceil(m_star)) if 0 <= x <= reused)
+        best = min(sorted(cands), key=done)
+        return best, done(best)
+
+    def front_s(self, m: float) -> float:
+        """Compute time of the first ``m`` tokens of a prefix, no fixed cost (inside a job)."""
+        return m * self.prefill_s_per_token + m * (m + 1) / 2 * self.prefill_s_per_pair
+
+    def meeting_point(self, reused: int, tier: str, *, budget_s: float = 0.0) -> float:
+        """Where compute from the front and load from the back cross (real-valued, clamped to
+        ``[0, reused]``): ``front(m) = load(reused - m) + budget_s`` with ``front(m) = a m +
+        b m (m + 1) / 2`` (the preset's per-token and per-pair prefill costs) and
+        ``load(k) = k * beta`` (seconds per token from ``tier``). With ``b = 0`` it is
+        ``(reused * beta + budget_s) / (a + beta)``."""
+        a, b = self.prefill_s_per_token, self.prefill_s_per_pair
+        beta = self.load_s(1, tier)
+        rhs = reused * beta + budget_s
+        lin = a + b / 2 + beta
+        m = rhs / lin if b == 0 else (-lin + math.sqrt(max(0.0, lin * lin + 2 * b * rhs))) / b
+        return min(max(m, 0.0), float(reused))
+
     def decode_s(self, steps: int, contexts: int, batch: int) -> float:
         """``steps`` decode iterations of ``batch`` jobs whose KV totals ``contexts`` tokens at
         the start (each step adds one token per job)."""

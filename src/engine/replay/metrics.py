@@ -14,7 +14,7 @@ from kvstore.fsutil import atomic_write
 COLUMNS = ("method", "conv", "conv_id", "turn", "seq", "warmup", "arrival_s", "start_s",
            "first_token_s", "finish_s", "ttft_s", "queue_s", "load_s", "compute_s", "decode_s",
            "history_tokens", "kept_tokens", "prompt_tokens", "reused_tokens", "prefilled_tokens",
-           "reply_tokens", "hit", "truncated", "first_token")
+           "recomputed_tokens", "reply_tokens", "hit", "truncated", "first_token")
 
 
 def rows(label: str, jobs: Sequence[Job]) -> dict[str, list]:
@@ -24,7 +24,7 @@ def rows(label: str, jobs: Sequence[Job]) -> dict[str, list]:
         vals = (label, j.conv.index, j.conv.conv_id, j.turn, j.seq, j.warmup, j.arrival_s,
                 j.start_s, j.first_token_s, j.finish_s, j.first_token_s - j.arrival_s,
                 j.start_s - j.arrival_s, j.load_s, j.compute_s, j.decode_s, j.history, j.kept,
-                j.prompt_len, j.reused, j.prompt_len - j.reused, j.reply_len, j.hit,
+                j.prompt_len, j.reused, j.prompt_len - j.reused, j.recomputed, j.reply_len, j.hit,
                 j.truncated, j.token)
         for c, v in zip(COLUMNS, vals, strict=True):
             out[c].append(v)

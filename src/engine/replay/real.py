@@ -18,6 +18,7 @@ import torch
 
 import kvstore
 from engine.generate import Generator
+from engine.loadcompute import LoadRates
 from engine.model import Model
 from engine.replay.server import Job, Method
 from kvstore.truncation import Truncation
@@ -44,7 +45,11 @@ class RealExecutor:
         self.store = store
         self.truncation = truncation
         self.window = window
-        self.gen = Generator(model, store) if store is not None else None
+        # load=split: each request loads or recomputes its stored prefix, whichever the rates
+        # measured so far say is faster (engine.loadcompute; the real runtime decides per
+        # prefix, the simulator splits one).
+        self.rates = LoadRates() if method.load == "split" else None
+        self.gen = Generator(model, store, rates=self.rates) if store is not None else None
         self._convs: dict[int, _ConvState] = {}
         self._decode_per_step: dict[int, float] = {}  # job seq -> measured seconds per step
 
@@ -120,6 +125,9 @@ class RealExecutor:
         job.token = r.first_token
         if job.turn == 0:
             job.hit = "none"
+        elif job.reused == 0 and from_store is None and where["dram"] + where["disk"] > 0:
+            job.hit = "disk" if where["disk"] > 0 else "dram"  # stored, recomputed by choice
+            job.recomputed = where["dram"] + where["disk"]
         elif job.reused == 0:
             job.hit = "miss"
         else:

@@ -25,16 +25,21 @@ from typing import Protocol
 from engine.replay.workload import ConvSpec, Trace
 
 METHOD_KINDS = ("re", "as", "of")
+LOADS = ("split", "all")
 
 
 @dataclass(frozen=True)
 class Method:
     """RE: recompute every turn (token truncation). AS: AttentionStore, KV reused from the
     store, truncated in place on overflow. OF: as AS but positions are baked into the stored KV,
-    so an overflow invalidates it. ``policy``: the store's eviction policy (AS and OF)."""
+    so an overflow invalidates it. ``policy``: the store's eviction policy (AS and OF).
+    ``load``: ``split`` decides per request how much of the stored prefix to load and how
+    much to recompute from the front at the same time (never slower than either alone;
+    :meth:`engine.replay.costs.CostModel.split`); ``all`` loads whatever is stored."""
 
     kind: str
     policy: str = "scheduler"
+    load: str = "split"
 
     def __post_init__(self) -> None:
         from kvstore.policy import POLICIES
@@ -43,6 +48,8 @@ class Method:
             raise ValueError(f"method must be one of {METHOD_KINDS}, got {self.kind!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.load not in LOADS:
+            raise ValueError(f"load must be one of {LOADS}, got {self.load!r}")
 
     @property
     def caches(self) -> bool:
@@ -50,19 +57,25 @@ class Method:
 
     @property
     def label(self) -> str:
-        return "RE" if self.kind == "re" else f"{self.kind.upper()}-{self.policy}"
+        if self.kind == "re":
+            return "RE"
+        tail = "" if self.load == "split" else f"-load{self.load}"
+        return f"{self.kind.upper()}-{self.policy}{tail}"
 
     @classmethod
     def parse(cls, text: str) -> Method:
         """``re``, ``as`` (= ``as:scheduler``), ``as:lru``, ``of``, ``of:fifo``, or a policy
-        name alone (``lru``, ``belady``: AS with that policy)."""
+        name alone (``lru``, ``belady``: AS with that policy); a third part picks the load
+        (``as:scheduler:all``, ``belady:all``)."""
         from kvstore.policy import POLICIES
 
         t = text.strip().lower()
-        if t in POLICIES:
-            return cls("as", t)
-        kind, _, policy = t.partition(":")
-        return cls(kind, policy or "scheduler")
+        head, _, load = t.partition(":") if t.split(":")[0] in POLICIES else ("", "", "")
+        if head:
+            return cls("as", head, load or "split")
+        kind, _, rest = t.partition(":")
+        policy, _, load = rest.partition(":")
+        return cls(kind, policy or "scheduler", load or "split")
 
 
 @dataclass(slots=True, eq=False)
@@ -80,7 +93,8 @@ class Job:
     start_s: float = math.nan
     first_token_s: float = math.nan
     finish_s: float = math.nan
-    reused: int = 0
+    reused: int = 0  # history tokens loaded from the store
+    recomputed: int = 0  # stored history tokens computed from the front instead (load split)
     hit: str = "none"  # "none" (no history), "miss", "dram", "disk"
     load_s: float = 0.0  # load time left exposed
     compute_s: float = 0.0

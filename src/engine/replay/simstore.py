@@ -17,6 +17,16 @@ chunks, so it can hold part of a context in DRAM); a context replaced by a longe
 turn) or by a truncated one is updated in place; saving costs no time here (asynchronous saving
 hides it, docs/benchmarks.md Fig. 20).
 
+Policies that say so (``belady``, ``reuse``: see :mod:`kvstore.policy`) get three more rules:
+a running job's context is not pinned once the job has read it (``pins_running``), a save
+ranked below every victim it would need is refused (``admission``; an admitted save goes into
+DRAM only if that evicts nothing ranked above it), and victims that still fit after the save are put
+back (``size_aware``). A time-varying policy (``reuse``) gets the wall clock and every
+context's turns and save time, learns from each return (:class:`~kvstore.policy.ReturnModel`)
+and has its priorities refreshed whenever the clock moved on by a twentieth of the mean think
+time seen, before a save that must evict. Every save, read and drop goes to ``log`` (a
+:class:`~engine.replay.offline.RequestLog`) when one is given: the offline bound's input.
+
 Queue hints are incremental, for speed over a long trace: the scheduler calls :meth:`enqueue`
 when a job arrives (FCFS: jobs start in arrival order), :meth:`start` when it runs and
 :meth:`finish` when it is done. ``belady`` instead gets :meth:`next_use`: when each context is
@@ -27,13 +37,18 @@ Thread-safety: none; a simulation drives it from one thread.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from engine.replay.offline import RequestLog
 from kvstore.policy import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued, make_policy
 from kvstore.schedule import Windows
 
 _RUNNING = Queued(position=-1, in_window=True)
+UNKNOWN = object()  # put(next_use=UNKNOWN): not known yet (finish() will give it)
 
 
 @dataclass(slots=True)
@@ -58,6 +73,8 @@ class SimCounters:
     prefetched: int = 0
     prefetched_bytes: int = 0
     dropped: int = 0
+    bypassed: int = 0  # saves refused by admission (nothing evicted for them)
+    kept_back: int = 0  # victims put back because the save fit without them
 
 
 @dataclass
@@ -70,6 +87,7 @@ class SimStore:
     policy: EvictionPolicy | str = "scheduler"
     disk_bandwidth: float = 5e9  # bytes/s for background prefetch
     counters: SimCounters = field(default_factory=SimCounters)
+    log: RequestLog | None = None
 
     def __post_init__(self) -> None:
         for name in ("dram_bytes", "disk_bytes", "token_bytes"):
@@ -84,6 +102,13 @@ class SimStore:
             self.policy = make_policy(self.policy)
         self._pol: EvictionPolicy = self.policy
         self._belady = self._pol.name == "belady"
+        self._learns = self._pol.time_varying and hasattr(self._pol, "model")
+        # Learning (time-varying policies): each key's latest save (time, turns, whether it was
+        # already counted as an end), and the saves in time order for the end sweep.
+        self._seen: dict[Hashable, tuple[float, int, bool]] = {}
+        self._by_time: deque[tuple[float, Hashable]] = deque()
+        self._turns: dict[Hashable, int] = {}
+        self._refreshed_at = -1.0
         self._entries: dict[Hashable, SimEntry] = {}
         self._disk_heap = PriorityHeap()
         self._dram_heap = PriorityHeap()
@@ -98,7 +123,8 @@ class SimStore:
         self._next_use: dict[Hashable, float] = {}
         self._windows = Windows(prefetch=0, eviction=0)
         self._budget = 0.0  # prefetch bytes the disk could still move since the last advance
-        self._now = 0.0
+        self._now = 0.0  # the prefetcher's clock (advance() only)
+        self._wall = 0.0  # the latest time seen (advance() or put(now=)): what learners see
 
     # ------------------------------------------------------------------ inspection
     def __contains__(self, key: Hashable) -> bool:
@@ -127,7 +153,7 @@ class SimStore:
         return self._clock
 
     def _queued(self, key: Hashable) -> Queued | None:
-        if key in self._running:
+        if key in self._running and self._pol.pins_running:
             return _RUNNING
         if self._belady:
             when = self._next_use.get(key)
@@ -205,10 +231,23 @@ class SimStore:
     def lookup(self, key: Hashable) -> str | None:
         """Read a context for a job: ``"dram"``, ``"disk"`` (then DRAM caches it) or None.
         Counts an access."""
+        if self.log is not None:
+            self.log.read(key)
+        if self._belady:
+            self._next_use.pop(key, None)  # this read was the use
+        if self._learns:
+            seen = self._seen.pop(key, None)
+            if seen is not None:
+                if seen[2]:  # counted as an end too early: it was a long think
+                    self._pol.model.ended(seen[1], -1)
+                self._pol.model.returned(self._wall - seen[0], seen[1])
         e = self._entries.get(key)
         if e is None:
             return None
         e.stats.touch(self._tick())
+        if not self._pol.pins_running:
+            e.stats.spent = True
+            e.queued = self._queued(key)
         tier = "dram" if e.in_dram else "disk"
         prio = self._priority(e)
         self._disk_heap.push(key, prio)
@@ -218,13 +257,35 @@ class SimStore:
             self._dram_insert(e)
         return tier
 
-    def put(self, key: Hashable, tokens: int) -> bool:
+    def put(self, key: Hashable, tokens: int, *, now: float | None = None,
+            next_use: float | None | object = UNKNOWN) -> bool:
         """Save the context of ``key`` as ``tokens`` tokens (replacing what was stored), evicting
-        other contexts from disk as the policy orders. False if it cannot fit at all."""
+        other contexts from disk as the policy orders. False if it cannot fit at all, or if the
+        policy's admission refused it. ``now``: the wall clock (default: the latest
+        :meth:`advance`); ``next_use``: when it is needed next, None never (``belady`` only;
+        left unknown, :meth:`finish` gives it and this save is admitted without question)."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
             raise ValueError(f"tokens must be a positive int, got {tokens!r}")
         nbytes = tokens * self.token_bytes
         self.counters.puts += 1
+        if now is not None and now > self._wall:
+            self._wall = now  # not the prefetcher's clock: its bandwidth accrues in advance()
+        if self.log is not None:
+            self.log.save(key, nbytes)
+        judge = self._pol.admits_now()
+        if self._belady:
+            if next_use is UNKNOWN:
+                judge = False
+            elif next_use is None:
+                self._next_use.pop(key, None)
+            else:
+                self._next_use[key] = next_use  # type: ignore[assignment]
+        turns = self._turns.get(key, 0) + 1
+        self._turns[key] = turns
+        if self._learns:
+            self._seen[key] = (self._wall, turns, False)
+            self._by_time.append((self._wall, key))
+            self._pol.now = self._wall
         old = self._entries.get(key)
         if nbytes > self.disk_bytes:
             self.counters.refused += 1
@@ -234,26 +295,97 @@ class SimStore:
         clock = self._tick()
         if old is not None:
             self._remove(key)
-        while self.disk_used + nbytes > self.disk_bytes:
-            victim = self._disk_heap.pop()
-            q = self._entries[victim].queued
-            if self._pol.exempt(q):
-                self.counters.disk_evictions_in_window += 1
-            self.counters.disk_evictions += 1
-            self._remove(victim)
         # A new context, as in the store (each turn's put is a new session record).
         e = SimEntry(key=key, tokens=tokens, nbytes=nbytes,
-                     stats=AccessStats(inserted=clock, last_access=clock))
+                     stats=AccessStats(inserted=clock, last_access=clock, tokens=tokens,
+                                       turns=turns, saved_at=self._wall))
+        e.queued = self._queued(key)
+        if not self._evict_for(e, judge):
+            self.counters.bypassed += 1
+            return False
         self._entries[key] = e
         self.disk_used += nbytes
-        e.queued = self._queued(key)
-        self._disk_heap.push(key, self._priority(e))
-        self._dram_insert(e)
+        prio = self._priority(e)
+        self._disk_heap.push(key, prio)
+        self._dram_insert(e, only_if_below=prio if judge else None)
         self._derive_windows()
         return True
 
+    def _evict_for(self, e: SimEntry, judge: bool) -> bool:
+        """Make room on disk for ``e``. With admission, refuse (evicting nothing) when ``e``
+        ranks below a victim it would need; size-aware, put back victims that still fit."""
+        need = self.disk_used + e.nbytes - self.disk_bytes
+        if need <= 0:
+            return True
+        if self._learns:
+            self._refresh()  # priorities matter only when something must leave
+        pol = self._pol
+        mine = self._priority(e) if judge else None
+        victims: list[tuple[SimEntry, Priority]] = []
+        freed = 0
+        while freed < need:
+            vp = self._disk_heap.peek_priority()
+            if mine is not None and mine < vp:  # type: ignore[operator]
+                for ve, p in victims:
+                    self._disk_heap.push(ve.key, p)
+                return False
+            ve = self._entries[self._disk_heap.pop()]
+            victims.append((ve, vp))
+            freed += ve.nbytes
+        if pol.size_aware:  # the most valuable victims first, if the save fits without them
+            for ve, p in sorted(victims, key=lambda v: v[1], reverse=True):
+                if freed - ve.nbytes >= need:
+                    freed -= ve.nbytes
+                    self._disk_heap.push(ve.key, p)
+                    victims.remove((ve, p))
+                    self.counters.kept_back += 1
+        for ve, _ in victims:
+            if pol.exempt(ve.queued):
+                self.counters.disk_evictions_in_window += 1
+            self.counters.disk_evictions += 1
+            self._remove(ve.key)
+        return True
+
+    def _refresh(self) -> None:
+        """Time-varying priorities: count the conversations gone longer than any think time
+        seen as ended, and re-rank every context, at most every 1/20 of the mean think time."""
+        model = self._pol.model
+        if not model.ready:
+            return
+        step = model.mean_gap_s / 20
+        if self._wall - self._refreshed_at < step:
+            return
+        self._refreshed_at = self._wall
+        horizon = model.horizon_s
+        q = self._by_time
+        while q and self._wall - q[0][0] > horizon:
+            at, k = q.popleft()
+            seen = self._seen.get(k)
+            if seen is not None and seen[0] == at and not seen[2]:
+                model.ended(seen[1])
+                self._seen[k] = (at, seen[1], True)
+        plain = []
+        for k, e in self._entries.items():
+            if e.queued is None and not e.stats.spent:
+                plain.append(e)
+            else:
+                self._reprioritize(k)
+        if plain:
+            b = self._pol.benefits(np.array([e.stats.saved_at for e in plain]),
+                                   np.array([e.stats.turns for e in plain]),
+                                   np.array([e.tokens for e in plain], dtype=np.float64))
+            for e, x in zip(plain, b.tolist(), strict=True):
+                prio = (0, x)
+                self._disk_heap.push(e.key, prio)
+                if e.in_dram:
+                    self._dram_heap.push(e.key, prio)
+
     def drop(self, key: Hashable) -> bool:
         """Invalidate a stored context (e.g. positions baked in and the history truncated)."""
+        if self.log is not None:
+            self.log.drop(key)
+        if self._learns:
+            self._seen.pop(key, None)
         if key not in self._entries:
             return False
         self._remove(key)
@@ -289,6 +421,8 @@ class SimStore:
         never), used by ``belady`` only."""
         self._running.discard(key)
         if self._belady:
+            if key in self._entries:
+                self._entries[key].stats.spent = False
             if next_use is None:
                 self._next_use.pop(key, None)
             else:
@@ -308,6 +442,7 @@ class SimStore:
         allows (bandwidth left unused while there was nothing to fetch is lost)."""
         dt = max(0.0, now - self._now)
         self._now = max(self._now, now)
+        self._wall = max(self._wall, now)
         if not self._pol.uses_queue:
             return
         self._budget += dt * self.disk_bandwidth

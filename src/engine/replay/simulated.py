@@ -7,21 +7,25 @@ from __future__ import annotations
 from collections import deque
 
 from engine.replay.costs import CostModel
+from engine.replay.offline import RequestLog
 from engine.replay.server import Job, Method
 from engine.replay.simstore import SimStore
+from kvstore.policy import make_policy
 
 
 class SimulatedExecutor:
     """Thread-safety: none (the server's one thread)."""
 
-    def __init__(self, method: Method, cost: CostModel) -> None:
+    def __init__(self, method: Method, cost: CostModel, *, log: RequestLog | None = None
+                 ) -> None:
         self.method = method
         self.cost = cost
         self.store: SimStore | None = None
         if method.caches:
+            policy = make_policy(method.policy)
             self.store = SimStore(dram_bytes=cost.dram_bytes, disk_bytes=cost.disk_bytes,
-                                  token_bytes=cost.token_bytes, policy=method.policy,
-                                  disk_bandwidth=cost.disk_to_dram_bps)
+                                  token_bytes=cost.token_bytes, policy=policy,
+                                  disk_bandwidth=cost.disk_to_dram_bps, log=log)
         self._link_free = 0.0  # when the load link (DRAM/disk -> accelerator) is next free
         self._prev_start = 0.0  # start of the latest prefill
 
@@ -60,18 +64,30 @@ class SimulatedExecutor:
         else:
             job.hit = tier
             job.reused = job.kept  # the stored context covers the whole (kept) history
-        new = job.prompt_len - job.reused
-        job.compute_s = cost.prefill_s(new, job.reused)
         if job.reused:
             # The read buffer: a job's KV starts loading once the previous iteration started
             # (and the link is free), so it overlaps the jobs ahead of it, then its own
-            # prefill layer by layer (AttentionStore §3.2.1).
+            # prefill layer by layer (AttentionStore §3.2.1). With the split, the front of
+            # the history is computed while its back loads (CostModel.split).
             begin = max(job.arrival_s, self._link_free, self._prev_start)
-            end = begin + cost.load_s(job.reused, tier)
-            self._link_free = end
-            done = max(job.start_s + job.compute_s,
-                       end + job.compute_s / cost.num_layers)  # the last layer after its load
-            job.load_s = done - job.start_s - job.compute_s
+            new = job.user_len
+            if self.method.load == "split":
+                m, _ = cost.split(job.reused, new, tier, head_start_s=job.start_s - begin)
+            else:
+                m = 0
+            job.recomputed, job.reused = m, job.reused - m
+            new = job.prompt_len - job.reused
+            job.compute_s = cost.prefill_s(new, job.reused) if m == 0 else \
+                cost.prefill_s(m, 0) + cost.prefill_s(job.user_len, job.kept) - \
+                cost.prefill_s_fixed
+            if job.reused:
+                end = begin + cost.load_s(job.reused, tier)
+                self._link_free = end
+                tail = cost.prefill_s(job.user_len, job.kept) / cost.num_layers
+                done = max(job.start_s + job.compute_s, end + tail)  # last layer after load
+                job.load_s = done - job.start_s - job.compute_s
+        else:
+            job.compute_s = cost.prefill_s(job.prompt_len, 0)
         if job.start_s > self._prev_start:
             self._prev_start = job.start_s
         return job.compute_s + job.load_s
@@ -82,5 +98,6 @@ class SimulatedExecutor:
 
     def finish(self, job: Job, next_arrival: float | None) -> None:
         if self.store is not None:
-            self.store.put(job.conv.index, job.context_after)
+            self.store.put(job.conv.index, job.context_after, now=job.finish_s,
+                           next_use=next_arrival)
             self.store.finish(job.conv.index, next_arrival)
