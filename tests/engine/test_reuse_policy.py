@@ -146,6 +146,7 @@ def test_fig9_same_decisions_in_the_store_and_the_simulator(tmp_path, policy):
             put_causal(s, session(j))
         s.set_queue([session(j) + [100 * j + 50] for j in range(2, 10)])
         s.wait_prefetched()
+        before_put = {j for j in (1, 2, 3, 4, 9) if s.residency(session(j))["dram"] == 4}
         put_causal(s, session(1))
         real_dram = {j for j in (1, 2, 3, 4, 9)
                      if s.residency(session(j))["dram"] == 4}
@@ -159,8 +160,16 @@ def test_fig9_same_decisions_in_the_store_and_the_simulator(tmp_path, policy):
     for j in range(2, 10):
         sim.enqueue(j)
     sim.advance(1.0)
-    assert sim.dram_keys() == {2, 3}
+    assert sim.dram_keys() == before_put == {2, 3}
     sim.put(1, 4)
     sim.finish(1)
     assert {j for j in (1, 2, 3, 4, 9) if j in sim} == real_disk == {1, 2, 3, 4}
-    assert {j for j in (1, 2, 3, 4, 9) if sim.tier_of(j) == "dram"} == real_dram == {1, 2}
+    assert {j for j in (1, 2, 3, 4, 9) if sim.tier_of(j) == "dram"} == {1, 2}
+    if policy == "scheduler":
+        assert real_dram == {1, 2}
+    else:
+        # Under ``reuse`` the store's prefetcher, kicked by the save's commit, may bring 3
+        # (queued next) back in place of 1 (not queued) before the residency check runs; the
+        # simulator does not prefetch again after a save. Both outcomes are seen; which one is
+        # a race of the check with the prefetcher, not a decision of the policy.
+        assert real_dram in ({1, 2}, {2, 3})
