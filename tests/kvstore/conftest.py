@@ -57,3 +57,20 @@ def small_fs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture(scope="session")
+def redis_session(tmp_path_factory):
+    """One real redis-server for the session (tests that need their own start their own)."""
+    from tests.kvstore.redis_servers import Server
+
+    srv = Server(tmp_path_factory.mktemp("redis"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_server(redis_session):
+    """The session's redis-server, emptied (FLUSHALL) for this test."""
+    redis_session.cli("flushall")
+    return redis_session

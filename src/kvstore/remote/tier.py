@@ -1,0 +1,369 @@
+"""The remote tier: chunk values in a Redis server or a Redis Cluster, by chain hash.
+
+Every call is one pipelined round trip per node (a cluster's keys are grouped by the master
+that owns their slot, from the slot map read at open and again after a ``MOVED``). Each node
+has a client with a per-call timeout and no retries, and a circuit breaker
+(:mod:`kvstore.remote.breaker`): a call that fails (timeout, refused connection, a reply that
+is not the protocol) counts against it, and while it is open the node's keys are misses at
+once. A reply that is the protocol but not a usable value (absent, evicted, another type,
+truncated, corrupt, another chunk's) is a miss too, counted by kind; nothing unverified is
+returned (:mod:`kvstore.remote.value`).
+
+Thread-safety: every method may be called from any number of threads at once (redis-py clients
+keep a pool of connections; counters are updated under a lock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import AuthenticationError, MovedError, RedisError, ResponseError
+from redis.retry import Retry
+
+from kvstore.errors import KVStoreError
+from kvstore.layout import KVLayout
+from kvstore.remote import value as rv
+from kvstore.remote.breaker import Breaker
+from kvstore.remote.config import RemoteConfig
+from kvstore.remote.estimate import LinkEstimate
+
+
+class RemoteAuthError(KVStoreError):
+    """The Redis server refused the credentials of the remote URL (raised at open)."""
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    lookups: int = 0  # match-time header round trips
+    found_chunks: int = 0  # chunks whose header verified
+    absent_chunks: int = 0  # keys not in Redis (never written, or evicted by Redis)
+    bad_values: int = 0  # wrong type, truncated, corrupt or foreign values: misses
+    fetched_chunks: int = 0  # whole chunks fetched and verified
+    fetched_layers: int = 0  # layer ranges fetched and verified (layer-wise loads)
+    fetched_bytes: int = 0
+    call_errors: int = 0  # calls that failed (timeouts, connection errors, protocol errors)
+    refused_calls: int = 0  # calls not made: the node's breaker was open
+    slot_refreshes: int = 0  # cluster slot map reloads (after MOVED)
+    written_chunks: int = 0  # write-through SET NX that stored a value
+    already_present: int = 0  # write-through found the chunk in Redis already
+    write_failed: int = 0  # write-through chunks not sent (node down, chunk gone locally)
+    probes: int = 0  # bandwidth probes
+
+
+class Node:
+    def __init__(self, name: str, url: str, cfg: RemoteConfig) -> None:
+        self.name = name
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0, decode_responses=False)
+        self.breaker = Breaker(name, failures=cfg.breaker_failures, retry_s=cfg.breaker_retry_s,
+                               probe=self.client.ping)
+
+    def reset(self) -> None:
+        """Drop every pooled connection (after an error a connection may hold a half-read
+        reply: it must never be reused)."""
+        self.client.connection_pool.disconnect()
+
+
+def _node_url(template: str, host: str, port: int) -> str:
+    p = urlsplit(template)
+    cred = p.netloc.rsplit("@", 1)[0] + "@" if "@" in p.netloc else ""
+    return urlunsplit((p.scheme, f"{cred}{host}:{port}", "", "", ""))
+
+
+class RemoteTier:
+    def __init__(self, cfg: RemoteConfig, layout: KVLayout) -> None:
+        self.cfg = cfg
+        self.layout = layout
+        self.counters = RemoteCounters()
+        self.estimate = LinkEstimate()
+        self._lock = threading.Lock()
+        self._prefix = cfg.prefix.encode()
+        self._nodes: dict[str, Node] = {}
+        self._slots: list[Node | None] | None = None  # cluster: slot -> master
+        for u in cfg.urls:
+            p = urlsplit(u)
+            name = f"{p.hostname}:{p.port or 6379}"
+            self._nodes.setdefault(name, Node(name, u if not cfg.cluster
+                                              else _node_url(u, p.hostname, p.port or 6379),
+                                              cfg))
+        self._closed = False
+
+    # ------------------------------------------------------------------ setup
+    def connect(self) -> None:
+        """Check every configured node at open: a refused password is :class:`RemoteAuthError`;
+        an unreachable node only opens its breaker (the store works locally meanwhile)."""
+        for node in list(self._nodes.values()):
+            try:
+                node.client.ping()
+            except (AuthenticationError, redis.exceptions.AuthorizationError) as e:
+                raise RemoteAuthError(f"Redis at {node.name} refused the credentials of the "
+                                      f"remote URL: {e}") from None
+            except ResponseError as e:
+                if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                    raise RemoteAuthError(f"Redis at {node.name} needs a password (give it in "
+                                          f"the URL as redis://:PASSWORD@host:port): {e}") from None
+                raise
+            except (RedisError, OSError) as e:
+                node.reset()
+                self._count("call_errors")
+                node.breaker.trip(e)
+        if self.cfg.cluster:
+            self.refresh_slots()
+
+    def refresh_slots(self) -> bool:
+        """Reload the cluster's slot map from the first node that answers."""
+        template = self.cfg.urls[0]
+        for node in list(self._nodes.values()):
+            if node.breaker.state != "closed":
+                continue
+            try:
+                ranges = node.client.execute_command("CLUSTER SLOTS")
+            except (RedisError, OSError) as e:
+                node.reset()
+                node.breaker.failure(e)
+                self._count("call_errors")
+                continue
+            slots: list[Node | None] = [None] * 16384
+            for entry in ranges:
+                lo, hi, master = int(entry[0]), int(entry[1]), entry[2]
+                host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+                host = host or urlsplit(template).hostname
+                name = f"{host}:{int(master[1])}"
+                with self._lock:
+                    n = self._nodes.get(name)
+                    if n is None:
+                        n = self._nodes[name] = Node(name, _node_url(template, host,
+                                                                     int(master[1])), self.cfg)
+                for s in range(lo, hi + 1):
+                    slots[s] = n
+            with self._lock:
+                self._slots = slots
+                self.counters.slot_refreshes += 1
+            return True
+        return False
+
+    def close(self) -> None:
+        self._closed = True
+        for node in list(self._nodes.values()):
+            node.breaker.close()
+            node.reset()
+
+    # ------------------------------------------------------------------ plumbing
+    def redis_key(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def node_of(self, key: bytes) -> Node | None:
+        if not self.cfg.cluster:
+            return next(iter(self._nodes.values()))
+        slots = self._slots
+        if slots is None:
+            return None
+        return slots[key_slot(self.redis_key(key))]
+
+    def nodes(self) -> list[Node]:
+        with self._lock:
+            return list(self._nodes.values())
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    def _call(self, keys: Sequence[bytes], build: Callable[[object, int], None]
+              ) -> dict[int, object]:
+        """One pipelined round trip per node for the commands ``build(pipe, i)`` of each
+        ``keys[i]``; returns i -> reply (an exception object for a per-command error) for the
+        nodes that answered. Failed and refused nodes' keys are absent from the result."""
+        groups: dict[str, tuple[Node, list[int]]] = {}
+        unmapped = 0
+        for i, k in enumerate(keys):
+            node = self.node_of(k)
+            if node is None:
+                unmapped += 1
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        if unmapped:
+            self._count("refused_calls")
+        out: dict[int, object] = {}
+        moved = False
+        for node, idxs in groups.values():
+            if not node.breaker.allow():
+                self._count("refused_calls")
+                continue
+            pipe = node.client.pipeline(transaction=False)
+            for i in idxs:
+                build(pipe, i)
+            t0 = time.perf_counter()
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except (RedisError, OSError, ValueError) as e:
+                node.reset()
+                node.breaker.failure(e)
+                self._count("call_errors")
+                continue
+            dt = time.perf_counter() - t0
+            node.breaker.success()
+            if len(replies) != len(idxs):  # never expected of redis-py: not the protocol
+                node.reset()
+                self._count("call_errors")
+                continue
+            nbytes = 0
+            for i, r in zip(idxs, replies, strict=True):
+                if isinstance(r, MovedError):
+                    moved = True
+                    continue
+                out[i] = r
+                if isinstance(r, bytes):
+                    nbytes += len(r)
+            self.estimate.observe(nbytes, dt)
+            with self._lock:
+                self.counters.fetched_bytes += nbytes
+        if moved:
+            self.refresh_slots()
+        return out
+
+    def _bad(self, reply: object) -> None:
+        """Count a reply that is not a usable value."""
+        if reply is None:
+            self._count("absent_chunks")
+        else:
+            self._count("bad_values")
+
+    # ------------------------------------------------------------------ reads
+    def headers(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[rv.Header | None]:
+        """The verified header of each (key, tokens), None where absent or unusable (a value
+        whose length disagrees with its header included): one round trip (``GETRANGE key 0
+        header_size-1`` and ``STRLEN``)."""
+        lay = self.layout
+        keys = [k for k, _ in items for _ in range(2)]
+
+        def build(pipe: object, j: int) -> None:
+            k, t = items[j // 2]
+            if j % 2 == 0:
+                pipe.getrange(self.redis_key(k), 0, rv.header_size(len(t), lay.num_layers) - 1)
+            else:
+                pipe.strlen(self.redis_key(k))
+
+        replies = self._call(keys, build)
+        self._count("lookups")
+        out: list[rv.Header | None] = []
+        for i, (k, t) in enumerate(items):
+            if 2 * i not in replies or 2 * i + 1 not in replies:
+                out.append(None)
+                continue
+            r, n = replies[2 * i], replies[2 * i + 1]
+            if r == b"":  # GETRANGE of an absent key
+                r = None
+            try:
+                h = rv.parse_header(r, key=k, tokens=t, num_layers=lay.num_layers,
+                                    raw_layer_bytes_per_token=lay.layer_token_bytes)
+                if n != h.value_bytes:
+                    raise rv.BadValue(f"value of {n} bytes, its header says {h.value_bytes}")
+            except rv.BadValue:
+                self._bad(r)
+                out.append(None)
+                continue
+            self._count("found_chunks")
+            out.append(h)
+        return out
+
+    def values(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[np.ndarray | None]:
+        """The verified raw extent of each (key, tokens), None where absent or unusable: one
+        pipelined ``GET`` round trip. Arrays may be read-only views of the received bytes."""
+        lay = self.layout
+        replies = self._call([k for k, _ in items],
+                             lambda pipe, i: pipe.get(self.redis_key(items[i][0])))
+        out: list[np.ndarray | None] = []
+        for i, (k, t) in enumerate(items):
+            if i not in replies:
+                out.append(None)
+                continue
+            r = replies[i]
+            try:
+                h = rv.parse_header(r, key=k, tokens=t, num_layers=lay.num_layers,
+                                    raw_layer_bytes_per_token=lay.layer_token_bytes)
+                out.append(rv.decode(h, r))
+            except rv.BadValue:
+                self._bad(r)
+                out.append(None)
+                continue
+            self._count("fetched_chunks")
+        return out
+
+    def layer(self, items: Sequence[tuple[bytes, rv.Header]], layer: int
+              ) -> list[np.ndarray | None]:
+        """The verified raw bytes of ``layer`` of each (key, header): one pipelined round trip
+        of ``GETRANGE``."""
+        def build(pipe: object, i: int) -> None:
+            a, b = items[i][1].layer_range(layer)
+            pipe.getrange(self.redis_key(items[i][0]), a, b)
+
+        replies = self._call([k for k, _ in items], build)
+        out: list[np.ndarray | None] = []
+        for i, (_, h) in enumerate(items):
+            r = replies.get(i)
+            try:
+                if i not in replies:
+                    raise rv.BadValue("not answered")
+                out.append(rv.decode_layer(h, layer, r))
+            except rv.BadValue:
+                if i in replies:
+                    self._bad(r)
+                out.append(None)
+                continue
+            self._count("fetched_layers")
+        return out
+
+    def probe(self, key: bytes, h: rv.Header) -> None:
+        """Time one range of up to ``probe_bytes`` of a value (bandwidth estimate)."""
+        a = h.size
+        b = min(h.value_bytes, a + self.cfg.probe_bytes) - 1
+        self._count("probes")
+        self._call([key], lambda pipe, i: pipe.getrange(self.redis_key(key), a, b))
+
+    # ------------------------------------------------------------------ writes
+    def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """Whether each key is in Redis (None: its node did not answer)."""
+        replies = self._call(keys, lambda pipe, i: pipe.exists(self.redis_key(keys[i])))
+        return [None if i not in replies or not isinstance(replies[i], int)
+                else bool(replies[i]) for i in range(len(keys))]
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool | None]:
+        """``SET key value NX`` for each (key, value): True stored, False already there, None
+        not sent (node down or error)."""
+        replies = self._call([k for k, _ in items],
+                             lambda pipe, i: pipe.set(self.redis_key(items[i][0]), items[i][1],
+                                                      nx=True))
+        out: list[bool | None] = []
+        for i in range(len(items)):
+            r = replies.get(i)
+            out.append(None if i not in replies or isinstance(r, Exception)
+                       else r is True)
+        return out
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            c = asdict(self.counters)
+            nodes = list(self._nodes.values())
+        states = {n.name: n.breaker.stats() for n in nodes}
+        return {"urls": [_hide_password(u) for u in self.cfg.urls],
+                "cluster": self.cfg.cluster, **c, "link": self.estimate.stats(),
+                "breaker": "open" if any(s["state"] != "closed" for s in states.values())
+                else "closed", "nodes": states}
+
+
+def _hide_password(url: str) -> str:
+    p = urlsplit(url)
+    if p.password is None:
+        return url
+    host = p.netloc.rsplit("@", 1)[1]
+    user = p.username or ""
+    return urlunsplit((p.scheme, f"{user}:***@{host}", p.path, p.query, p.fragment))
