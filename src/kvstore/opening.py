@@ -30,6 +30,8 @@ from kvstore.owners import PROCS, Owner, collect_dead
 from kvstore.policy import make_policy
 from kvstore.recovery import apply as apply_recovery
 from kvstore.recovery import plan as recovery_plan
+from kvstore.remote.config import RemoteConfig
+from kvstore.remote.tier import RemoteTier
 from kvstore.saving import physical_memory
 from kvstore.segments import SEGMENTS, SegmentFiles, SegmentGeometry
 from kvstore.slots import SlotAllocator
@@ -46,7 +48,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
                dram_bytes: int | None = None, disk_bytes: int | None = None,
                hbm_bytes: int | None = None, write_buffer_bytes: int | None = None,
                chunk_tokens: int | None = None, policy: str | None = None,
-               readonly: bool = False, exclusive: bool = False) -> Store:
+               readonly: bool = False, exclusive: bool = False,
+               remote: str | list[str] | tuple[str, ...] | RemoteConfig | None = None) -> Store:
     """Open (or create) the store directory ``path``.
 
     On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
@@ -62,6 +65,12 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     process has the store open, and keeps every later opener out (:class:`StoreLocked`).
     ``readonly`` opens a store that must exist and never writes to it; it may share the store
     with readers and writers.
+
+    ``remote``: a shared tier below disk on Redis, ``"redis://[:password@]host:port[/db]"``, a
+    list of Redis Cluster node URLs, or a :class:`kvstore.RemoteConfig` (see
+    :mod:`kvstore.remote`). Credentials Redis refuses raise :class:`RemoteAuthError` here; a
+    server that does not answer only leaves the tier's breaker open (the store serves from its
+    local tiers and retries in the background).
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -84,6 +93,7 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if readonly and exclusive:
         raise ValueError("readonly and exclusive cannot both be set")
+    remote_cfg = None if remote is None else RemoteConfig.of(remote)
     given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy}.items()
              if v is not None}
     if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
@@ -106,6 +116,18 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
         root.close()
         raise
     lock.settle()
+    if remote_cfg is not None:
+        try:
+            tier = RemoteTier(remote_cfg, store.layout)
+            try:
+                tier.connect()
+            except BaseException:
+                tier.close()
+                raise
+            store._attach_remote(tier)
+        except BaseException:
+            store.close()
+            raise
     return store
 
 

@@ -184,6 +184,40 @@ class Reader:
         raise KeyError(f"the stored context changed {READ_ATTEMPTS} times under this get "
                        f"(other processes evicting it): a miss")
 
+    def chunk_extent(self, key: bytes) -> tuple[ChunkRecord, np.ndarray] | None:
+        """A copy of stored chunk ``key``'s verified extent, from DRAM or disk (None if it is
+        not stored, or left meanwhile). For the remote tier's write-through; counts no
+        access."""
+        core = self.core
+        with core.mutex:
+            core.check_open()
+            rec = core.tree.chunks.get(key)
+            if rec is None or key in core.tree.corrupt:
+                return None
+            e = core.dram.peek(rec.key, rec.gen)
+            if e is None:
+                core.slots.pin(rec.slot)
+        n = core.extent_bytes(rec.n_tokens)
+        try:
+            if e is not None:
+                return rec, np.array(core.dram.buffer(e)[:n])
+            buf = np.empty(n, dtype=np.uint8)
+            read_verified(core, rec, buf)
+            return rec, buf
+        except Raced:
+            with core.mutex:
+                core.counters.read_races += 1
+            return None
+        except CorruptData as err:
+            quarantine(core, rec, err, self._files)
+            return None
+        finally:
+            with core.mutex:
+                if e is not None:
+                    core.dram.unpin(e)
+                else:
+                    core.slots.unpin(rec.slot)
+
     def _allocate(self, n_tok: int, device: torch.device | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         if device is None or device.type == "cpu":

@@ -30,6 +30,8 @@ from kvstore.mirror import writing
 from kvstore.policy import EvictionPolicy
 from kvstore.read import Loads, Reader, is_current
 from kvstore.records import ChunkRecord, ContextRecord
+from kvstore.remote.link import RemoteLink
+from kvstore.remote.tier import RemoteTier
 from kvstore.saving import SaveHandle, Saver
 from kvstore.schedule import as_jobs
 from kvstore.tree import served
@@ -76,9 +78,24 @@ class Store:
             core, files, get=lambda toks, ns: self.get(toks, namespace=ns))
         self._saver = Saver(
             capacity_bytes=core.config.write_buffer_bytes,
-            write=lambda toks, k, v, ns, base: self._writer.put(toks, extent.raw(k),
-                                                                extent.raw(v), ns, base),
-            release=self._release_held, helpers=core.helpers)
+            write=self._write_saved, release=self._release_held, helpers=core.helpers)
+        self._remote: RemoteLink | None = None
+
+    def _attach_remote(self, tier: RemoteTier) -> None:
+        """Called once by :func:`kvstore.open` with a connected remote tier."""
+        self._remote = RemoteLink(
+            self._core, tier,
+            get_local=lambda toks, ns, out: self._reader.get(toks, ns, out, None),
+            read_chunk=self._reader.chunk_extent,
+            fill=lambda toks, ns, kr, vr: self._writer.put(toks, kr, vr, ns),
+            prefetch_get=lambda toks, ns: self.get(toks, namespace=ns))
+
+    def _write_saved(self, toks: np.ndarray, k: torch.Tensor, v: torch.Tensor,
+                     namespace: str | None, base: int) -> None:
+        """The writer thread's put of a save, then its write-through."""
+        self._writer.put(toks, extent.raw(k), extent.raw(v), namespace, base)
+        if self._remote is not None:
+            self._remote.after_put(toks, namespace)
 
     @property
     def problems(self) -> list[str]:
@@ -111,6 +128,8 @@ class Store:
         kr = extent.raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
         vr = extent.raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
         self._writer.put(toks, kr, vr, namespace)
+        if self._remote is not None:  # queued for write-through (sent in the background)
+            self._remote.after_put(toks, namespace)
         if index is not None:
             self._indexes.attach(toks, namespace, keys, index)
 
@@ -194,25 +213,60 @@ class Store:
         self._core.check_open()
         self._saver.wait_for(as_tokens(tokens), namespace)
 
-    def flush(self) -> None:
+    def flush(self, *, remote: bool = False) -> None:
         """The durability point of asynchronous saves: block until every finished save is
-        durable; raise the first error a save met since the last flush. Thread-safe."""
+        durable; raise the first error a save met since the last flush. With ``remote=True``,
+        then also wait until every chunk queued for write-through so far has been sent to the
+        remote tier (or failed to: remote failures are counted in ``stats()["remote"]``, never
+        raised). Thread-safe."""
         self._core.check_open()
+        if not isinstance(remote, bool):
+            raise TypeError(f"remote must be a bool, got {type(remote).__name__}")
         self._saver.flush()
+        if remote and self._remote is not None:
+            self._remote.flush()
+            self._remote.wait_filled()
+
+    def set_prefill_rate(self, tokens_per_s: float | None) -> None:
+        """How fast the caller recomputes (prefills) KV, in tokens per second, or None
+        (unknown). With a remote tier, :meth:`match` then counts a remote prefix only if
+        fetching it is estimated (from the link's measured latency and bandwidth) to end
+        sooner than recomputing it. Thread-safe."""
+        if tokens_per_s is not None:
+            if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, int | float) \
+                    or not tokens_per_s > 0 or tokens_per_s == float("inf"):
+                raise ValueError(f"tokens_per_s must be a positive finite number or None, got "
+                                 f"{tokens_per_s!r}")
+            tokens_per_s = float(tokens_per_s)
+        if self._remote is not None:
+            self._remote.prefill_rate = tokens_per_s
 
     # ------------------------------------------------------------------ reading
     def match(self, tokens: object, *, namespace: str | None = None) -> int:
         """How many leading tokens of ``tokens`` the store can serve (from any tier, as
-        committed by any process). Thread-safe; never waits for IO."""
+        committed by any process). Thread-safe. Without a remote tier it never waits for IO;
+        with one, tokens after the local prefix cost one pipelined round trip to Redis (and
+        count only if fetching them pays, see :meth:`set_prefill_rate`); a remote failure
+        is a shorter match, never an error."""
         toks = as_tokens(tokens)
         core = self._core
         with core.mutex:
             core.check_open()
             core.mirror.catch_up()
-            n = served(core.tree.resolve(toks, namespace))
+            pieces = core.tree.resolve(toks, namespace)
+            n = served(pieces)
+        if self._remote is not None and n < len(toks):
+            n = self._remote.match(toks, namespace, pieces)
+        with core.mutex:
             core.counters.match_calls += 1
             core.counters.matched_tokens += n
-            return n
+        return n
+
+    def _local_tokens(self, toks: np.ndarray, namespace: str | None) -> int:
+        with self._core.mutex:
+            self._core.check_open()
+            self._core.mirror.catch_up()
+            return served(self._core.tree.resolve(toks, namespace))
 
     def get(self, tokens: object, *, namespace: str | None = None,
             out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -234,6 +288,8 @@ class Store:
             if dev is not None and dev != out[0].device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on "
                                  f"{out[0].device}")
+        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
+            return self._remote.get(toks, namespace, out, dev)
         return self._reader.get(toks, namespace, out, dev)
 
     def load_layers(self, tokens: object, *, namespace: str | None = None,
@@ -264,8 +320,29 @@ class Store:
                 raise ValueError("out tensors of load_layers must be contiguous CPU tensors")
             if device is not None and dev != k_out.device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
+        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
+            return self._remote_load(toks, namespace, buffer_layers, out, dev)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
                                  device=dev)
+
+    def _remote_load(self, toks: np.ndarray, namespace: str | None, buffer_layers: int | None,
+                     out: tuple[torch.Tensor, torch.Tensor] | None,
+                     dev: torch.device) -> LayerLoad:
+        """A layer-wise load whose tokens extend past the local tiers into the remote one."""
+        core = self._core
+        if out is not None:
+            return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
+                                            kv=out, on_close=None)
+        if dev.type != "cpu":  # through host memory, then to the device at once
+            k, v = self._remote.get(toks, namespace, None, None)
+            k, v = k.to(dev), v.to(dev)
+            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
+                             on_done=lambda: None).start()
+        hbm = self._loads.hbm(dev)
+        buf = hbm.acquire(core.extent_bytes(len(toks)))
+        kv = buf.view(self.layout.torch_dtype).view(2, *self.layout.kv_shape(len(toks)))
+        return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
+                                        kv=(kv[0], kv[1]), on_close=lambda: hbm.release(buf))
 
     def residency(self, tokens: object, *, namespace: str | None = None) -> dict[str, int]:
         """Where the KV of ``tokens`` is: tokens served from this process's DRAM, from disk
@@ -366,12 +443,20 @@ class Store:
         ``stats()["queue"]``). With ``lru``/``fifo`` the queue is recorded but not used.
         Thread-safe.
         """
-        self._hints.set_queue(as_jobs(jobs), as_jobs(running))
+        queue = as_jobs(jobs)
+        self._hints.set_queue(queue, as_jobs(running))
+        if self._remote is not None and queue:
+            window = max(1, self._hints.windows.prefetch)
+            self._remote.prefetch(queue[:window])
 
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Block until the prefetcher has acted on the latest queue and store changes (False
-        on timeout). Re-raises an IO error the prefetcher met. Thread-safe."""
-        return self._hints.prefetcher.wait_idle(timeout)
+        on timeout). Re-raises an IO error the prefetcher met. With a remote tier, also
+        until queued jobs' KV was fetched from Redis and stored locally. Thread-safe."""
+        ok = self._hints.prefetcher.wait_idle(timeout)
+        if self._remote is not None:
+            ok = self._remote.wait_prefetched(timeout) and ok
+        return ok
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, object]:
@@ -427,6 +512,7 @@ class Store:
                     "failed": self._saver.failed,
                 },
                 "indexes": self._indexes.stats(),
+                "remote": None if self._remote is None else self._remote.stats(),
                 "corrupt": {
                     "chunks": cnt.corrupt_chunks,
                     "dropped_contexts": cnt.dropped_contexts,
@@ -515,6 +601,8 @@ class Store:
             core.closing = True  # no new layer-wise loads, saves or prefetches from here on
         self._hints.prefetcher.close()
         self._saver.close(abandon=abandon_pending)
+        if self._remote is not None:  # sends what write-through queued (unless abandoning)
+            self._remote.close(abandon=abandon_pending)
         for load in self._loads.running():
             load.close()
         self._writer.wait_idle()  # puts writing without the lock

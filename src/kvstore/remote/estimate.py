@@ -61,20 +61,21 @@ class LinkEstimate:
                     else self.bytes_per_s / 1e6, "samples": self.samples}
 
 
-def tokens_worth_fetching(est: LinkEstimate, tokens: list[int], token_bytes: int,
-                          prefill_rate: float | None) -> int:
-    """Of the remote prefixes ending after ``tokens[i]`` tokens (increasing), the longest whose
-    fetch is estimated to end sooner than recomputing its tokens at ``prefill_rate`` tokens/s
-    (0: none pays). Without a rate, or without an estimate yet, everything is fetched."""
-    if not tokens:
-        return 0
+def worth_fetching(est: LinkEstimate, options: list[tuple[int, int]],
+                   prefill_rate: float | None) -> int:
+    """Which of the remote prefixes to fetch: ``options[i] = (tokens gained, bytes to
+    fetch)``, both increasing. Returns the index of the longest prefix whose fetch is estimated
+    to end sooner than recomputing the tokens it gains at ``prefill_rate`` tokens/s, or -1 if
+    none pays. Without a rate, or without an estimate yet, the longest is fetched."""
+    if not options:
+        return -1
     if prefill_rate is None:
-        return tokens[-1]
-    best = 0
-    for n in tokens:
-        t = est.fetch_seconds(n * token_bytes)
+        return len(options) - 1
+    best = -1
+    for i, (gain, nbytes) in enumerate(options):
+        t = est.fetch_seconds(nbytes)
         if t is None:
-            return tokens[-1]
-        if t < n / prefill_rate:
-            best = n
+            return len(options) - 1
+        if gain > 0 and t < gain / prefill_rate:
+            best = i
     return best

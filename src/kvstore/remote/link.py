@@ -1,0 +1,372 @@
+"""What a store does with its remote tier: read-through, write-through, prefetch, stats.
+
+* ``match``: after the local prefix (its full chunks), the chain addresses of the rest of the
+  tokens are looked up in one pipelined round trip (headers only, verified); the remote
+  prefix counts only if fetching it is estimated to end sooner than recomputing it at the
+  caller's prefill rate (:mod:`kvstore.remote.estimate`).
+* ``get``: the local full-chunk prefix comes from the local tiers, the rest in one pipelined
+  ``GET`` round trip, every byte verified; then (``fill="disk"``) the fetched context is saved
+  locally in the background (DRAM and disk), without sending it back to Redis.
+* ``load_layers``: the same, layer by layer: one pipelined ``GETRANGE`` round trip per layer,
+  so the first layers arrive first.
+* write-through: each put queues its chunks; a worker thread sends those Redis lacks
+  (``EXISTS``, then ``SET NX``), reading them from the local tiers when it gets to them.
+* prefetch: the scheduler's next jobs whose prompts Redis serves further than the local tiers
+  are fetched (and filled) by a worker thread.
+
+A remote failure never raises from ``match``/``get``: the chunk is a miss (a ``get`` of tokens
+that only the remote could have served raises ``KeyError`` like any miss), and it is counted in
+``stats()["remote"]``. Local eviction never deletes a remote copy.
+
+Thread-safety: every method may be called from any thread at once; no method holds the store's
+metadata lock during a remote call.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kvstore import extent
+from kvstore.copying import gather
+from kvstore.core import Core
+from kvstore.errors import StoreClosed
+from kvstore.hashing import chunk_hash
+from kvstore.layerwise import LayerLoad
+from kvstore.remote import value as rv
+from kvstore.remote.estimate import worth_fetching
+from kvstore.remote.queue import Worker
+from kvstore.remote.tier import RemoteTier
+from kvstore.schedule import Job
+from kvstore.tree import Piece, served
+from kvstore.workers import copy_all
+
+RECENT = 4096  # keys fetched from remote, remembered so that filling them does not send them back
+
+
+@dataclass(slots=True)
+class LinkCounters:
+    matches: int = 0  # matches that consulted the remote tier
+    matched_tokens: int = 0  # tokens matches found remotely beyond the local prefix
+    declined_tokens: int = 0  # ... of which fetching was estimated not to pay
+    gets: int = 0  # gets (and layer-wise loads) served partly from remote
+    served_tokens: int = 0
+    misses: int = 0  # gets the remote could not complete
+    filled: int = 0  # fetched contexts saved locally
+    fill_skipped: int = 0  # ... not saved: the write buffer was full
+    fill_failed: int = 0
+    prefetched: int = 0  # jobs whose KV the prefetcher fetched from remote
+    queued_writes: int = 0  # chunks queued for write-through
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    key: bytes
+    start: int  # token offset in the request
+    tokens: np.ndarray
+
+
+class RemoteLink:
+    def __init__(self, core: Core, tier: RemoteTier, *,
+                 get_local: Callable[[np.ndarray, str | None, tuple[torch.Tensor, torch.Tensor]],
+                                     None],
+                 read_chunk: Callable[[bytes], tuple[object, np.ndarray] | None],
+                 fill: Callable[[np.ndarray, str | None, np.ndarray, np.ndarray], None],
+                 prefetch_get: Callable[[np.ndarray, str | None], None]) -> None:
+        self.core = core
+        self.tier = tier
+        self._get_local = get_local  # local KV of toks into the leading tokens of out tensors
+        self._read_chunk = read_chunk  # key -> (record, extent) from the local tiers, or None
+        self._fill = fill  # store a fetched context locally: (toks, ns, raw k, raw v)
+        self.last_fill_error = ""
+        self._prefetch_get = prefetch_get
+        self._lock = threading.Lock()
+        self.counters = LinkCounters()
+        self.prefill_rate: float | None = None
+        self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._writes: Worker[tuple[bytes, bytes]] = Worker(
+            self._write_batch, name="kvstore-remote-write", batch=16,
+            max_items=tier.cfg.max_queued_chunks, key=lambda it: it[0])
+        self._fills: Worker[tuple[np.ndarray, str | None, torch.Tensor, torch.Tensor]] = Worker(
+            self._fill_batch, name="kvstore-remote-fill", batch=1, max_items=4,
+            key=lambda it: (it[1], it[0].tobytes()))
+        self._prefetches: Worker[Job] = Worker(
+            self._prefetch_batch, name="kvstore-remote-prefetch", batch=1, max_items=256,
+            key=lambda j: (j.namespace, j.tokens.tobytes()))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    # ------------------------------------------------------------------ addressing
+    def _rest(self, toks: np.ndarray, namespace: str | None,
+              pieces: list[Piece]) -> tuple[int, list[_Chunk]]:
+        """The local full-chunk prefix length and the chunks of the remaining tokens."""
+        c = self.core.config.chunk_tokens
+        full = 0
+        for p in pieces:
+            if p.use != c or p.rec.n_tokens != c:
+                break
+            full += 1
+        parent = pieces[full - 1].rec.key if full else self.core.tree.seed(namespace)
+        out = []
+        for start in range(full * c, len(toks), c):
+            part = toks[start:start + c]
+            key = chunk_hash(parent, part)
+            out.append(_Chunk(key, start, part))
+            parent = key
+        return full * c, out
+
+    def _local(self, toks: np.ndarray, namespace: str | None) -> list[Piece]:
+        core = self.core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            return core.tree.resolve(toks, namespace)
+
+    # ------------------------------------------------------------------ match
+    def match(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece]) -> int:
+        """How many leading tokens the local tiers and the remote tier together serve, of
+        which the remote part only if fetching it pays."""
+        local = served(pieces)
+        if local == len(toks):
+            return local
+        base, rest = self._rest(toks, namespace, pieces)
+        if base + sum(len(ch.tokens) for ch in rest) <= local:
+            return local
+        headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
+        self._count("matches")
+        options: list[tuple[int, int]] = []
+        end, nbytes = base, 0
+        first: tuple[bytes, rv.Header] | None = None
+        for ch, h in zip(rest, headers, strict=True):
+            if h is None:
+                break
+            first = first or (ch.key, h)
+            end += len(ch.tokens)
+            nbytes += h.value_bytes
+            if end > local:
+                options.append((end - local, nbytes))
+        if not options:
+            return local
+        if self.prefill_rate is not None and self.tier.estimate.needs_probe() and first:
+            self.tier.probe(*first)
+        pick = worth_fetching(self.tier.estimate, options, self.prefill_rate)
+        n = local + (options[pick][0] if pick >= 0 else 0)
+        self._count("matched_tokens", options[-1][0])
+        self._count("declined_tokens", options[-1][0] - (n - local))
+        return n
+
+    # ------------------------------------------------------------------ get
+    def get(self, toks: np.ndarray, namespace: str | None,
+            out: tuple[torch.Tensor, torch.Tensor] | None,
+            device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of all of ``toks`` from the local full-chunk prefix and the remote tier;
+        KeyError (a miss) if the remote tier cannot serve the rest."""
+        base, rest = self._rest(toks, namespace, self._local(toks, namespace))
+        exts = self.tier.values([(ch.key, ch.tokens) for ch in rest])
+        missing = sum(e is None for e in exts)
+        if missing:
+            self._count("misses")
+            raise KeyError(f"only the first {base} of the {len(toks)} tokens are stored "
+                           f"locally, and {missing} of the {len(rest)} remaining chunks are "
+                           f"not usable in the remote tier: a miss")
+        lay = self.core.layout
+        if out is not None and out[0].device.type == "cpu":
+            k_out, v_out = out
+        else:
+            k_out, v_out = self.core.buffers.kv(lay, len(toks))
+        if base:
+            self._get_local(toks[:base], namespace, (k_out, v_out))
+        gather(lay, extent.raw(k_out), extent.raw(v_out),
+               [(np.asarray(e), len(ch.tokens), ch.start, len(ch.tokens))
+                for ch, e in zip(rest, exts, strict=True)], self.core.helpers)
+        self._remember([ch.key for ch in rest])
+        self._count("gets")
+        self._count("served_tokens", len(toks) - base)
+        self._fill_local(toks, namespace, k_out, v_out)
+        if out is not None and out[0].device.type != "cpu":
+            out[0].copy_(k_out)
+            out[1].copy_(v_out)
+            return out
+        if device is not None and device.type != "cpu":
+            return k_out.to(device), v_out.to(device)
+        return k_out, v_out
+
+    def _fill_local(self, toks: np.ndarray, namespace: str | None, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """Queue a copy of a fetched context to be stored locally (skipped, and counted, when
+        four are queued already: memory stays bounded and the get never waits)."""
+        if self.tier.cfg.fill == "none" or self.core.readonly:
+            return
+        kc, vc = self.core.buffers.kv(self.core.layout, len(toks))
+        copy_all(self.core.helpers, [(extent.raw(kc), extent.raw(k)),
+                                     (extent.raw(vc), extent.raw(v))])
+        if not self._fills.offer((toks.copy(), namespace, kc, vc)):
+            self._count("fill_skipped")
+
+    def _fill_batch(self, batch: list[tuple[np.ndarray, str | None, torch.Tensor,
+                                            torch.Tensor]]) -> None:
+        for toks, ns, k, v in batch:
+            try:
+                self._fill(toks, ns, extent.raw(k), extent.raw(v))
+            except StoreClosed:
+                return
+            except Exception as e:  # counted and shown in stats(); the get had its data
+                self._count("fill_failed")
+                with self._lock:
+                    self.last_fill_error = f"{type(e).__name__}: {e}"[:300]
+                continue
+            self._count("filled")
+
+    def _remember(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._recent[k] = None
+                self._recent.move_to_end(k)
+            while len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
+
+    # ------------------------------------------------------------------ layer-wise
+    def load_layers(self, toks: np.ndarray, namespace: str | None, *,
+                    buffer_layers: int | None, kv: tuple[torch.Tensor, torch.Tensor],
+                    on_close: Callable[[], None] | None) -> LayerLoad:
+        """A layer-wise load of ``toks`` into ``kv`` (CPU [L, H, T, D]): the local prefix at
+        once, the remote chunks one layer per round trip (``GETRANGE``)."""
+        base, rest = self._rest(toks, namespace, self._local(toks, namespace))
+        headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
+        if any(h is None for h in headers):
+            self._count("misses")
+            if on_close is not None:
+                on_close()
+            raise KeyError(f"{sum(h is None for h in headers)} of the {len(rest)} chunks "
+                           f"after the local prefix are not usable in the remote tier: a miss")
+        k_out, v_out = kv
+        try:
+            if base:
+                self._get_local(toks[:base], namespace, (k_out, v_out))
+        except BaseException:
+            if on_close is not None:
+                on_close()
+            raise
+        kr, vr = extent.raw(k_out), extent.raw(v_out)
+        lay = self.core.layout
+        items = [(ch.key, h) for ch, h in zip(rest, headers, strict=True)]
+
+        def load_layer(layer: int) -> None:
+            parts = self.tier.layer(items, layer)
+            for ch, part in zip(rest, parts, strict=True):
+                if part is None:
+                    self._count("misses")
+                    raise KeyError(f"chunk {ch.key.hex()} was lost from the remote tier during "
+                                   f"a layer-wise load: a miss")
+                n = len(ch.tokens)
+                x = part.view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
+                np.copyto(kr[layer, :, ch.start:ch.start + n], x[0])
+                np.copyto(vr[layer, :, ch.start:ch.start + n], x[1])
+
+        def done() -> None:
+            self._count("gets")
+            self._count("served_tokens", len(toks) - base)
+
+        load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
+                         on_close=on_close)
+        return load.start()
+
+    # ------------------------------------------------------------------ write-through
+    def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
+        """Queue the chunks of a stored context for write-through (waits if the queue is
+        full). Chunks just fetched from remote are not sent back."""
+        if not self.tier.cfg.write_through:
+            return
+        c = self.core.config.chunk_tokens
+        parent = self.core.tree.seed(namespace)
+        items = []
+        with self._lock:
+            recent = self._recent
+            for start in range(0, len(toks), c):
+                key = chunk_hash(parent, toks[start:start + c])
+                if key not in recent:
+                    items.append((key, b""))
+                parent = key
+        self._count("queued_writes", self._writes.submit(items))
+
+    def _write_batch(self, batch: list[tuple[bytes, bytes]]) -> None:
+        tier = self.tier
+        keys = [k for k, _ in batch]
+        there = tier.exists(keys)
+        send: list[tuple[bytes, bytes]] = []
+        for k, e in zip(keys, there, strict=True):
+            if e is None:
+                tier._count("write_failed")
+            elif e:
+                tier._count("already_present")
+            else:
+                got = self._read_chunk(k)
+                if got is None:  # evicted or superseded locally before it could be sent
+                    tier._count("write_failed")
+                    continue
+                rec, ext = got
+                send.append((k, rv.encode_bytes(k, rec.tokens, ext, self.core.layout.num_layers,
+                                                checksums=rec.checksums, codec=tier.cfg.codec)))
+        if send:
+            for ok in tier.put(send):
+                tier._count("written_chunks" if ok else "already_present" if ok is False
+                            else "write_failed")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every chunk queued for write-through so far was sent (or failed, as
+        counted in stats). False on timeout."""
+        return self._writes.wait(timeout)
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, jobs: list[Job]) -> None:
+        """Fetch (and fill locally) the remote KV of these queued jobs in the background."""
+        if self.tier.cfg.fill == "none" or self.core.readonly:
+            return
+        self._prefetches.submit(jobs)
+
+    def _prefetch_batch(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            pieces = self._local(job.tokens, job.namespace)
+            n = self.match(job.tokens, job.namespace, pieces)
+            if n > served(pieces):
+                try:
+                    self._prefetch_get(job.tokens[:n], job.namespace)
+                except KeyError:  # evicted from Redis meanwhile: counted as a miss
+                    continue
+                self._count("prefetched")
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        """Block until queued remote prefetches and the local fills they cause are done."""
+        return self._prefetches.wait(timeout) and self._fills.wait(timeout)
+
+    def wait_filled(self, timeout: float | None = None) -> bool:
+        """Block until fetched contexts queued to be stored locally are stored."""
+        return self._fills.wait(timeout)
+
+    # ------------------------------------------------------------------ lifecycle, stats
+    def close(self, *, abandon: bool = False) -> None:
+        """Stop prefetching; send what write-through has queued (unless ``abandon``); close
+        the connections."""
+        try:
+            self._prefetches.close(abandon=True)
+            self._fills.close(abandon=abandon)
+            self._writes.close(abandon=abandon)
+        finally:
+            self.tier.close()
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            c = asdict(self.counters)
+        return {**self.tier.stats(), **c, "prefill_rate": self.prefill_rate,
+                "write_queue": self._writes.pending, "write_errors": self._writes.errors,
+                "write_dropped": self._writes.dropped,
+                "last_write_error": self._writes.last_error,
+                "prefetch_errors": self._prefetches.errors,
+                "last_fill_error": self.last_fill_error}
