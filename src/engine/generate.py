@@ -137,6 +137,17 @@ class Generator:
         if model.config.eos_token_id is not None:
             stops.add(int(model.config.eos_token_id))
         self.stop_ids = frozenset(stops)
+        self.prefill_rate: float | None = None  # measured tokens/s of prefill (moving average)
+
+    def _measured_prefill(self, tokens: int, seconds: float) -> None:
+        """Feed a prefill's speed to the store: with a remote tier it fetches only what
+        arrives sooner than this machine recomputes it (prefills of >= 64 tokens count)."""
+        if tokens < 64 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.prefill_rate = rate if self.prefill_rate is None else (
+            0.7 * self.prefill_rate + 0.3 * rate)
+        self.store.set_prefill_rate(self.prefill_rate)
 
     def load_prefix(self, ids: Sequence[int], *, namespace: str | None = None,
                     leave: int = 1) -> tuple[int, list[KV] | None]:
@@ -276,8 +287,11 @@ class Generator:
             else:
                 n_reused, past = self.load_prefix(ids, namespace=namespace)
             load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
+            t1 = time.perf_counter()
             logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
                                             on_layer=None if save is None else save.layer)
+            if n_reused == 0:  # a pure prefill: this machine's recompute speed
+                self._measured_prefill(len(ids), time.perf_counter() - t1)
             return n_reused, load_s, logits, kv
         finally:
             if load is not None:

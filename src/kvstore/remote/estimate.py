@@ -27,12 +27,13 @@ class LinkEstimate:
         self.bw_at = 0.0
         self.samples = 0
 
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """One call (one pipelined round trip) that received ``nbytes`` in ``seconds``."""
+    def observe(self, nbytes: int, seconds: float, *, probe: bool = False) -> None:
+        """One call (one pipelined round trip) that received ``nbytes`` in ``seconds``; a
+        ``probe`` (a range fetched to measure) always counts for bandwidth."""
         seconds = max(seconds, 1e-7)
         with self._lock:
             self.samples += 1
-            if nbytes < SMALL_BYTES or self.latency_s is None:
+            if not probe and (nbytes < SMALL_BYTES or self.latency_s is None):
                 lat = seconds if nbytes < SMALL_BYTES else seconds * 0.1
                 self.latency_s = lat if self.latency_s is None else (
                     (1 - ALPHA) * self.latency_s + ALPHA * lat)

@@ -96,6 +96,7 @@ class RemoteTier:
                                               else _node_url(u, p.hostname, p.port or 6379),
                                               cfg))
         self._closed = False
+        self.cluster = cfg.cluster  # also found at connect (INFO) or by a MOVED reply
 
     # ------------------------------------------------------------------ setup
     def connect(self) -> None:
@@ -116,7 +117,17 @@ class RemoteTier:
                 node.reset()
                 self._count("call_errors")
                 node.breaker.trip(e)
-        if self.cfg.cluster:
+                continue
+            if not self.cluster:
+                try:
+                    info = node.client.info("cluster")
+                except (RedisError, OSError) as e:
+                    node.reset()
+                    self._count("call_errors")
+                    node.breaker.failure(e)
+                    continue
+                self.cluster = bool(info.get("cluster_enabled"))
+        if self.cluster:
             self.refresh_slots()
 
     def refresh_slots(self) -> bool:
@@ -161,13 +172,14 @@ class RemoteTier:
     def redis_key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
-    def node_of(self, key: bytes) -> Node | None:
-        if not self.cfg.cluster:
+    def node_of(self, rkey: bytes) -> Node | None:
+        """The node holding Redis key ``rkey`` (None: a cluster whose slot map is unknown)."""
+        if not self.cluster:
             return next(iter(self._nodes.values()))
         slots = self._slots
         if slots is None:
             return None
-        return slots[key_slot(self.redis_key(key))]
+        return slots[key_slot(rkey)]
 
     def nodes(self) -> list[Node]:
         with self._lock:
@@ -177,15 +189,16 @@ class RemoteTier:
         with self._lock:
             setattr(self.counters, name, getattr(self.counters, name) + n)
 
-    def _call(self, keys: Sequence[bytes], build: Callable[[object, int], None]
-              ) -> dict[int, object]:
+    def _call(self, keys: Sequence[bytes], build: Callable[[object, int], None], *,
+              probe: bool = False, redis_keys: bool = False) -> dict[int, object]:
         """One pipelined round trip per node for the commands ``build(pipe, i)`` of each
-        ``keys[i]``; returns i -> reply (an exception object for a per-command error) for the
-        nodes that answered. Failed and refused nodes' keys are absent from the result."""
+        chunk ``keys[i]`` (Redis keys themselves with ``redis_keys``); returns i -> reply (an
+        exception object for a per-command error) for the nodes that answered. Failed and
+        refused nodes' keys are absent from the result."""
         groups: dict[str, tuple[Node, list[int]]] = {}
         unmapped = 0
         for i, k in enumerate(keys):
-            node = self.node_of(k)
+            node = self.node_of(k if redis_keys else self.redis_key(k))
             if node is None:
                 unmapped += 1
                 continue
@@ -223,10 +236,11 @@ class RemoteTier:
                 out[i] = r
                 if isinstance(r, bytes):
                     nbytes += len(r)
-            self.estimate.observe(nbytes, dt)
+            self.estimate.observe(nbytes, dt, probe=probe)
             with self._lock:
                 self.counters.fetched_bytes += nbytes
-        if moved:
+        if moved:  # the slot map changed, or a single URL named a cluster node
+            self.cluster = True
             self.refresh_slots()
         return out
 
@@ -327,7 +341,22 @@ class RemoteTier:
         a = h.size
         b = min(h.value_bytes, a + self.cfg.probe_bytes) - 1
         self._count("probes")
-        self._call([key], lambda pipe, i: pipe.getrange(self.redis_key(key), a, b))
+        self._call([key], lambda pipe, i: pipe.getrange(self.redis_key(key), a, b), probe=True)
+
+    # ------------------------------------------------------------------ small documents
+    def put_doc(self, name: str, data: bytes) -> bool:
+        """Store a small document (e.g. a conversation's state) under ``prefix + "doc:" +
+        name``; False if its node did not answer."""
+        rk = self._prefix + b"doc:" + name.encode()
+        r = self._call([rk], lambda pipe, i: pipe.set(rk, data), redis_keys=True)
+        return r.get(0) is True
+
+    def get_doc(self, name: str) -> bytes | None:
+        """A document stored by :meth:`put_doc` (None if absent or the node did not answer).
+        Untrusted bytes: the caller validates them."""
+        rk = self._prefix + b"doc:" + name.encode()
+        r = self._call([rk], lambda pipe, i: pipe.get(rk), redis_keys=True).get(0)
+        return r if isinstance(r, bytes) else None
 
     # ------------------------------------------------------------------ writes
     def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
@@ -355,7 +384,7 @@ class RemoteTier:
             nodes = list(self._nodes.values())
         states = {n.name: n.breaker.stats() for n in nodes}
         return {"urls": [_hide_password(u) for u in self.cfg.urls],
-                "cluster": self.cfg.cluster, **c, "link": self.estimate.stats(),
+                "cluster": self.cluster, **c, "link": self.estimate.stats(),
                 "breaker": "open" if any(s["state"] != "closed" for s in states.values())
                 else "closed", "nodes": states}
 
