@@ -2,7 +2,7 @@
 
 LMCache issue #914: a remote tier slower than recomputing. The store measures every remote
 call (bytes received, seconds) and keeps moving averages of the round-trip latency (from calls
-that move little) and of the bandwidth (from calls that move much, after their latency). A
+that move little) and of the bandwidth (from calls that move much, or probes). A
 caller that knows how fast it prefills (tokens per second) lets :func:`tokens_worth_fetching`
 fetch only the prefix that arrives sooner than it could be recomputed.
 
@@ -39,8 +39,9 @@ class LinkEstimate:
                     (1 - ALPHA) * self.latency_s + ALPHA * lat)
                 if nbytes < SMALL_BYTES:
                     return
-            transfer = max(seconds - self.latency_s, seconds * 0.1)
-            bw = nbytes / transfer
+            # conservative: a large call's whole time counts as transfer (its latency is small
+            # against it, and a latency estimate skewed by a busy machine cannot inflate it)
+            bw = nbytes / seconds
             self.bytes_per_s = bw if self.bytes_per_s is None else (
                 (1 - ALPHA) * self.bytes_per_s + ALPHA * bw)
             self.bw_at = time.monotonic()

@@ -35,6 +35,10 @@ from kvstore.remote.breaker import Breaker
 from kvstore.remote.config import RemoteConfig
 from kvstore.remote.estimate import LinkEstimate
 
+# bytes per recv into hiredis: chunk values are megabytes, and redis-py's 64 KiB default makes
+# a large GET several times slower (measured: bench/remote.py get, docs/benchmarks.md)
+READ_SIZE = 1 << 20
+
 
 class RemoteAuthError(KVStoreError):
     """The Redis server refused the credentials of the remote URL (raised at open)."""
@@ -63,7 +67,8 @@ class Node:
         self.name = name
         self.client = redis.Redis.from_url(
             url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0, decode_responses=False)
+            retry=Retry(NoBackoff(), 0), health_check_interval=0, decode_responses=False,
+            socket_read_size=READ_SIZE)
         self.breaker = Breaker(name, failures=cfg.breaker_failures, retry_s=cfg.breaker_retry_s,
                                probe=self.client.ping)
 

