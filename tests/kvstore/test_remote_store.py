@@ -39,9 +39,10 @@ def test_a_puts_b_matches_and_gets_the_same_bytes(pair):
     a.flush(remote=True)
     assert a.stats()["remote"]["written_chunks"] == 5
     assert b.match(t) == len(t)
-    # a longer prompt: the remote tier serves its full chunks (a stored partial last chunk is
-    # found by its exact address only; the local tiers find it by common prefix)
-    assert b.match(t + [7, 7]) == 4 * C
+    # a longer prompt: its chunk after the stored ones is not stored, but the stored partial
+    # last chunk is found through its parent's kids set
+    assert b.match(t + [7, 7]) == len(t)
+    assert b.match(t[:-1] + [9]) == len(t) - 1
     assert b.match(t[: 2 * C + 1]) == 2 * C  # a prefix ending inside a chunk: full chunks only
     assert_get_exact(b, t)
     assert_get_exact(b, t[: 2 * C])
@@ -51,6 +52,22 @@ def test_a_puts_b_matches_and_gets_the_same_bytes(pair):
     assert s["gets"] == 2 and s["filled"] >= 1 and s["breaker"] == "closed"
     # the fill is not written back: a's copies were already there
     assert s["written_chunks"] == 0
+
+
+def test_a_longer_prompt_finds_the_stored_partial_chunk(pair):
+    a, b = pair
+    t = toks(11, 2 * C + 3)  # two full chunks and a partial one
+    put_causal(a, t)
+    a.flush(remote=True)
+    longer = t + [1, 2, 3, 4, 5]
+    assert b.match(longer) == len(t)
+    assert_get_exact(b, t)
+    assert_get_exact(b, t[:-1])  # inside the partial chunk
+    ek, ev = causal_kv(SMALL, t[:-1])
+    with b.load_layers(t[:-1]) as load:
+        for layer in range(SMALL.num_layers):
+            k, v = load.wait(layer)
+            assert torch.equal(k, ek[layer]) and torch.equal(v, ev[layer])
 
 
 def test_local_prefix_then_remote_rest(pair):
@@ -204,8 +221,7 @@ class TwoStores(RuleBasedStateMachine):
         t = t[: max(1, len(t) - cut)]
         ever = max(lcp(t, x) for x in self.put_ctx)
         local = max((lcp(t, x) for x in self.local[s]), default=0)
-        remote = max((lcp(t, x) if lcp(t, x) == len(x) == len(t) else lcp(t, x) // C * C
-                      for x in self.remote), default=0)
+        remote = max((self.remote_serves(t, x) for x in self.remote), default=0)
         n = self.stores[s].match(t)
         assert max(local, remote) <= n <= ever
         if n:
@@ -213,6 +229,15 @@ class TwoStores(RuleBasedStateMachine):
         if n > local:  # fetched: stored locally once the fill is done
             self.stores[s].flush(remote=True)
             self.local[s].append(t[:n])
+
+    @staticmethod
+    def remote_serves(t, x):
+        """Tokens of ``t`` the remote tier serves from context ``x`` alone: whole chunks, or
+        into x's stored partial last chunk (found through its parent's kids set)."""
+        n = lcp(t, x)
+        if n == len(x) or (len(x) % C and n > len(x) // C * C):
+            return n
+        return n // C * C
 
     @rule()
     def redis_loses_everything(self):

@@ -36,7 +36,7 @@ from kvstore import extent
 from kvstore.copying import gather
 from kvstore.core import Core
 from kvstore.errors import StoreClosed
-from kvstore.hashing import chunk_hash
+from kvstore.hashing import chunk_hash, common_prefix_len
 from kvstore.layerwise import LayerLoad
 from kvstore.remote import value as rv
 from kvstore.remote.estimate import worth_fetching
@@ -69,6 +69,19 @@ class _Chunk:
     key: bytes
     start: int  # token offset in the request
     tokens: np.ndarray
+    parent: bytes
+
+
+def best_kid(kids: list[tuple[bytes, np.ndarray]], want: np.ndarray
+             ) -> tuple[bytes, np.ndarray, int] | None:
+    """The stored partial chunk sharing the longest prefix with ``want``: (key, its tokens,
+    tokens shared), None if none shares any. Ties go to the smaller key (deterministic)."""
+    best = None
+    for key, toks in kids:
+        n = common_prefix_len(toks, want)
+        if n and (best is None or n > best[2] or (n == best[2] and key < best[0])):
+            best = (key, toks, n)
+    return best
 
 
 class RemoteLink:
@@ -118,7 +131,7 @@ class RemoteLink:
         for start in range(full * c, len(toks), c):
             part = toks[start:start + c]
             key = chunk_hash(parent, part)
-            out.append(_Chunk(key, start, part))
+            out.append(_Chunk(key, start, part, parent))
             parent = key
         return full * c, out
 
@@ -139,23 +152,29 @@ class RemoteLink:
         base, rest = self._rest(toks, namespace, pieces)
         if base + sum(len(ch.tokens) for ch in rest) <= local:
             return local
-        headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
+        headers, kids = self.tier.headers_and_kids([(ch.key, ch.tokens) for ch in rest],
+                                                   [ch.parent for ch in rest])
         self._count("matches")
         options: list[tuple[int, int]] = []
         end, nbytes = base, 0
-        first: tuple[bytes, rv.Header] | None = None
-        for ch, h in zip(rest, headers, strict=True):
-            if h is None:
+        found: list[tuple[bytes, rv.Header]] = []
+        for ch, h, ks in zip(rest, headers, kids, strict=True):
+            if h is None:  # a stored partial chunk may still share a prefix with the rest
+                kid = best_kid(ks, ch.tokens)
+                if kid is not None and end + kid[2] > local:
+                    end += kid[2]
+                    nbytes += len(kid[1]) * self.core.layout.token_bytes
+                    options.append((end - local, nbytes))
                 break
-            first = first or (ch.key, h)
+            found.append((ch.key, h))
             end += len(ch.tokens)
             nbytes += h.value_bytes
             if end > local:
                 options.append((end - local, nbytes))
         if not options:
             return local
-        if self.prefill_rate is not None and self.tier.estimate.needs_probe() and first:
-            self.tier.probe(*first)
+        if self.prefill_rate is not None and self.tier.estimate.needs_probe() and found:
+            self.tier.probe(found)
         pick = worth_fetching(self.tier.estimate, options, self.prefill_rate)
         n = local + (options[pick][0] if pick >= 0 else 0)
         self._count("matched_tokens", options[-1][0])
@@ -170,6 +189,14 @@ class RemoteLink:
         KeyError (a miss) if the remote tier cannot serve the rest."""
         base, rest = self._rest(toks, namespace, self._local(toks, namespace))
         exts = self.tier.values([(ch.key, ch.tokens) for ch in rest])
+        pieces = [(np.asarray(e), len(ch.tokens), ch.start, len(ch.tokens))
+                  for ch, e in zip(rest, exts, strict=True) if e is not None]
+        if exts and exts[-1] is None and all(e is not None for e in exts[:-1]):
+            kid = self._kid_extent(rest[-1])  # the tail inside a longer stored partial chunk
+            if kid is not None:
+                exts[-1] = kid[0]
+                pieces.append((np.asarray(kid[0]), kid[1], rest[-1].start,
+                               len(rest[-1].tokens)))
         missing = sum(e is None for e in exts)
         if missing:
             self._count("misses")
@@ -183,9 +210,7 @@ class RemoteLink:
             k_out, v_out = self.core.buffers.kv(lay, len(toks))
         if base:
             self._get_local(toks[:base], namespace, (k_out, v_out))
-        gather(lay, extent.raw(k_out), extent.raw(v_out),
-               [(np.asarray(e), len(ch.tokens), ch.start, len(ch.tokens))
-                for ch, e in zip(rest, exts, strict=True)], self.core.helpers)
+        gather(lay, extent.raw(k_out), extent.raw(v_out), pieces, self.core.helpers)
         self._remember([ch.key for ch in rest])
         self._count("gets")
         self._count("served_tokens", len(toks) - base)
@@ -197,6 +222,21 @@ class RemoteLink:
         if device is not None and device.type != "cpu":
             return k_out.to(device), v_out.to(device)
         return k_out, v_out
+
+    def _kid(self, ch: _Chunk) -> tuple[bytes, np.ndarray] | None:
+        """A stored partial chunk after ``ch.parent`` that starts with all of ``ch.tokens``."""
+        kid = best_kid(self.tier.kids([ch.parent])[0], ch.tokens)
+        if kid is None or kid[2] < len(ch.tokens):
+            return None
+        return kid[0], kid[1]
+
+    def _kid_extent(self, ch: _Chunk) -> tuple[np.ndarray, int] | None:
+        """(verified extent, its tokens) of :meth:`_kid`; two more round trips."""
+        kid = self._kid(ch)
+        if kid is None:
+            return None
+        ext = self.tier.values([kid])[0]
+        return None if ext is None else (ext, len(kid[1]))
 
     def _fill_local(self, toks: np.ndarray, namespace: str | None, k: torch.Tensor,
                     v: torch.Tensor) -> None:
@@ -240,6 +280,12 @@ class RemoteLink:
         once, the remote chunks one layer per round trip (``GETRANGE``)."""
         base, rest = self._rest(toks, namespace, self._local(toks, namespace))
         headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
+        keys = [ch.key for ch in rest]
+        if headers and headers[-1] is None and all(h is not None for h in headers[:-1]):
+            kid = self._kid(rest[-1])  # the tail inside a longer stored partial chunk
+            if kid is not None:
+                keys[-1] = kid[0]
+                headers[-1] = self.tier.headers([kid])[0]
         if any(h is None for h in headers):
             self._count("misses")
             if on_close is not None:
@@ -256,7 +302,7 @@ class RemoteLink:
             raise
         kr, vr = extent.raw(k_out), extent.raw(v_out)
         lay = self.core.layout
-        items = [(ch.key, h) for ch, h in zip(rest, headers, strict=True)]
+        items = list(zip(keys, headers, strict=True))
 
         def load_layer(layer: int) -> None:
             parts = self.tier.layer(items, layer)
@@ -265,10 +311,10 @@ class RemoteLink:
                     self._count("misses")
                     raise KeyError(f"chunk {ch.key.hex()} was lost from the remote tier during "
                                    f"a layer-wise load: a miss")
-                n = len(ch.tokens)
+                n, use = len(part) // (lay.layer_token_bytes), len(ch.tokens)
                 x = part.view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
-                np.copyto(kr[layer, :, ch.start:ch.start + n], x[0])
-                np.copyto(vr[layer, :, ch.start:ch.start + n], x[1])
+                np.copyto(kr[layer, :, ch.start:ch.start + use], x[0, :, :use])
+                np.copyto(vr[layer, :, ch.start:ch.start + use], x[1, :, :use])
 
         def done() -> None:
             self._count("gets")
@@ -301,6 +347,8 @@ class RemoteLink:
         keys = [k for k, _ in batch]
         there = tier.exists(keys)
         send: list[tuple[bytes, bytes]] = []
+        kids: list[tuple[bytes, bytes, np.ndarray]] = []
+        c = self.core.config.chunk_tokens
         for k, e in zip(keys, there, strict=True):
             if e is None:
                 tier._count("write_failed")
@@ -312,10 +360,12 @@ class RemoteLink:
                     tier._count("write_failed")
                     continue
                 rec, ext = got
+                if rec.n_tokens < c:  # findable by a longer prompt through its parent
+                    kids.append((rec.parent, rec.key, rec.tokens))
                 send.append((k, rv.encode_bytes(k, rec.tokens, ext, self.core.layout.num_layers,
                                                 checksums=rec.checksums, codec=tier.cfg.codec)))
         if send:
-            for ok in tier.put(send):
+            for ok in tier.put(send, kids):
                 tier._count("written_chunks" if ok else "already_present" if ok is False
                             else "write_failed")
 

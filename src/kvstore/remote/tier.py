@@ -257,22 +257,57 @@ class RemoteTier:
             self._count("bad_values")
 
     # ------------------------------------------------------------------ reads
-    def headers(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[rv.Header | None]:
+    def kids_key(self, parent: bytes) -> bytes:
+        """The set of partial chunks stored after chunk ``parent`` (members: key + tokens)."""
+        return self._prefix + b"kids:" + parent.hex().encode()
+
+    def _kids(self, reply: object) -> list[tuple[bytes, np.ndarray]]:
+        """Members of a kids set: (chunk key, token ids); malformed members are skipped."""
+        if not isinstance(reply, set | list):
+            return []
+        out = []
+        for m in reply:
+            if isinstance(m, bytes) and len(m) > rv.KEY_BYTES and \
+                    (len(m) - rv.KEY_BYTES) % 4 == 0:
+                out.append((m[:rv.KEY_BYTES], np.frombuffer(m, dtype="<u4",
+                                                            offset=rv.KEY_BYTES).copy()))
+        return out
+
+    def kids(self, parents: Sequence[bytes]) -> list[list[tuple[bytes, np.ndarray]]]:
+        """The partial chunks stored after each parent: one round trip (``SMEMBERS``)."""
+        rkeys = [self.kids_key(p) for p in parents]
+        replies = self._call(rkeys, lambda pipe, i: pipe.smembers(rkeys[i]), redis_keys=True)
+        return [self._kids(replies.get(i)) for i in range(len(parents))]
+
+    def headers(self, items: Sequence[tuple[bytes, np.ndarray]],
+                parents: Sequence[bytes] = ()) -> list[rv.Header | None]:
         """The verified header of each (key, tokens), None where absent or unusable (a value
         whose length disagrees with its header included): one round trip (``GETRANGE key 0
         header_size-1`` and ``STRLEN``)."""
+        return self.headers_and_kids(items, parents)[0]
+
+    def headers_and_kids(self, items: Sequence[tuple[bytes, np.ndarray]],
+                         parents: Sequence[bytes]
+                         ) -> tuple[list[rv.Header | None], list[list[tuple[bytes, np.ndarray]]]]:
+        """:meth:`headers` of ``items`` and :meth:`kids` of ``parents`` in one round trip."""
         lay = self.layout
-        keys = [k for k, _ in items for _ in range(2)]
+        rkeys = [self.redis_key(k) for k, _ in items for _ in range(2)]
+        rkeys += [self.kids_key(p) for p in parents]
+        n2 = 2 * len(items)
 
         def build(pipe: object, j: int) -> None:
-            k, t = items[j // 2]
+            if j >= n2:
+                pipe.smembers(rkeys[j])
+                return
+            _, t = items[j // 2]
             if j % 2 == 0:
-                pipe.getrange(self.redis_key(k), 0, rv.header_size(len(t), lay.num_layers) - 1)
+                pipe.getrange(rkeys[j], 0, rv.header_size(len(t), lay.num_layers) - 1)
             else:
-                pipe.strlen(self.redis_key(k))
+                pipe.strlen(rkeys[j])
 
-        replies = self._call(keys, build)
+        replies = self._call(rkeys, build, redis_keys=True)
         self._count("lookups")
+        kids = [self._kids(replies.get(n2 + i)) for i in range(len(parents))]
         out: list[rv.Header | None] = []
         for i, (k, t) in enumerate(items):
             if 2 * i not in replies or 2 * i + 1 not in replies:
@@ -292,7 +327,7 @@ class RemoteTier:
                 continue
             self._count("found_chunks")
             out.append(h)
-        return out
+        return out, kids
 
     def values(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[np.ndarray | None]:
         """The verified raw extent of each (key, tokens), None where absent or unusable: one
@@ -341,12 +376,20 @@ class RemoteTier:
             self._count("fetched_layers")
         return out
 
-    def probe(self, key: bytes, h: rv.Header) -> None:
-        """Time one range of up to ``probe_bytes`` of a value (bandwidth estimate)."""
-        a = h.size
-        b = min(h.value_bytes, a + self.cfg.probe_bytes) - 1
+    def probe(self, found: Sequence[tuple[bytes, rv.Header]]) -> None:
+        """Time one round trip fetching up to ``probe_bytes`` of these values' payloads
+        (``GETRANGE``; a bandwidth estimate)."""
+        ranges, left = [], self.cfg.probe_bytes
+        for key, h in found:
+            if left <= 0:
+                break
+            b = min(h.value_bytes, h.size + left) - 1
+            ranges.append((key, h.size, b))
+            left -= b + 1 - h.size
         self._count("probes")
-        self._call([key], lambda pipe, i: pipe.getrange(self.redis_key(key), a, b), probe=True)
+        self._call([k for k, _, _ in ranges],
+                   lambda pipe, i: pipe.getrange(self.redis_key(ranges[i][0]), ranges[i][1],
+                                                 ranges[i][2]), probe=True)
 
     # ------------------------------------------------------------------ small documents
     def put_doc(self, name: str, data: bytes) -> bool:
@@ -370,14 +413,24 @@ class RemoteTier:
         return [None if i not in replies or not isinstance(replies[i], int)
                 else bool(replies[i]) for i in range(len(keys))]
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool | None]:
+    def put(self, items: Sequence[tuple[bytes, bytes]],
+            kids: Sequence[tuple[bytes, bytes, np.ndarray]] = ()) -> list[bool | None]:
         """``SET key value NX`` for each (key, value): True stored, False already there, None
-        not sent (node down or error)."""
-        replies = self._call([k for k, _ in items],
-                             lambda pipe, i: pipe.set(self.redis_key(items[i][0]), items[i][1],
-                                                      nx=True))
+        not sent (node down or error). ``kids``: (parent, key, tokens) of partial chunks to
+        add to their parent's kids set (``SADD``), so a longer prompt can find them."""
+        n = len(items)
+        rkeys = [self.redis_key(k) for k, _ in items] + [self.kids_key(p) for p, _, _ in kids]
+
+        def build(pipe: object, i: int) -> None:
+            if i < n:
+                pipe.set(rkeys[i], items[i][1], nx=True)
+            else:
+                _, key, toks = kids[i - n]
+                pipe.sadd(rkeys[i], key + np.ascontiguousarray(toks, dtype="<u4").tobytes())
+
+        replies = self._call(rkeys, build, redis_keys=True)
         out: list[bool | None] = []
-        for i in range(len(items)):
+        for i in range(n):
             r = replies.get(i)
             out.append(None if i not in replies or isinstance(r, Exception)
                        else r is True)
