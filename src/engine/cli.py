@@ -44,6 +44,25 @@ def _load_state(conversations: Dir, file: str) -> dict | None:
                          ) from None
 
 
+def _conversation_state(raw: bytes | None, vocab: int) -> dict | None:
+    """A conversation's state read from Redis (untrusted): checked, or None."""
+    if raw is None:
+        return None
+    try:
+        st = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(st, dict):
+        return None
+    ids, ns, tr = st.get("ids"), st.get("namespace"), st.get("truncations")
+    if not (isinstance(ids, list) and ids and all(type(x) is int and 0 <= x < vocab
+                                                  for x in ids)):
+        return None
+    if not (ns is None or isinstance(ns, str)) or type(tr) is not int or tr < 0:
+        return None
+    return {"ids": ids, "namespace": ns, "truncations": tr}
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
     import kvstore
     from engine.generate import Conversation, Generator, SamplingConfig
@@ -56,10 +75,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         print(f"kvstore chat: {e}", file=sys.stderr)
         return 2
     model = load_model()
-    with kvstore.open(args.store, layout=model.layout) as store, \
+    doc = f"conversation:{args.conversation}"
+    with kvstore.open(args.store, layout=model.layout, remote=args.remote) as store, \
             Dir.open_root(args.store, create=False) as root, \
             root.sub(CONVERSATIONS, create=True) as conversations:
         state = _load_state(conversations, file)
+        if state is None and args.remote is not None:  # another machine's conversation?
+            state = _conversation_state(store.shared_doc(doc), model.tokenizer.vocab_size)
         gen = Generator(model, store)
         conv = Conversation(gen, args.conversation,
                             truncation=Truncation(drop_ratio=args.drop_ratio, sink=args.sink),
@@ -91,9 +113,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print(f"[reused {r.reused_tokens} tokens, prefilled {r.prefilled_tokens}, "
                   f"TTFT {r.ttft_s * 1000:.0f} ms, {len(r.tokens)} tokens generated{note}]",
                   flush=True)
-            conversations.atomic_write(file, json.dumps({
-                "ids": conv.ids, "namespace": conv.namespace,
-                "truncations": conv.truncations}))
+            state = {"ids": conv.ids, "namespace": conv.namespace,
+                     "truncations": conv.truncations}
+            conversations.atomic_write(file, json.dumps(state))
+            if args.remote is not None:
+                store.flush(remote=True)  # the KV first, then the state that points to it
+                store.put_shared_doc(doc, json.dumps(state).encode())
     return 0
 
 
@@ -114,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--remote", default=None,
+                   help="shared tier: redis://[:password@]host:port[/db]; a conversation "
+                        "started on another machine (another --store) continues from its KV")
     c.set_defaults(func=_cmd_chat)
     from engine.relational.cli import add_commands as add_sql_commands
     from engine.replay.cli import add_commands

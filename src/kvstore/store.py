@@ -227,6 +227,25 @@ class Store:
             self._remote.flush()
             self._remote.wait_filled()
 
+    def put_shared_doc(self, name: str, data: bytes) -> bool:
+        """Store a small document (e.g. a conversation's state) in the remote tier, where
+        stores on other machines find it by ``name``. False if there is no remote tier or it
+        did not answer (counted in stats). Thread-safe."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if not isinstance(data, bytes):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        self._core.check_open()
+        return self._remote is not None and self._remote.tier.put_doc(name, data)
+
+    def shared_doc(self, name: str) -> bytes | None:
+        """A document stored by :meth:`put_shared_doc` (by any store on this Redis), or None.
+        Untrusted bytes: validate before use. Thread-safe."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        self._core.check_open()
+        return None if self._remote is None else self._remote.tier.get_doc(name)
+
     def set_prefill_rate(self, tokens_per_s: float | None) -> None:
         """How fast the caller recomputes (prefills) KV, in tokens per second, or None
         (unknown). With a remote tier, :meth:`match` then counts a remote prefix only if
