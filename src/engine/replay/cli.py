@@ -63,6 +63,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "in real use; in simulated mode it only switches the tier on)")
     s.add_argument("--remote-bandwidth", type=float, default=12.5e9,
                    help="simulated shared tier: bytes/s per fetch (default 100 Gbit/s)")
+    s.add_argument("--remote-always", action="store_true",
+                   help="simulated shared tier: fetch every remote hit, even when recomputing "
+                        "would be sooner (the hit-rate ceiling)")
     s.add_argument("--remote-capacity", type=_size, default=None,
                    help="simulated shared tier: capacity (LRU), default unbounded")
 
@@ -91,7 +94,8 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
         raise ValueError("--remote needs --servers N (N > 1)")
     scale = None if servers == 1 else ScaleOut(
         servers=servers, shared=remote is not None, seed=args.seed,
-        remote_bps=args.remote_bandwidth, remote_bytes=args.remote_capacity)
+        remote_bps=args.remote_bandwidth, remote_bytes=args.remote_capacity,
+        only_when_it_pays=not args.remote_always)
     return ReplayConfig(mode=args.mode, methods=methods, workload=workload_of(args),
                         preset=args.preset, dram_bytes=args.dram, disk_bytes=args.disk,
                         store_dir=args.store, data_path=args.data, scale=scale)

@@ -34,6 +34,7 @@ class ScaleOut:
     remote_bps: float = 12.5e9  # 100 Gbit/s (RDMA-class, as Mooncake's transfer engine)
     remote_latency_s: float = 0.0005
     remote_bytes: int | None = None
+    only_when_it_pays: bool = True  # False: fetch every remote hit (the hit-rate ceiling)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,11 +87,15 @@ class MultiServerExecutor:
         self.stores[s].enqueue(job.conv.index)
 
     def _usable(self, key: int, stored_turn: int | None, turn: int) -> bool:
-        """A context stored after ``stored_turn`` serves turn ``turn`` (a prefix of its
-        history) unless the history was truncated in between."""
+        """A context stored after ``stored_turn`` serves turn ``turn``: the previous turn's
+        (AS truncates it in place if this turn overflows; OF cannot), or an older one (a
+        prefix of the history) if the history was not truncated since."""
         if stored_turn is None:
             return False
-        return not any(stored_turn < t <= turn for t in self._truncated[key])
+        cut = self._truncated[key]
+        if stored_turn == turn - 1:
+            return not (turn in cut and self.method.kind == "of")
+        return not any(stored_turn < t <= turn for t in cut)
 
     def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
         s = self.server_of(job)
@@ -115,7 +120,7 @@ class MultiServerExecutor:
                            + (r_tokens - reused) * cost.token_bytes / self.scale.remote_bps)
                 saved_s = (cost.prefill_s(job.prompt_len - reused, reused)
                            - cost.prefill_s(job.prompt_len - r_tokens, r_tokens))
-                if r_tokens > reused and fetch_s >= saved_s:  # fetch only when it pays
+                if r_tokens > reused and fetch_s >= saved_s and self.scale.only_when_it_pays:
                     self.declined += 1
                 elif r_tokens > reused:
                     tier, reused = "remote", r_tokens
