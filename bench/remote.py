@@ -66,9 +66,9 @@ def bench_get(args: argparse.Namespace, work: str, srv: Server) -> dict[str, obj
                     out = pipe.execute()
                 else:
                     with b.load_layers(toks) as load:
-                        load.wait(SMOLLM2.num_layers - 1)
+                        out = load.wait(SMOLLM2.num_layers - 1)
                 dt = time.perf_counter() - t0
-                del out
+                del out  # results go back to their pools before the next sample
                 if i >= args.warmup:
                     {"remote": remote_s, "raw": raw_s, "layers": layer_s,
                      "raw_default": raw_default_s}[what].append(dt)
