@@ -23,9 +23,9 @@ BASES = [np.random.default_rng(s).integers(0, 300, 40).tolist() for s in range(3
 
 
 def remote_serves(t, x):
-    n = lcp(t, x)
-    if n == len(x) or (len(x) % C and n > len(x) // C * C):
-        return n
+    n, full = lcp(t, x), len(x) // C * C
+    if n == len(x) or (len(x) % C and n - full >= min(8, len(x) - full)):
+        return n  # whole, or sharing the kid's first min(8, n) tokens (its kids-set key)
     return n // C * C
 
 

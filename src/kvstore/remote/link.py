@@ -153,7 +153,7 @@ class RemoteLink:
         if base + sum(len(ch.tokens) for ch in rest) <= local:
             return local
         headers, kids = self.tier.headers_and_kids([(ch.key, ch.tokens) for ch in rest],
-                                                   [ch.parent for ch in rest])
+                                                   [(ch.parent, ch.tokens) for ch in rest])
         self._count("matches")
         options: list[tuple[int, int]] = []
         end, nbytes = base, 0
@@ -225,7 +225,7 @@ class RemoteLink:
 
     def _kid(self, ch: _Chunk) -> tuple[bytes, np.ndarray] | None:
         """A stored partial chunk after ``ch.parent`` that starts with all of ``ch.tokens``."""
-        kid = best_kid(self.tier.kids([ch.parent])[0], ch.tokens)
+        kid = best_kid(self.tier.kids([(ch.parent, ch.tokens)])[0], ch.tokens)
         if kid is None or kid[2] < len(ch.tokens):
             return None
         return kid[0], kid[1]

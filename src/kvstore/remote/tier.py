@@ -35,6 +35,8 @@ from kvstore.remote.breaker import Breaker
 from kvstore.remote.config import RemoteConfig
 from kvstore.remote.estimate import LinkEstimate
 
+KID_PREFIX = 8  # a stored partial chunk is found by a prompt sharing its first 8 tokens
+
 # bytes per recv into hiredis: chunk values are megabytes, and redis-py's 64 KiB default makes
 # a large GET several times slower (measured: bench/remote.py get, docs/benchmarks.md)
 READ_SIZE = 1 << 20
@@ -257,9 +259,19 @@ class RemoteTier:
             self._count("bad_values")
 
     # ------------------------------------------------------------------ reads
-    def kids_key(self, parent: bytes) -> bytes:
-        """The set of partial chunks stored after chunk ``parent`` (members: key + tokens)."""
-        return self._prefix + b"kids:" + parent.hex().encode()
+    def kids_key(self, parent: bytes, tokens: np.ndarray) -> bytes:
+        """The set of partial chunks stored after chunk ``parent`` whose first
+        min(:data:`KID_PREFIX`, n) token ids are ``tokens[:KID_PREFIX]`` (members: key + token
+        ids). Keyed by those tokens too, so a parent followed by many different partial chunks
+        (a shared system prompt) does not make every lookup read them all."""
+        head = np.ascontiguousarray(tokens[:KID_PREFIX], dtype="<u4").tobytes()
+        return self._prefix + b"kids:" + parent.hex().encode() + b":" + head.hex().encode()
+
+    def _kid_keys(self, wants: Sequence[tuple[bytes, np.ndarray]]) -> list[list[bytes]]:
+        """For each (parent, tokens): the kids sets that may hold a partial chunk sharing a
+        prefix with the tokens (one per head length up to KID_PREFIX)."""
+        return [[self.kids_key(p, t[:h]) for h in range(1, min(KID_PREFIX, len(t)) + 1)]
+                for p, t in wants]
 
     def _kids(self, reply: object) -> list[tuple[bytes, np.ndarray]]:
         """Members of a kids set: (chunk key, token ids); malformed members are skipped."""
@@ -273,26 +285,41 @@ class RemoteTier:
                                                             offset=rv.KEY_BYTES).copy()))
         return out
 
-    def kids(self, parents: Sequence[bytes]) -> list[list[tuple[bytes, np.ndarray]]]:
-        """The partial chunks stored after each parent: one round trip (``SMEMBERS``)."""
-        rkeys = [self.kids_key(p) for p in parents]
+    def kids(self, wants: Sequence[tuple[bytes, np.ndarray]]
+             ) -> list[list[tuple[bytes, np.ndarray]]]:
+        """The partial chunks stored after each (parent, tokens) that start like the tokens:
+        one round trip (``SMEMBERS``)."""
+        groups = self._kid_keys(wants)
+        rkeys = [k for g in groups for k in g]
         replies = self._call(rkeys, lambda pipe, i: pipe.smembers(rkeys[i]), redis_keys=True)
-        return [self._kids(replies.get(i)) for i in range(len(parents))]
+        return self._merge_kids(groups, replies, 0)
+
+    def _merge_kids(self, groups: list[list[bytes]], replies: dict[int, object],
+                    first: int) -> list[list[tuple[bytes, np.ndarray]]]:
+        out, j = [], first
+        for g in groups:
+            members: list[tuple[bytes, np.ndarray]] = []
+            for _ in g:
+                members += self._kids(replies.get(j))
+                j += 1
+            out.append(members)
+        return out
 
     def headers(self, items: Sequence[tuple[bytes, np.ndarray]],
-                parents: Sequence[bytes] = ()) -> list[rv.Header | None]:
+                wants: Sequence[tuple[bytes, np.ndarray]] = ()) -> list[rv.Header | None]:
         """The verified header of each (key, tokens), None where absent or unusable (a value
         whose length disagrees with its header included): one round trip (``GETRANGE key 0
         header_size-1`` and ``STRLEN``)."""
-        return self.headers_and_kids(items, parents)[0]
+        return self.headers_and_kids(items, wants)[0]
 
     def headers_and_kids(self, items: Sequence[tuple[bytes, np.ndarray]],
-                         parents: Sequence[bytes]
+                         wants: Sequence[tuple[bytes, np.ndarray]]
                          ) -> tuple[list[rv.Header | None], list[list[tuple[bytes, np.ndarray]]]]:
-        """:meth:`headers` of ``items`` and :meth:`kids` of ``parents`` in one round trip."""
+        """:meth:`headers` of ``items`` and :meth:`kids` of ``wants`` in one round trip."""
         lay = self.layout
         rkeys = [self.redis_key(k) for k, _ in items for _ in range(2)]
-        rkeys += [self.kids_key(p) for p in parents]
+        groups = self._kid_keys(wants)
+        rkeys += [k for g in groups for k in g]
         n2 = 2 * len(items)
 
         def build(pipe: object, j: int) -> None:
@@ -307,7 +334,7 @@ class RemoteTier:
 
         replies = self._call(rkeys, build, redis_keys=True)
         self._count("lookups")
-        kids = [self._kids(replies.get(n2 + i)) for i in range(len(parents))]
+        kids = self._merge_kids(groups, replies, n2)
         out: list[rv.Header | None] = []
         for i, (k, t) in enumerate(items):
             if 2 * i not in replies or 2 * i + 1 not in replies:
@@ -472,7 +499,7 @@ class RemoteTier:
         not sent (node down or error). ``kids``: (parent, key, tokens) of partial chunks to
         add to their parent's kids set (``SADD``), so a longer prompt can find them."""
         n = len(items)
-        rkeys = [self.redis_key(k) for k, _ in items] + [self.kids_key(p) for p, _, _ in kids]
+        rkeys = [self.redis_key(k) for k, _ in items] + [self.kids_key(p, t) for p, _, t in kids]
 
         def build(pipe: object, i: int) -> None:
             if i < n:
