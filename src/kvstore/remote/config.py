@@ -49,7 +49,7 @@ class RemoteConfig:
     write_through: bool = True
     max_queued_chunks: int = 4096
     codec: str = "none"
-    probe_bytes: int = 1 << 20
+    probe_bytes: int = 256 << 10
     cluster: bool = field(default=False)
 
     def __post_init__(self) -> None:
