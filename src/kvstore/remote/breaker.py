@@ -12,7 +12,6 @@ Thread-safety: every method may be called from any thread.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 
@@ -99,7 +98,3 @@ class Breaker:
             return {"state": self.state, "failures": self.failures, "opened": self.opened,
                     "refused": self.refused, "probes": self.probes,
                     "last_error": self.last_error}
-
-
-def now() -> float:
-    return time.monotonic()

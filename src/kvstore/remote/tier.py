@@ -102,7 +102,6 @@ class RemoteTier:
             self._nodes.setdefault(name, Node(name, u if not cfg.cluster
                                               else _node_url(u, p.hostname, p.port or 6379),
                                               cfg))
-        self._closed = False
         self.cluster = cfg.cluster  # also found at connect (INFO) or by a MOVED reply
 
     # ------------------------------------------------------------------ setup
@@ -170,7 +169,6 @@ class RemoteTier:
         return False
 
     def close(self) -> None:
-        self._closed = True
         for node in list(self._nodes.values()):
             node.breaker.close()
             node.reset()
@@ -187,10 +185,6 @@ class RemoteTier:
         if slots is None:
             return None
         return slots[key_slot(rkey)]
-
-    def nodes(self) -> list[Node]:
-        with self._lock:
-            return list(self._nodes.values())
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
