@@ -352,60 +352,8 @@ class RemoteTier:
 
     def values(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[np.ndarray | None]:
         """The verified raw extent of each (key, tokens), None where absent or unusable: one
-        pipelined round trip of ``GETRANGE``s, the header and each layer of a raw value in its
-        own range (replies of a layer's size parse 1.8x faster here than whole multi-megabyte
-        values: docs/benchmarks.md); a value whose header says otherwise (another codec) is
-        then read whole with ``GET``."""
-        lay = self.layout
-        L, per_tok = lay.num_layers, lay.layer_token_bytes
-        ranges: list[tuple[int, int, int]] = []  # (item, start, end inclusive)
-        for i, (_, t) in enumerate(items):
-            hsize, per = rv.header_size(len(t), L), len(t) * per_tok
-            ranges.append((i, 0, hsize - 1))
-            ranges += [(i, hsize + layer * per, hsize + (layer + 1) * per - 1)
-                       for layer in range(L)]
-        replies = self._call([items[i][0] for i, _, _ in ranges],
-                             lambda pipe, j: pipe.getrange(self.redis_key(items[ranges[j][0]][0]),
-                                                           ranges[j][1], ranges[j][2]))
-        out: list[np.ndarray | None] = []
-        whole: list[int] = []
-        for i, (k, t) in enumerate(items):
-            j0 = i * (L + 1)
-            if any(j not in replies for j in range(j0, j0 + L + 1)):
-                out.append(None)
-                continue
-            r = replies[j0] if replies[j0] != b"" else None
-            try:
-                h = rv.parse_header(r, key=k, tokens=t, num_layers=L,
-                                    raw_layer_bytes_per_token=per_tok)
-            except rv.BadValue:
-                self._bad(r)
-                out.append(None)
-                continue
-            if h.codec != 0:
-                whole.append(i)
-                out.append(None)
-                continue
-            ext = np.empty(h.raw_layer_bytes * L, dtype=np.uint8)
-            try:
-                for layer in range(L):
-                    rv.decode_layer(h, layer, replies[j0 + 1 + layer],
-                                    ext[layer * h.raw_layer_bytes:(layer + 1) * h.raw_layer_bytes])
-            except rv.BadValue:
-                self._bad(r)
-                out.append(None)
-                continue
-            out.append(ext)
-            self._count("fetched_chunks")
-        if whole:
-            for i, ext in zip(whole, self.whole_values([items[i] for i in whole]), strict=True):
-                out[i] = ext
-        return out
-
-    def whole_values(self, items: Sequence[tuple[bytes, np.ndarray]]
-                     ) -> list[np.ndarray | None]:
-        """:meth:`values` with one ``GET`` per value. Arrays may be read-only views of the
-        received bytes."""
+        pipelined ``GET`` round trip. Arrays may be read-only views of the received bytes
+        (verified in place: no copy before the gather into the caller's output)."""
         lay = self.layout
         replies = self._call([k for k, _ in items],
                              lambda pipe, i: pipe.get(self.redis_key(items[i][0])))
