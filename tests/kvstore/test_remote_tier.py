@@ -88,7 +88,8 @@ def test_put_headers_values_layers(tier, redis_server):
         assert np.array_equal(g, e)
     per = [len(e) // L for _, _, e in items]
     for layer in range(L):
-        lay = tier.layer([(k, h) for (k, _, _), h in zip(items, hs, strict=True)], layer)
+        lay = tier.layers([(k, h) for (k, _, _), h in zip(items, hs, strict=True)],
+                          [layer])[layer]
         for (_, _, e), p, g in zip(items, per, lay, strict=True):
             assert np.array_equal(g, e[layer * p:(layer + 1) * p])
     s = tier.stats()
@@ -178,3 +179,4 @@ def test_tier_state_machine(redis_server):
         max_examples=25, stateful_step_count=20, deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture])
     TierMachine.TestCase().runTest()
+

@@ -7,8 +7,8 @@
 * ``get``: the local full-chunk prefix comes from the local tiers, the rest in one pipelined
   ``GET`` round trip, every byte verified; then (``fill="disk"``) the fetched context is saved
   locally in the background (DRAM and disk), without sending it back to Redis.
-* ``load_layers``: the same, layer by layer: one pipelined ``GETRANGE`` round trip per layer,
-  so the first layers arrive first.
+* ``load_layers``: the same, layer by layer with ``GETRANGE``, in round trips of 1, 2, 4, 8,
+  ... layers, so the first layers arrive first.
 * write-through: each put queues its chunks; a worker thread sends those Redis lacks
   (``EXISTS``, then ``SET NX``), reading them from the local tiers when it gets to them.
 * prefetch: the scheduler's next jobs whose prompts Redis serves further than the local tiers
@@ -82,6 +82,21 @@ def best_kid(kids: list[tuple[bytes, np.ndarray]], want: np.ndarray
         if n and (best is None or n > best[2] or (n == best[2] and key < best[0])):
             best = (key, toks, n)
     return best
+
+
+def layer_groups(num_layers: int) -> dict[int, list[int]]:
+    """Layers fetched together by a layer-wise load, by first layer: groups of 1, 2, 4, 8, ...
+    layers, so layer 0 arrives after one small round trip and the whole load takes about
+    log2(L) round trips rather than L (each round trip also waits for the server to be
+    scheduled, which on a busy machine costs more than the bytes)."""
+    out: dict[int, list[int]] = {}
+    start, size = 0, 1
+    while start < num_layers:
+        group = list(range(start, min(num_layers, start + size)))
+        for layer in group:
+            out[layer] = group
+        start, size = start + size, size * 2
+    return out
 
 
 class RemoteLink:
@@ -277,7 +292,8 @@ class RemoteLink:
                     buffer_layers: int | None, kv: tuple[torch.Tensor, torch.Tensor],
                     on_close: Callable[[], None] | None) -> LayerLoad:
         """A layer-wise load of ``toks`` into ``kv`` (CPU [L, H, T, D]): the local prefix at
-        once, the remote chunks one layer per round trip (``GETRANGE``)."""
+        once, the remote chunks by ``GETRANGE`` in growing groups of layers
+        (:func:`layer_groups`)."""
         base, rest = self._rest(toks, namespace, self._local(toks, namespace))
         headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
         keys = [ch.key for ch in rest]
@@ -304,8 +320,14 @@ class RemoteLink:
         lay = self.core.layout
         items = list(zip(keys, headers, strict=True))
 
+        groups = layer_groups(lay.num_layers)
+        fetched: dict[int, list[np.ndarray | None]] = {}
+
         def load_layer(layer: int) -> None:
-            parts = self.tier.layer(items, layer)
+            if layer not in fetched:  # the first layer of its group: fetch the group
+                fetched.clear()
+                fetched.update(self.tier.layers(items, groups[layer]))
+            parts = fetched.pop(layer)
             for ch, part in zip(rest, parts, strict=True):
                 if part is None:
                     self._count("misses")

@@ -374,26 +374,29 @@ class RemoteTier:
             self._count("fetched_chunks")
         return out
 
-    def layer(self, items: Sequence[tuple[bytes, rv.Header]], layer: int
-              ) -> list[np.ndarray | None]:
-        """The verified raw bytes of ``layer`` of each (key, header): one pipelined round trip
-        of ``GETRANGE``."""
-        def build(pipe: object, i: int) -> None:
+    def layers(self, items: Sequence[tuple[bytes, rv.Header]], layers: Sequence[int]
+               ) -> dict[int, list[np.ndarray | None]]:
+        """The verified raw bytes of each of ``layers`` of each (key, header): one pipelined
+        round trip of ``GETRANGE`` (layer -> one entry per item, None where unusable)."""
+        pairs = [(i, layer) for layer in layers for i in range(len(items))]
+
+        def build(pipe: object, j: int) -> None:
+            i, layer = pairs[j]
             a, b = items[i][1].layer_range(layer)
             pipe.getrange(self.redis_key(items[i][0]), a, b)
 
-        replies = self._call([k for k, _ in items], build)
-        out: list[np.ndarray | None] = []
-        for i, (_, h) in enumerate(items):
-            r = replies.get(i)
+        replies = self._call([items[i][0] for i, _ in pairs], build)
+        out: dict[int, list[np.ndarray | None]] = {layer: [] for layer in layers}
+        for j, (i, layer) in enumerate(pairs):
+            r = replies.get(j)
             try:
-                if i not in replies:
+                if j not in replies:
                     raise rv.BadValue("not answered")
-                out.append(rv.decode_layer(h, layer, r))
+                out[layer].append(rv.decode_layer(items[i][1], layer, r))
             except rv.BadValue:
-                if i in replies:
+                if j in replies:
                     self._bad(r)
-                out.append(None)
+                out[layer].append(None)
                 continue
             self._count("fetched_layers")
         return out
