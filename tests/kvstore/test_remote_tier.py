@@ -180,3 +180,14 @@ def test_tier_state_machine(redis_server):
         suppress_health_check=[HealthCheck.function_scoped_fixture])
     TierMachine.TestCase().runTest()
 
+
+def test_layer_groups_cover_every_layer_once_first_layer_alone():
+    from kvstore.remote.link import layer_groups
+
+    for n in (1, 2, 3, 30, 64):
+        g = layer_groups(n)
+        assert sorted(g) == list(range(n)) and g[0] == [0]
+        firsts = sorted({v[0] for v in g.values()})
+        assert len(firsts) == n.bit_length()  # about log2(L) round trips
+        for layer, group in g.items():
+            assert layer in group and group == list(range(group[0], group[-1] + 1))
