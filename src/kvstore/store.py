@@ -358,10 +358,12 @@ class Store:
             return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
                              on_done=lambda: None).start()
         hbm = self._loads.hbm(dev)
-        buf = hbm.acquire(core.extent_bytes(len(toks)))
+        nbytes = core.extent_bytes(len(toks))
+        buf = hbm.acquire(nbytes)
         kv = buf.view(self.layout.torch_dtype).view(2, *self.layout.kv_shape(len(toks)))
         return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
-                                        kv=(kv[0], kv[1]), on_close=lambda: hbm.release(buf))
+                                        kv=(kv[0], kv[1]), on_close=lambda: hbm.release(buf),
+                                        on_abandon=lambda: hbm.forget(nbytes))
 
     def residency(self, tokens: object, *, namespace: str | None = None) -> dict[str, int]:
         """Where the KV of ``tokens`` is: tokens served from this process's DRAM, from disk

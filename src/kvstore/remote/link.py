@@ -290,7 +290,8 @@ class RemoteLink:
     # ------------------------------------------------------------------ layer-wise
     def load_layers(self, toks: np.ndarray, namespace: str | None, *,
                     buffer_layers: int | None, kv: tuple[torch.Tensor, torch.Tensor],
-                    on_close: Callable[[], None] | None) -> LayerLoad:
+                    on_close: Callable[[], None] | None,
+                    on_abandon: Callable[[], None] | None = None) -> LayerLoad:
         """A layer-wise load of ``toks`` into ``kv`` (CPU [L, H, T, D]): the local prefix at
         once, the remote chunks by ``GETRANGE`` in growing groups of layers
         (:func:`layer_groups`)."""
@@ -343,7 +344,7 @@ class RemoteLink:
             self._count("served_tokens", len(toks) - base)
 
         load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
-                         on_close=on_close)
+                         on_close=on_close, on_abandon=on_abandon)
         return load.start()
 
     # ------------------------------------------------------------------ write-through
