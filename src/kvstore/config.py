@@ -3,14 +3,19 @@
 ``disk_bytes`` and ``chunk_tokens`` are shared by every process of a store (they fix where each
 chunk's bytes live); the other sizes and the policy belong to each process (its DRAM tier, its
 execution buffers, its write buffer, its eviction order), and may differ between processes.
+So are ``codecs`` (which codec each tier stores new chunks through): every chunk records the
+codec it was stored with, so a process with another config still reads it right.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 
 import numpy as np
 
+from kvstore.codecs import check_name
 from kvstore.layout import KVLayout
 from kvstore.policy import make_policy
 from kvstore.records import MAX_SLOT
@@ -23,6 +28,28 @@ DEFAULT_WRITE_BUFFER_BYTES = 256 << 20  # 256 MiB
 DEFAULT_HBM_BYTES = 1 << 30  # 1 GiB
 
 SIZES = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
+TIERS = ("dram", "disk", "remote")
+# Tiers whose codec can be other than "none" today. DRAM holds decoded chunks (a cache of what
+# the disk serves); the remote tier is not wired to codecs yet.
+CODED_TIERS = ("disk",)
+
+
+def check_codecs(v: object) -> MappingProxyType[str, str]:
+    """A ``codecs`` argument: a mapping tier -> codec name; every tier it omits gets ``none``.
+    Returns a read-only mapping of every tier."""
+    if not isinstance(v, Mapping):
+        raise TypeError(f"codecs must be a mapping of tier name to codec name, "
+                        f"got {type(v).__name__}")
+    out = dict.fromkeys(TIERS, "none")
+    for tier, name in v.items():
+        if tier not in TIERS:
+            raise ValueError(f"codecs has an unknown tier {tier!r}; tiers are {list(TIERS)}")
+        check_name(name, f"codecs[{tier!r}]")
+        if name != "none" and tier not in CODED_TIERS:
+            raise ValueError(f"codecs[{tier!r}]={name!r}: the {tier} tier stores chunks "
+                             f"uncoded for now; only {list(CODED_TIERS)} take a codec")
+        out[tier] = name
+    return MappingProxyType(out)
 
 
 def check_size(name: str, v: object) -> int | None:
@@ -46,6 +73,8 @@ class StoreConfig:
     hbm_bytes: int = DEFAULT_HBM_BYTES
     write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES
     policy: str = "scheduler"
+    codecs: Mapping[str, str] = field(
+        default_factory=lambda: MappingProxyType(dict.fromkeys(TIERS, "none")))
 
     def __post_init__(self) -> None:
         for name in ("chunk_tokens", *SIZES):
@@ -57,6 +86,15 @@ class StoreConfig:
                 raise ValueError(f"{name} must be >= {low}, got {v}")
             object.__setattr__(self, name, int(v))
         make_policy(self.policy)
+        object.__setattr__(self, "codecs", check_codecs(self.codecs))
+
+    def __hash__(self) -> int:
+        return hash(tuple((f.name, getattr(self, f.name)) for f in fields(self)
+                          if f.name != "codecs") + tuple(sorted(self.codecs.items())))
+
+    @property
+    def disk_codec(self) -> str:
+        return self.codecs["disk"]
 
     def slot_bytes(self, layout: KVLayout) -> int:
         """Bytes of one disk (and DRAM) slot: a full chunk's extent, page-aligned."""
@@ -75,7 +113,12 @@ class StoreConfig:
                              f"{slot} bytes; use larger chunk_tokens or a smaller budget")
 
     def to_dict(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if all(v == "none" for v in self.codecs.values()):
+            del d["codecs"]  # a store that uses no codec keeps its metadata as before
+        else:
+            d["codecs"] = dict(self.codecs)
+        return d
 
     @classmethod
     def from_dict(cls, d: object) -> StoreConfig:

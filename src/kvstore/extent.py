@@ -4,6 +4,10 @@ An extent of ``n`` tokens holds, for each layer l, K of every kv-head [H, n, D] 
 (``layer_token_bytes * n`` bytes per layer), so one layer of a chunk is one contiguous read.
 Each layer has its own xxh3_64 checksum (``ChunkRecord.checksums``), so a layer-wise read is
 verified layer by layer. :func:`verify` is the one comparison every read path uses.
+
+A chunk stored through a codec (``ChunkRecord.codec`` != 0) holds each layer's encoded bytes
+instead, back to back (``ChunkRecord.lengths``), and its checksums cover those encoded bytes:
+:func:`encode_layers` makes them, :func:`read_coded` reads, verifies and decodes them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore import codecs
 from kvstore.errors import CorruptData
 from kvstore.layout import KVLayout
 from kvstore.records import ChunkRecord
@@ -90,3 +95,63 @@ def verify(rec: ChunkRecord, sums: np.ndarray, first_layer: int = 0) -> None:
         bad = first_layer + int(np.flatnonzero(sums != want)[0])
         raise CorruptData(
             f"chunk {rec.key.hex()} (disk slot {rec.slot}) failed its checksum at layer {bad}")
+
+
+def layer_shape(layout: KVLayout, n_tokens: int) -> codecs.LayerShape:
+    return codecs.LayerShape(layout.dtype, layout.num_kv_heads, n_tokens, layout.head_dim)
+
+
+def encode_layers(layout: KVLayout, codec: str, parts: list[np.ndarray], n_tokens: int,
+                  capacity: int) -> list[bytes] | None:
+    """Each layer of an extent given as pieces (:func:`pieces`) through ``codec``; None when
+    the chunk is better stored raw: it holds values a lossy codec cannot encode (non-finite),
+    or its encoded layers would not fit ``capacity`` bytes (a slot)."""
+    shape = layer_shape(layout, n_tokens)
+    per = len(parts) // layout.num_layers
+    out = []
+    for layer in range(layout.num_layers):
+        raw_layer = np.concatenate([p.reshape(-1) for p in parts[layer * per:(layer + 1) * per]])
+        try:
+            out.append(codecs.encode(codec, raw_layer.view(np.uint8), shape))
+        except ValueError:
+            return None
+    if sum(len(b) for b in out) > capacity:
+        return None
+    return out
+
+
+def check_stored(rec: ChunkRecord, layout: KVLayout, capacity: int) -> int:
+    """Stored bytes of ``rec``'s extent; :class:`CorruptData` if its record claims more than a
+    slot holds or names no codec (a damaged or hostile catalog)."""
+    nbytes = rec.stored_bytes(rec.n_tokens * layout.layer_token_bytes)
+    if nbytes > capacity or len(rec.checksums) != layout.num_layers:
+        raise CorruptData(f"chunk {rec.key.hex()} claims {nbytes} stored bytes; a slot holds "
+                          f"{capacity}")
+    codecs.codec_name(rec.codec)
+    return nbytes
+
+
+def stored_checksums(rec: ChunkRecord, stored: np.ndarray, raw_layer_bytes: int) -> np.ndarray:
+    """Per-layer checksums of a chunk's stored bytes as read from its slot."""
+    out = np.empty(len(rec.checksums), dtype=np.uint64)
+    for layer in range(len(out)):
+        off, n = rec.layer_span(layer, raw_layer_bytes)
+        out[layer] = xxhash.xxh3_64_intdigest(stored[off : off + n])
+    return out
+
+
+def decode_layer(layout: KVLayout, rec: ChunkRecord, data: np.ndarray,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Raw bytes of one layer of ``rec`` from its verified stored bytes (CorruptData if they
+    do not decode)."""
+    return codecs.decode(codecs.codec_name(rec.codec), data, layer_shape(layout, rec.n_tokens),
+                         out)
+
+
+def decode_extent(layout: KVLayout, rec: ChunkRecord, stored: np.ndarray,
+                  out: np.ndarray) -> None:
+    """Decode every layer of a verified coded extent into ``out`` (raw extent bytes)."""
+    lb = rec.n_tokens * layout.layer_token_bytes
+    for layer in range(layout.num_layers):
+        off, n = rec.layer_span(layer, lb)
+        decode_layer(layout, rec, stored[off : off + n], out[layer * lb : (layer + 1) * lb])

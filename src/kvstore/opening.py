@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import replace
 
 from kvstore.buffers import OutputPool
 from kvstore.catalog import CATALOG, FORMAT_VERSION, Catalog
-from kvstore.config import StoreConfig, check_size
+from kvstore.config import StoreConfig, check_codecs, check_size
 from kvstore.confined import Dir, UnsafePath
 from kvstore.context_indexes import INDEXES, IndexFiles
 from kvstore.core import Core
@@ -48,6 +49,7 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
                dram_bytes: int | None = None, disk_bytes: int | None = None,
                hbm_bytes: int | None = None, write_buffer_bytes: int | None = None,
                chunk_tokens: int | None = None, policy: str | None = None,
+               codecs: Mapping[str, str] | None = None,
                readonly: bool = False, exclusive: bool = False,
                remote: str | list[str] | tuple[str, ...] | RemoteConfig | None = None) -> Store:
     """Open (or create) the store directory ``path``.
@@ -55,8 +57,12 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
     hbm 1 GiB of execution buffers, write buffer 256 MiB, chunk_tokens 256, policy
     "scheduler"). On reopen, ``layout`` and ``chunk_tokens`` may be omitted (stored values are
-    used) but must match if given (:class:`LayoutMismatch`); sizes and policy given replace the
-    stored ones.
+    used) but must match if given (:class:`LayoutMismatch`); sizes, policy and codecs given
+    replace the stored ones.
+
+    ``codecs`` maps a tier to the codec new chunks are stored through on it, e.g.
+    ``{"disk": "zstd"}`` (default ``none`` everywhere; see :mod:`kvstore.codecs`). Each chunk
+    records its codec, so chunks stored under another config are still read right.
 
     Sharing: any number of processes may open one store at once, all reading and writing; each
     keeps a private DRAM tier and sees the others' committed puts. ``disk_bytes`` can change
@@ -88,13 +94,16 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if policy is not None:
         make_policy(policy)
+    if codecs is not None:
+        codecs = check_codecs(codecs)
     for name, flag in (("readonly", readonly), ("exclusive", exclusive)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if readonly and exclusive:
         raise ValueError("readonly and exclusive cannot both be set")
     remote_cfg = None if remote is None else RemoteConfig.of(remote)
-    given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy}.items()
+    given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy,
+                               "codecs": codecs}.items()
              if v is not None}
     if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
         raise FileNotFoundError(f"no kvstore at {path!r}")

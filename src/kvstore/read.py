@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore import extent
+from kvstore import codecs, extent
 from kvstore.context_indexes import IndexFiles
 from kvstore.copying import gather
 from kvstore.core import Core
@@ -48,6 +48,14 @@ def is_current(core: Core, rec: ChunkRecord) -> bool:
     return cur is not None and (cur.slot, cur.gen) == (rec.slot, rec.gen)
 
 
+def count_lossy(core: Core, pieces: list[Piece]) -> None:
+    """Under the lock: count a get or load that serves chunks stored through a lossy codec."""
+    n = sum(p.use for p in pieces if codecs.NAMES[p.rec.codec] in codecs.LOSSY)
+    if n:
+        core.counters.lossy_gets += 1
+        core.counters.lossy_tokens_served += n
+
+
 def resolve_all(core: Core, toks: np.ndarray, namespace: str | None) -> list[Piece]:
     """With the lock held: the pieces serving every token of ``toks`` (after catching up with
     other processes' commits); KeyError, counted as a miss, if not all are stored."""
@@ -61,17 +69,26 @@ def resolve_all(core: Core, toks: np.ndarray, namespace: str | None) -> list[Pie
 
 
 def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
-    """Read ``rec``'s whole extent from disk into ``buf`` (uint8) and verify every layer.
-    Raises :class:`Raced` if the slot was reused by another process, :class:`CorruptData` if
-    the bytes are corrupt (the caller quarantines)."""
+    """Read ``rec``'s extent from disk into ``buf`` (raw extent bytes) and verify it (a coded
+    extent: read its stored bytes, verify them, decode them into ``buf``). :class:`Raced` if
+    another process changed the chunk's slot under the read, :class:`CorruptData` if the bytes
+    are corrupt or do not decode (the caller quarantines)."""
     n = core.extent_bytes(rec.n_tokens)
+    lay = core.layout
     try:
-        core.segments.read(rec.slot, [buf[:n]])
-        extent.verify(rec, extent.checksums(buf[:n], core.layout.num_layers))
+        if rec.codec == 0:
+            core.segments.read(rec.slot, [buf[:n]])
+            extent.verify(rec, extent.checksums(buf[:n], lay.num_layers))
+            return
+        stored = np.empty(extent.check_stored(rec, lay, core.geo.slot_stride), dtype=np.uint8)
+        core.segments.read(rec.slot, [stored])
+        extent.verify(rec, extent.stored_checksums(rec, stored,
+                                                   rec.n_tokens * lay.layer_token_bytes))
     except CorruptData:
         if not is_current(core, rec):
             raise Raced(rec.key.hex()) from None
         raise
+    extent.decode_extent(lay, rec, stored, buf[:n])
 
 
 def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles) -> None:
@@ -178,6 +195,7 @@ class Reader:
                 core.counters.disk_hits += len(misses)
                 core.counters.gets += 1
                 core.counters.served_tokens += n_tok
+                count_lossy(core, [p for p, _ in hits] + [m.piece for m in misses])
             return k_out, v_out
         with core.mutex:
             core.counters.get_misses += 1
@@ -340,6 +358,7 @@ class Loads:
                 core.mirror.touch(pieces[-1].rec.key)
             core.counters.gets += 1
             core.counters.served_tokens += n_tok
+            count_lossy(core, pieces)
         slots = [p.rec.slot for p in pieces]
 
         def unpin() -> None:
@@ -411,20 +430,25 @@ class Loads:
                         core.dram.unpin(e)
                 continue
             lbytes = n * lay.layer_token_bytes
-            if p.use == n:  # straight into the output: K of each head, then V
+            off, nbytes = rec.layer_span(layer, lbytes)
+            if p.use == n and rec.codec == 0:  # straight into the output: K of each head, then V
                 bufs = extent.pieces(kr, vr, a, n, range(layer, layer + 1))
             else:
-                bufs = [np.empty(lbytes, dtype=np.uint8)]
+                bufs = [np.empty(nbytes, dtype=np.uint8)]
             try:
-                core.segments.read(rec.slot, bufs, layer * lbytes)
+                if rec.codec != 0:
+                    extent.check_stored(rec, lay, core.geo.slot_stride)
+                core.segments.read(rec.slot, bufs, off)
                 extent.verify(rec, extent.piece_checksums(bufs, 1), layer)
+                if rec.codec != 0:
+                    bufs = [extent.decode_layer(lay, rec, bufs[0])]
             except CorruptData as err:
                 if not is_current(core, rec):
                     raise KeyError(f"chunk {rec.key.hex()} was evicted by another process "
                                    f"during this layer-wise load: a miss") from None
                 quarantine(core, rec, err, self._files)
                 raise
-            if p.use != n:
+            if p.use != n or rec.codec != 0:
                 part = bufs[0].view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
                 np.copyto(kr[layer, :, a:b], part[0, :, : p.use])
                 np.copyto(vr[layer, :, a:b], part[1, :, : p.use])

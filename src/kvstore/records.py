@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.codecs import NAMES as CODEC_NAMES
 from kvstore.errors import FormatError
 from kvstore.hashing import HASH_BYTES
 
 _CHUNK_V1 = struct.Struct("<B16sIII")  # version 1: parent, n_tokens, slot, num_layers
 _CHUNK_V2 = struct.Struct("<B16sIIQI")  # version 2: + gen (the commit that wrote the extent)
+_CHUNK_V3 = struct.Struct("<B16sIIQIB")  # version 3: + codec id, then per-layer stored lengths
 _CONTEXT = struct.Struct("<BQQQI")  # version, n_tokens, created, last_access, n_chunks
 _RESERVATION = struct.Struct("<BII")  # version, n_slots, n_held
 _INDEX_V1 = struct.Struct("<BQ")  # version 1: bytes of the context's index directory
@@ -33,6 +35,12 @@ class ChunkRecord:
     rule out hash collisions. ``gen`` is the catalog generation of the commit that made the
     chunk visible: a reader that finds bytes failing their checksum re-checks (slot, gen) to
     tell a slot reused by another process (a miss) from corruption.
+
+    ``codec`` is the id (:data:`kvstore.codecs.NAMES`) of the codec the extent was stored
+    through; a codec other than ``none`` (0) also records ``lengths[l]``, the stored bytes of
+    layer l (layers lie back to back in the slot), and ``checksums`` cover those stored bytes.
+    A raw chunk is written as version 2, so stores that never use a codec keep their format;
+    version 3 carries the codec. Versions 1 and 2 decode as codec ``none``.
     """
 
     key: bytes
@@ -42,30 +50,61 @@ class ChunkRecord:
     gen: int
     checksums: np.ndarray  # [num_layers] uint64
     tokens: np.ndarray  # [n_tokens] uint32
+    codec: int = 0
+    lengths: np.ndarray | None = None  # [num_layers] uint32 when codec != 0
+
+    def layer_span(self, layer: int, raw_layer_bytes: int) -> tuple[int, int]:
+        """(offset in the slot, stored bytes) of layer ``layer``."""
+        if self.lengths is None:
+            return layer * raw_layer_bytes, raw_layer_bytes
+        return int(self.lengths[:layer].sum()), int(self.lengths[layer])
+
+    def stored_bytes(self, raw_layer_bytes: int) -> int:
+        """Bytes of the extent in its slot."""
+        if self.lengths is None:
+            return raw_layer_bytes * len(self.checksums)
+        return int(self.lengths.sum())
 
     def encode(self) -> bytes:
-        hdr = _CHUNK_V2.pack(2, self.parent, self.n_tokens, self.slot, self.gen,
-                             len(self.checksums))
-        return hdr + self.checksums.astype("<u8").tobytes() + self.tokens.astype("<u4").tobytes()
+        nl = len(self.checksums)
+        sums = self.checksums.astype("<u8").tobytes()
+        toks = self.tokens.astype("<u4").tobytes()
+        if self.codec == 0:
+            return _CHUNK_V2.pack(2, self.parent, self.n_tokens, self.slot, self.gen, nl) \
+                + sums + toks
+        assert self.lengths is not None and len(self.lengths) == nl
+        hdr = _CHUNK_V3.pack(3, self.parent, self.n_tokens, self.slot, self.gen, nl, self.codec)
+        return hdr + sums + self.lengths.astype("<u4").tobytes() + toks
 
     @classmethod
     def decode(cls, key: bytes, raw: bytes) -> ChunkRecord:
-        if len(raw) < 1 or raw[0] not in (1, 2):
+        if len(raw) < 1 or raw[0] not in (1, 2, 3):
             raise FormatError(f"chunk record {key.hex()} is malformed (unknown version)")
+        codec = 0
         try:
             if raw[0] == 1:
                 _, parent, n, slot, nl = _CHUNK_V1.unpack_from(raw)
                 gen, o = 0, _CHUNK_V1.size
-            else:
+            elif raw[0] == 2:
                 _, parent, n, slot, gen, nl = _CHUNK_V2.unpack_from(raw)
                 o = _CHUNK_V2.size
+            else:
+                _, parent, n, slot, gen, nl, codec = _CHUNK_V3.unpack_from(raw)
+                o = _CHUNK_V3.size
         except struct.error as e:
             raise FormatError(f"chunk record {key.hex()} is truncated: {e}") from None
-        if len(raw) != o + 8 * nl + 4 * n or len(key) != HASH_BYTES or n == 0:
+        per_layer = 12 if raw[0] == 3 else 8
+        if len(raw) != o + per_layer * nl + 4 * n or len(key) != HASH_BYTES or n == 0 \
+                or (raw[0] == 3 and not 0 < codec < len(CODEC_NAMES)):
             raise FormatError(f"chunk record {key.hex()} is malformed (version {raw[0]})")
         checks = np.frombuffer(raw, "<u8", nl, o).copy()
-        tokens = np.frombuffer(raw, "<u4", n, o + 8 * nl).copy()
-        return cls(key, parent, n, slot, gen, checks, tokens)
+        o += 8 * nl
+        lengths = None
+        if raw[0] == 3:
+            lengths = np.frombuffer(raw, "<u4", nl, o).copy()
+            o += 4 * nl
+        tokens = np.frombuffer(raw, "<u4", n, o).copy()
+        return cls(key, parent, n, slot, gen, checks, tokens, codec, lengths)
 
 
 @dataclass(slots=True, eq=False)

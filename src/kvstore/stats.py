@@ -38,6 +38,10 @@ class Counters:
     collected_indexes: int = 0
     catch_ups: int = 0  # times this process applied other processes' commits
     full_reloads: int = 0  # ... by reloading every record
+    lossy_gets: int = 0  # gets and layer-wise loads that served chunks stored through a lossy codec
+    lossy_tokens_served: int = 0  # tokens they served from such chunks
+    coded_chunks_written: int = 0  # chunks written through the disk codec
+    raw_fallback_chunks: int = 0  # chunks the disk codec could not take, written raw
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

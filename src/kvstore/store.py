@@ -15,7 +15,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from kvstore import extent
+from kvstore import codecs, extent
 from kvstore.context_indexes import ContextIndexStore, IndexFiles, check_keys, check_spec
 from kvstore.core import Core
 from kvstore.errors import StoreClosed
@@ -287,6 +287,17 @@ class Store:
             self._core.mirror.catch_up()
             return served(self._core.tree.resolve(toks, namespace))
 
+    def lossy_tokens(self, tokens: object, *, namespace: str | None = None) -> int:
+        """How many of the tokens ``match(tokens)`` would serve come from chunks stored through
+        a lossy codec (their KV is not bit-identical to a recompute). Thread-safe; no IO."""
+        toks = as_tokens(tokens)
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            return sum(p.use for p in core.tree.resolve(toks, namespace)
+                       if codecs.NAMES[p.rec.codec] in codecs.LOSSY)
+
     def get(self, tokens: object, *, namespace: str | None = None,
             out: tuple[torch.Tensor, torch.Tensor] | None = None,
             device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -505,6 +516,8 @@ class Store:
                 "disk": {
                     "capacity_bytes": self.config.disk_bytes,
                     "bytes": sum(core.extent_bytes(r.n_tokens) for r in tree.chunks.values()),
+                    "stored_bytes": sum(r.stored_bytes(r.n_tokens * self.layout.layer_token_bytes)
+                                        for r in tree.chunks.values()),
                     "slot_bytes": len(tree.chunks) * core.geo.slot_stride,
                     "chunks": len(tree.chunks),
                     "slots": core.geo.total_slots,
@@ -512,6 +525,16 @@ class Store:
                     "tokens": sum(s.n_tokens for s in tree.contexts.values()),
                 },
                 "hits": {"dram": cnt.dram_hits, "disk": cnt.disk_hits},
+                "codecs": {
+                    "config": dict(self.config.codecs),
+                    "chunks": {name: sum(1 for r in tree.chunks.values()
+                                         if codecs.NAMES[r.codec] == name)
+                               for name in codecs.NAMES},
+                    "coded_chunks_written": cnt.coded_chunks_written,
+                    "raw_fallback_chunks": cnt.raw_fallback_chunks,
+                    "lossy_gets": cnt.lossy_gets,
+                    "lossy_tokens_served": cnt.lossy_tokens_served,
+                },
                 "misses": cnt.get_misses,
                 "evictions": {
                     "dram_chunks": core.dram.evictions,
@@ -581,10 +604,12 @@ class Store:
         return sum(self._core.segments.existing().values())
 
     def read_extent(self, rec: ChunkRecord) -> np.ndarray:
-        """Read a chunk's extent straight from disk (bypassing DRAM), unverified. Thread-safe."""
+        """Read a chunk's stored bytes straight from disk (bypassing DRAM), unverified and not
+        decoded; :class:`CorruptData` if its record claims more than a slot. Thread-safe."""
         core = self._core
         core.check_open()
-        buf = np.empty(core.extent_bytes(rec.n_tokens), dtype=np.uint8)
+        buf = np.empty(extent.check_stored(rec, core.layout, core.geo.slot_stride),
+                       dtype=np.uint8)
         core.segments.read(rec.slot, [buf])
         return buf
 
@@ -593,7 +618,13 @@ class Store:
         finds bytes failing their checksum asks this to tell a race from corruption."""
         return is_current(self._core, rec)
 
-    def checksums_of(self, extent_bytes: np.ndarray) -> np.ndarray:
+    def checksums_of(self, extent_bytes: np.ndarray, rec: ChunkRecord | None = None
+                     ) -> np.ndarray:
+        """Per-layer checksums of a raw extent, or of ``rec``'s stored bytes (as
+        :meth:`read_extent` returns them) when ``rec`` is given."""
+        if rec is not None and rec.codec != 0:
+            return extent.stored_checksums(rec, extent_bytes,
+                                           rec.n_tokens * self.layout.layer_token_bytes)
         return extent.checksums(extent_bytes, self.layout.num_layers)
 
     def drop_caches(self) -> None:

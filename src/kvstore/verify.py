@@ -61,7 +61,7 @@ def verify_store(store: Store) -> dict[str, object]:
                 errors.append(str(e))
                 bad += 1
             continue
-        sums = store.checksums_of(raw)
+        sums = store.checksums_of(raw, rec)
         if not np.array_equal(sums, rec.checksums) and store.is_current(rec):
             layers = np.flatnonzero(sums != rec.checksums).tolist()
             errors.append(f"chunk {rec.key.hex()} (disk slot {rec.slot}) failed its checksum "

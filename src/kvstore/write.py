@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore import extent
+from kvstore import codecs, extent
 from kvstore.catalog import WriteTxn
 from kvstore.context_indexes import IndexFiles
 from kvstore.core import Core
@@ -281,12 +281,26 @@ class Writer:
         """Without the lock: write the new extents into the reserved slots and make them
         durable on a helper thread (one pwritev per chunk straight from the caller's arrays,
         then fdatasync), while this thread computes checksums and fills the DRAM copies from
-        the same bytes. Fills ``plan.records``."""
+        the same bytes. Fills ``plan.records``.
+
+        With a disk codec, each chunk's layers are encoded first (on this thread) and the
+        encoded bytes are written and checksummed; a lossy codec's DRAM copy is the decoded
+        chunk, so every tier serves the same values. A chunk the codec cannot take (non-finite
+        values for a lossy codec, or encoded bytes larger than a slot) is stored raw."""
         core = self.core
         lay, c = core.layout, core.config.chunk_tokens
         n_tok = len(plan.toks)
-        jobs = [(slot, extent.pieces(kr, vr, i * c - base, min(c, n_tok - i * c)))
-                for slot, (_, _, i) in zip(plan.reservation.slots, plan.specs, strict=True)]
+        codec = core.config.disk_codec
+        jobs: list[tuple[int, list[np.ndarray]]] = []
+        coded: list[list[bytes] | None] = []
+        for slot, (_, _, i) in zip(plan.reservation.slots, plan.specs, strict=True):
+            n = min(c, n_tok - i * c)
+            parts = extent.pieces(kr, vr, i * c - base, n)
+            enc = (None if codec == "none" else
+                   extent.encode_layers(lay, codec, parts, n, core.geo.slot_stride))
+            coded.append(enc)
+            jobs.append((slot, parts if enc is None else
+                         [np.frombuffer(b, dtype=np.uint8) for b in enc]))
 
         def write_all() -> None:
             # One task: buffered writes to one file serialize in the kernel anyway, and two
@@ -297,16 +311,29 @@ class Writer:
 
         fut = core.helpers.submit(write_all)
         try:
-            for (key, parent, i), (slot, parts) in zip(plan.specs, jobs, strict=True):
+            for (key, parent, i), (slot, parts), enc in zip(plan.specs, jobs, coded,
+                                                             strict=True):
                 n, t0 = min(c, n_tok - i * c), i * c - base
                 sums = extent.piece_checksums(parts, lay.num_layers)
                 e = plan.staged.get(key)
-                if e is not None:
+                if e is not None and enc is not None and codecs.is_lossy(codec):
+                    buf = core.dram.buffer(e)
+                    lb = n * lay.layer_token_bytes
+                    for layer, b in enumerate(enc):
+                        codecs.decode(codec, b, extent.layer_shape(lay, n),
+                                      buf[layer * lb : (layer + 1) * lb])
+                elif e is not None:
                     ext = extent.view(lay, core.dram.buffer(e), n)  # [L, 2, H, n, D]
                     np.copyto(ext[:, 0], kr[:, :, t0 : t0 + n])  # [L, H, n, D]
                     np.copyto(ext[:, 1], vr[:, :, t0 : t0 + n])
                 tokens = plan.toks[i * c : i * c + n].copy()
-                plan.records.append(ChunkRecord(key, parent, n, slot, 0, sums, tokens))
+                if enc is None:
+                    rec = ChunkRecord(key, parent, n, slot, 0, sums, tokens)
+                else:
+                    rec = ChunkRecord(key, parent, n, slot, 0, sums, tokens,
+                                      codecs.codec_id(codec),
+                                      np.array([len(b) for b in enc], dtype=np.uint32))
+                plan.records.append(rec)
         finally:
             wait([fut])  # the helper is done with the slots before anything reuses them
         fut.result()  # durable (or the IO error, re-raised here)
@@ -373,6 +400,11 @@ class Writer:
             plan.staged.clear()
             core.counters.put_chunks_written += len(plan.records) - len(dup)
             core.counters.put_chunks_deduplicated += len(dup)
+            core.counters.coded_chunks_written += sum(
+                1 for r in plan.records if r.key not in dup and r.codec != 0)
+            if core.config.disk_codec != "none":
+                core.counters.raw_fallback_chunks += sum(
+                    1 for r in plan.records if r.key not in dup and r.codec == 0)
         self._files.remove(dirs)
         self._on_commit()
 
