@@ -268,9 +268,12 @@ def _enc_zstd(layer: object, shape: LayerShape) -> bytes:
 
 def _dec_zstd(data: object, shape: LayerShape, out: np.ndarray | None) -> np.ndarray:
     try:
-        planes = _zstd()[1].decompress(data, max_output_size=shape.raw_bytes)
+        dobj = _zstd()[1].decompressobj()
+        planes = dobj.decompress(data)
     except zstandard.ZstdError as e:
         raise CorruptData(f"zstd data does not decode: {e}") from None
+    if not dobj.eof or dobj.unused_data:
+        raise CorruptData("zstd data is not exactly one complete frame")
     if len(planes) != shape.raw_bytes:
         raise CorruptData(f"zstd data decodes to {len(planes)} bytes, not {shape.raw_bytes}")
     res = _out(shape, out)

@@ -36,17 +36,20 @@ class _Base(RuleBasedStateMachine):
     counter = itertools.count()
     disk_slots = 1000
     dram_slots = 3
+    codec_cycle: tuple[str, ...] = ("none",)  # disk codec of each (re)open in turn
 
     contexts = Bundle("contexts")
 
     def __init__(self):
         super().__init__()
         self.path = self.base_dir / f"m{next(self.counter)}"
+        self._codecs = itertools.cycle(self.codec_cycle)
         self.store = self._open(layout=SMALL)
 
     def _open(self, **kw):
         return kvstore.open(self.path, chunk_tokens=CHUNK, dram_bytes=self.dram_slots * 4096,
-                            disk_bytes=self.disk_slots * 4096, **kw)
+                            disk_bytes=self.disk_slots * 4096,
+                            codecs={"disk": next(self._codecs)}, **kw)
 
     def check_get(self, toks, ns):
         k, v = self.store.get(toks, namespace=ns)
@@ -160,9 +163,21 @@ class EvictingStore(_Base):
         super().teardown()
 
 
-@pytest.mark.parametrize("machine", [ExactModel, EvictingStore])
-def test_state_machine(machine, tmp_path):
+class ExactModelZstd(ExactModel):
+    """The exact model on a disk that stores through zstd, then raw after a reopen, and so on:
+    every reopen reads chunks of both codecs."""
+
+    codec_cycle = ("zstd", "none")
+
+
+class EvictingStoreZstd(EvictingStore):
+    codec_cycle = ("zstd", "none")
+
+
+@pytest.mark.parametrize("machine,examples", [(ExactModel, 60), (EvictingStore, 60),
+                                              (ExactModelZstd, 30), (EvictingStoreZstd, 30)])
+def test_state_machine(machine, examples, tmp_path):
     machine.base_dir = tmp_path
     run_state_machine_as_test(
-        machine, settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
+        machine, settings=settings(max_examples=examples, stateful_step_count=40, deadline=None,
                                    derandomize=True))
