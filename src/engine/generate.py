@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,6 +51,14 @@ class GenerationResult:
     stop_reason: str  # "stop_token", "max_new_tokens" or "forced"
     saved: Future[None] | None = None  # asynchronous save: done when the KV is durable
     first_token: int = -1  # the token sampled after the prompt (with ``forced`` too)
+    # reused tokens served from chunks stored through a lossy codec: when > 0 the result is not
+    # bit-identical to a recompute (see docs/store.md, "Codecs")
+    lossy_reused_tokens: int = 0
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a lossy codec served part of the reused prefix."""
+        return self.lossy_reused_tokens > 0
 
 
 def _sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
@@ -230,7 +238,8 @@ class Generator:
             tier, reuse = self._load_or_compute(ids, namespace)
         try:
             try:
-                n_reused, load_s, logits, kv = self._prefill(ids, namespace, reuse, save, t0)
+                n_reused, load_s, logits, kv, n_lossy = self._prefill(ids, namespace, reuse,
+                                                                      save, t0)
                 if self.rates is not None:
                     self._observe(tier, len(ids), n_reused, t0)
             except KeyError:
@@ -241,9 +250,11 @@ class Generator:
                     save.abort()
                     save = self.store.begin_save(ids, namespace=namespace,
                                                  max_new_tokens=max_new_tokens - 1)
-                n_reused, load_s, logits, kv = self._prefill(ids, namespace, False, save, t0)
-            return self._decode(ids, logits, kv, save, cfg, gen, t0, n_reused, load_s,
-                                max_new_tokens, namespace, store, forced)
+                n_reused, load_s, logits, kv, n_lossy = self._prefill(ids, namespace, False,
+                                                                      save, t0)
+            res = self._decode(ids, logits, kv, save, cfg, gen, t0, n_reused, load_s,
+                               max_new_tokens, namespace, store, forced)
+            return replace(res, lossy_reused_tokens=n_lossy)
         except BaseException:
             if save is not None:
                 save.abort()  # no-op once finished
@@ -268,12 +279,13 @@ class Generator:
 
     def _prefill(self, ids: list[int], namespace: str | None, reuse: bool,
                  save: kvstore.SaveHandle | None, t0: float
-                 ) -> tuple[int, float, torch.Tensor, list[KV]]:
+                 ) -> tuple[int, float, torch.Tensor, list[KV], int]:
         """The prompt's forward pass over its stored prefix (if ``reuse``): (tokens reused,
-        seconds before compute started, logits, KV per layer). KeyError if the stored prefix
-        leaves the store before it is loaded."""
+        seconds before compute started, logits, KV per layer, reused tokens a lossy codec
+        served). KeyError if the stored prefix leaves the store before it is loaded."""
         load = None
         self._last_past = None
+        n_lossy = 0
         try:
             if not reuse:
                 n_reused, past = 0, None
@@ -286,13 +298,15 @@ class Generator:
                     past = self._last_past = LayerwisePast(load)
             else:
                 n_reused, past = self.load_prefix(ids, namespace=namespace)
+            if n_reused > 0:
+                n_lossy = self.store.lossy_tokens(ids[:n_reused], namespace=namespace)
             load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
             t1 = time.perf_counter()
             logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
                                             on_layer=None if save is None else save.layer)
             if n_reused == 0:  # a pure prefill: this machine's recompute speed
                 self._measured_prefill(len(ids), time.perf_counter() - t1)
-            return n_reused, load_s, logits, kv
+            return n_reused, load_s, logits, kv, n_lossy
         finally:
             if load is not None:
                 load.close()  # the execution buffer goes back before decoding

@@ -262,7 +262,13 @@ def _enc_zstd(layer: object, shape: LayerShape) -> bytes:
     buf = np.frombuffer(layer, dtype=np.uint8)  # type: ignore[call-overload]
     if buf.nbytes != shape.raw_bytes:
         raise ValueError(f"layer must hold {shape.raw_bytes} bytes for {shape}, got {buf.nbytes}")
-    planes = np.ascontiguousarray(buf.reshape(-1, shape.itemsize).T)
+    if shape.itemsize == 2:  # two planes by shifts: contiguous passes, ~10x a strided transpose
+        x = buf.view(np.uint16)
+        planes = np.empty(buf.nbytes, dtype=np.uint8)
+        np.bitwise_and(x, 0xFF, out=planes[: x.size], casting="unsafe")
+        np.right_shift(x, 8, out=planes[x.size :], casting="unsafe")
+    else:
+        planes = np.ascontiguousarray(buf.reshape(-1, shape.itemsize).T)
     return _zstd()[0].compress(planes)
 
 
@@ -277,8 +283,13 @@ def _dec_zstd(data: object, shape: LayerShape, out: np.ndarray | None) -> np.nda
     if len(planes) != shape.raw_bytes:
         raise CorruptData(f"zstd data decodes to {len(planes)} bytes, not {shape.raw_bytes}")
     res = _out(shape, out)
-    res.reshape(-1, shape.itemsize)[:] = np.frombuffer(planes, np.uint8).reshape(
-        shape.itemsize, -1).T
+    p = np.frombuffer(planes, np.uint8).reshape(shape.itemsize, -1)
+    if shape.itemsize == 2:
+        o = res.view(np.uint16)
+        np.left_shift(p[1], 8, out=o, dtype=np.uint16)
+        o |= p[0]
+    else:
+        res.reshape(-1, shape.itemsize)[:] = p.T
     return res
 
 

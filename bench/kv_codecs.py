@@ -1,0 +1,262 @@
+"""KV codecs on real SmolLM2 KV (issue 15, item 1): size, speed, cold-disk gets, and quality.
+
+Real KV: the model's fp16 KV (keys pre-RoPE) of ``--kv-tokens`` ChatML tokens of ShareGPT
+conversations that the other benches do not use (``--skip``). Per codec (``none`` is the raw
+baseline, measured in the same run):
+
+* ``bytes_per_token``: stored bytes of the context's chunks / tokens (the store's
+  ``stats()["disk"]["stored_bytes"]``), and the ratio raw / stored.
+* ``encode_gbps`` / ``decode_gbps``: raw bytes / seconds of ``kvstore.codecs.encode`` /
+  ``decode`` over every (chunk, layer), one thread; the ceiling beside it is a numpy copy of
+  the same bytes (``memcpy_gbps``).
+* ``cold_get``: ``store.get`` of the whole context after ``store.drop_caches()`` (DRAM tier
+  and page cache of the segments emptied), effective GB/s = decoded (raw) bytes / s, and its
+  ratio to the raw store's cold get in the same run.
+
+Quality (``--samples`` prompts of ``--prompt`` tokens, from further conversations): each prompt's
+KV is computed once, stored through the codec, the DRAM tier dropped, and then
+
+* teacher-forced NLL of the next ``--continuation`` tokens with the past read back from the
+  store (``store.get``), against the fp16 past: PPL, its relative delta, and the max / mean
+  absolute logit difference;
+* greedy generation of ``--new-tokens`` tokens by ``engine.Generator`` reusing the stored
+  prompt (layer-wise load) against a full recompute (``reuse=False``): positions equal and the
+  length of the equal prefix; ``lossy`` says whether the Generator reported a lossy prefix.
+
+Usage (the numbers in docs/benchmarks.md):
+    PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --out bench/results/kv_codecs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchutil import machine_info, summarize  # noqa: E402
+
+import kvstore  # noqa: E402
+from kvstore import codecs  # noqa: E402
+from kvstore.codecs import LayerShape  # noqa: E402
+
+CHUNK = 256
+
+
+def sharegpt_ids(model, n_tokens: int, n_samples: int, skip: int) -> list[list[int]]:
+    from truncation_quality import sharegpt_samples
+    return [ids for ids, _ in sharegpt_samples(model, n_tokens, n_samples, skip=skip)]
+
+
+def layer_raws(k: torch.Tensor, v: torch.Tensor) -> list[tuple[np.ndarray, LayerShape]]:
+    """Raw bytes of every (chunk, layer) of KV [L, H, T, D], as the store lays them out."""
+    L, H, T, D = k.shape
+    out = []
+    for a in range(0, T, CHUNK):
+        b = min(a + CHUNK, T)
+        shape = LayerShape("float16", H, b - a, D)
+        for layer in range(L):
+            x = torch.stack([k[layer, :, a:b], v[layer, :, a:b]]).contiguous()
+            out.append((x.view(torch.int16).numpy().reshape(-1).view(np.uint8).copy(), shape))
+    return out
+
+
+def time_codec(name: str, raws, reps: int) -> dict:
+    nbytes = sum(r.nbytes for r, _ in raws)
+    enc_s, dec_s, copy_s = [], [], []
+    encoded = [codecs.encode(name, r, s) for r, s in raws]  # warmup
+    outs = [np.empty(r.nbytes, dtype=np.uint8) for r, _ in raws]
+    for _ in range(reps):
+        t = time.perf_counter()
+        encoded = [codecs.encode(name, r, s) for r, s in raws]
+        enc_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for e, (_, s), o in zip(encoded, raws, outs, strict=True):
+            codecs.decode(name, e, s, o)
+        dec_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for (r, _), o in zip(raws, outs, strict=True):
+            np.copyto(o, r)
+        copy_s.append(time.perf_counter() - t)
+    return {"encode": summarize(enc_s, nbytes), "decode": summarize(dec_s, nbytes),
+            "memcpy": summarize(copy_s, nbytes),
+            "encoded_bytes": sum(len(e) for e in encoded), "raw_bytes": nbytes}
+
+
+def cold_gets(path: str, layout, name: str, toks, k, v, reps: int) -> dict:
+    with kvstore.open(path, layout=layout, chunk_tokens=CHUNK, disk_bytes=4 << 30,
+                      codecs={"disk": name}) as store:
+        store.put(toks, k, v)
+        stored = store.stats()["disk"]["stored_bytes"]
+        samples = []
+        for i in range(reps + 1):
+            store.drop_caches()
+            t = time.perf_counter()
+            gk, gv = store.get(toks)
+            dt = time.perf_counter() - t
+            if i:
+                samples.append(dt)
+        lossy = store.stats()["codecs"]["lossy_tokens_served"]
+        err = max(float((gk.float() - k.float()).abs().max()),
+                  float((gv.float() - v.float()).abs().max()))
+    return {"get": summarize(samples, 2 * k.numel() * k.element_size()),
+            "stored_bytes": stored, "bytes_per_token": stored / len(toks),
+            "lossy_tokens_served": lossy, "max_abs_error": err}
+
+
+def quality(model, prompts, conts, name: str, workdir: str, new_tokens: int,
+            ref: list[dict]) -> list[dict]:
+    from engine import Generator
+    from engine.model import split_kv
+
+    out = []
+    for i, (ids, cont) in enumerate(zip(prompts, conts, strict=True)):
+        path = os.path.join(workdir, f"q-{name}-{i}")
+        with kvstore.open(path, layout=model.layout, chunk_tokens=CHUNK, disk_bytes=1 << 30,
+                          codecs={"disk": name}) as store:
+            k, v = ref[i]["kv"]
+            store.put(ids, k, v)
+            store.drop_caches()
+            gk, gv = store.get(ids)
+            m = len(cont) - 1
+            logits, _ = model.forward(cont[:m], torch.arange(len(ids), len(ids) + m),
+                                      split_kv(gk, gv))
+            nll = F.cross_entropy(logits.float(), torch.tensor(cont[1:]),
+                                  reduction="none").tolist()
+            dl = (logits.float() - ref[i]["logits"]).abs()
+            store.drop_caches()
+            r = Generator(model, store, async_save=False).generate(ids, new_tokens, store=False)
+            want = ref[i]["tokens"]
+            same = [a == b for a, b in zip(r.tokens, want, strict=False)]
+            prefix = next((j for j, s in enumerate(same) if not s), len(same))
+            out.append({"nll": nll, "ppl": math.exp(sum(nll) / len(nll)),
+                        "ref_ppl": math.exp(sum(ref[i]["nll"]) / len(nll)),
+                        "logit_max_abs_delta": float(dl.max()),
+                        "logit_mean_abs_delta": float(dl.mean()),
+                        "greedy_tokens": r.tokens, "greedy_equal_positions": sum(same),
+                        "greedy_equal_prefix": prefix, "greedy_len": len(want),
+                        "reused_tokens": r.reused_tokens,
+                        "lossy_reused_tokens": r.lossy_reused_tokens})
+        shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--codecs", default=",".join(codecs.NAMES))
+    p.add_argument("--kv-tokens", type=int, default=2048, help="tokens of the size/speed context")
+    p.add_argument("--reps", type=int, default=5, help="measured repetitions (after 1 warmup)")
+    p.add_argument("--samples", type=int, default=4, help="quality prompts")
+    p.add_argument("--prompt", type=int, default=600, help="tokens per quality prompt")
+    p.add_argument("--continuation", type=int, default=129, help="teacher-forced tokens + 1")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens compared")
+    p.add_argument("--skip", type=int, default=5000,
+                   help="ShareGPT conversations skipped (other benches use 0-80 and 3000)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
+    p.add_argument("--out", default="bench/results/kv_codecs.json")
+    args = p.parse_args(argv)
+    names = [x for x in args.codecs.split(",") if x]
+    for x in names:
+        codecs.check_name(x, "--codecs")
+
+    import engine
+    from engine.model import stack_kv
+
+    t0 = time.perf_counter()
+    model = engine.load_model(num_threads=args.threads)
+    workdir = tempfile.mkdtemp(prefix="kvstore-codecs-", dir=args.dir)
+    report: dict = {"command": "python bench/kv_codecs.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "machine": machine_info(),
+        "chunk_tokens": CHUNK, "codecs": {}}
+    try:
+        ids = sharegpt_ids(model, args.kv_tokens, 1, args.skip)[0]
+        _, kv = model.forward(ids, last_only=True)
+        k, v = stack_kv(kv)
+        k, v = k.to(torch.float16).contiguous(), v.to(torch.float16).contiguous()
+        raws = layer_raws(k, v)
+        print(f"KV of {len(ids)} tokens: {2 * k.numel() * 2 / 1e6:.1f} MB", flush=True)
+
+        samples = sharegpt_ids(model, args.prompt + args.continuation, args.samples,
+                               args.skip + 200)
+        prompts = [s[: args.prompt] for s in samples]
+        conts = [s[args.prompt :] for s in samples]
+        ref = []
+        gen_store = os.path.join(workdir, "ref")
+        with kvstore.open(gen_store, layout=model.layout, chunk_tokens=CHUNK) as store:
+            gen = engine.Generator(model, store, async_save=False)
+            for pr, ct in zip(prompts, conts, strict=True):
+                _, pkv = model.forward(pr, last_only=True)
+                pk, pv = stack_kv(pkv)
+                m = len(ct) - 1
+                logits, _ = model.forward(ct[:m], torch.arange(len(pr), len(pr) + m), pkv)
+                nll = F.cross_entropy(logits.float(), torch.tensor(ct[1:]),
+                                      reduction="none").tolist()
+                r = gen.generate(pr, args.new_tokens, reuse=False, store=False)
+                ref.append({"kv": (pk.to(torch.float16), pv.to(torch.float16)),
+                            "logits": logits.float(), "nll": nll, "tokens": r.tokens})
+        print("references done", flush=True)
+
+        for name in names:
+            res: dict = {"lossy": name in codecs.LOSSY}
+            res["speed"] = time_codec(name, raws, args.reps)
+            res["cold"] = cold_gets(os.path.join(workdir, f"cold-{name}"), model.layout, name,
+                                    ids, k, v, args.reps)
+            shutil.rmtree(os.path.join(workdir, f"cold-{name}"), ignore_errors=True)
+            res["quality"] = quality(model, prompts, conts, name, workdir, args.new_tokens, ref)
+            q = res["quality"]
+            all_nll = [x for s in q for x in s["nll"]]
+            ref_nll = [x for r in ref for x in r["nll"]]
+            res["summary"] = {
+                "bytes_per_token": res["cold"]["bytes_per_token"],
+                "ratio": 2 * k.numel() * 2 / res["cold"]["stored_bytes"],
+                "encode_gbps_p50": res["speed"]["encode"]["gbps_p50"],
+                "decode_gbps_p50": res["speed"]["decode"]["gbps_p50"],
+                "memcpy_gbps_p50": res["speed"]["memcpy"]["gbps_p50"],
+                "cold_get_gbps_p50": res["cold"]["get"]["gbps_p50"],
+                "ppl": math.exp(sum(all_nll) / len(all_nll)),
+                "ref_ppl": math.exp(sum(ref_nll) / len(ref_nll)),
+                "greedy_equal_positions": sum(s["greedy_equal_positions"] for s in q),
+                "greedy_equal_prefix": [s["greedy_equal_prefix"] for s in q],
+                "greedy_total": sum(s["greedy_len"] for s in q),
+                "logit_max_abs_delta": max(s["logit_max_abs_delta"] for s in q),
+                "logit_mean_abs_delta": float(np.mean([s["logit_mean_abs_delta"] for s in q])),
+                "generator_reported_lossy": all(s["lossy_reused_tokens"] > 0 for s in q),
+                "kv_max_abs_error": res["cold"]["max_abs_error"],
+            }
+            sm = res["summary"]
+            sm["ppl_delta_pct"] = 100 * (sm["ppl"] / sm["ref_ppl"] - 1)
+            report["codecs"][name] = res
+            print(f"{name:5s} {sm['bytes_per_token']:8.0f} B/tok x{sm['ratio']:.2f}  enc "
+                  f"{sm['encode_gbps_p50']:.2f} dec {sm['decode_gbps_p50']:.2f} GB/s (memcpy "
+                  f"{sm['memcpy_gbps_p50']:.1f})  cold get {sm['cold_get_gbps_p50']:.2f} GB/s  "
+                  f"PPL {sm['ppl']:.4f} vs {sm['ref_ppl']:.4f} ({sm['ppl_delta_pct']:+.2f}%)  "
+                  f"greedy {sm['greedy_equal_positions']}/{sm['greedy_total']} prefixes "
+                  f"{sm['greedy_equal_prefix']}  lossy={sm['generator_reported_lossy']}",
+                  flush=True)
+        if "none" in report["codecs"]:
+            base = report["codecs"]["none"]["summary"]["cold_get_gbps_p50"]
+            for res in report["codecs"].values():
+                res["summary"]["cold_get_vs_raw"] = res["summary"]["cold_get_gbps_p50"] / base
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report["total_seconds"] = time.perf_counter() - t0
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"total {report['total_seconds']:.0f} s; JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
