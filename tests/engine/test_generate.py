@@ -260,3 +260,21 @@ def test_a_prefix_evicted_while_loading_is_recomputed(model, tmp_path, layerwise
         assert r.reused_tokens == 0 and r.tokens == base.tokens  # recomputed, same tokens
         store.flush()
         assert store.match(ids) == len(ids)  # and this turn was stored for the next
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_prefix_served_through_a_lossy_codec_is_reported(model, tmp_path, codec):
+    with kvstore.open(tmp_path / "st", layout=model.layout, disk_bytes=1 << 28,
+                      codecs={"disk": codec}) as store:
+        ids = model.chat_template([{"role": "user", "content": "Name three colours."}])
+        gen = Generator(model, store)
+        first = gen.generate(ids, 2)
+        gen.flush()
+        assert not first.lossy  # nothing was reused
+        store.drop_caches()
+        again = Generator(model, store, layerwise=False).generate(ids, 2, store=False)
+        assert again.reused_tokens == len(ids) - 1
+        want = again.reused_tokens if codec == "int8" else 0
+        assert again.lossy_reused_tokens == want and again.lossy == (codec == "int8")
+        if codec == "none":  # lossless reuse: the recompute's tokens exactly
+            assert again.tokens == first.tokens
