@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 
+from kvstore import extent
 from kvstore.errors import CorruptData
 from kvstore.hashing import chunk_hash
 from kvstore.opening import open_store
@@ -67,6 +68,14 @@ def verify_store(store: Store) -> dict[str, object]:
             errors.append(f"chunk {rec.key.hex()} (disk slot {rec.slot}) failed its checksum "
                           f"at layers {layers}")
             bad += 1
+        elif rec.codec != 0:  # coded bytes must also decode
+            try:
+                extent.decode_extent(store.layout, rec, raw, np.empty(
+                    rec.n_tokens * store.layout.token_bytes, dtype=np.uint8))
+            except CorruptData as e:
+                if store.is_current(rec):
+                    errors.append(f"chunk {rec.key.hex()} (disk slot {rec.slot}): {e}")
+                    bad += 1
         checked += 1
     orphans = [k for k in chunks if k not in held]
     bad_indexes = 0
