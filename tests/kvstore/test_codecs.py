@@ -275,3 +275,17 @@ def test_a_flipped_encoded_byte_is_corrupt_data_never_data(open_small, tmp_path,
         s.get(toks)
     assert s.match(toks) == 0  # the context holding it is dropped
     assert s.stats()["corrupt"]["chunks"] == 1
+
+
+def test_coded_disk_chunks_reach_the_remote_tier_decoded(open_small, redis_server):
+    """Write-through of a chunk stored through a disk codec sends its decoded bytes (with their
+    own checksums), and a store with another disk codec reads them right."""
+    a = open_small("ra", remote=redis_server.url, codecs={"disk": "zstd"}, dram_bytes=0)
+    b = open_small("rb", remote=redis_server.url, codecs={"disk": "none"})
+    t = list(range(100, 110))
+    a.put(t, *causal_kv(SMALL, t))
+    a.flush(remote=True)
+    assert a.stats()["remote"]["written_chunks"] == 3
+    k, v = b.get(t)
+    ek, ev = causal_kv(SMALL, t)
+    assert torch.equal(k, ek) and torch.equal(v, ev)

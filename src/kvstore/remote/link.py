@@ -385,8 +385,11 @@ class RemoteLink:
                 rec, ext = got
                 if rec.n_tokens < c:  # findable by a longer prompt through its parent
                     kids.append((rec.parent, rec.key, rec.tokens))
+                # a chunk stored through a disk codec keeps checksums of its encoded bytes;
+                # ext is decoded, so its checksums are computed afresh
+                sums = rec.checksums if rec.codec == 0 else None
                 send.append((k, rv.encode_bytes(k, rec.tokens, ext, self.core.layout.num_layers,
-                                                checksums=rec.checksums, codec=tier.cfg.codec)))
+                                                checksums=sums, codec=tier.cfg.codec)))
         if send:
             for ok in tier.put(send, kids):
                 tier._count("written_chunks" if ok else "already_present" if ok is False
