@@ -37,7 +37,8 @@ class RemoteConfig:
     ``write_through``: puts send their chunks to Redis in the background (``SET NX``).
     ``max_queued_chunks`` bounds the write-through queue (a put waits while it is full).
     ``codec``: how layer payloads are encoded on the wire (``"none"``: raw bytes).
-    ``probe_bytes``: size of the range fetched once to estimate the link's bandwidth.
+    ``probe_bytes``: the largest range the bandwidth probe fetches (it starts small and grows
+    only while round trips stay short: see ``Tier.probe``).
     """
 
     urls: tuple[str, ...]

@@ -40,6 +40,8 @@ KID_PREFIX = 8  # a stored partial chunk is found by a prompt sharing its first 
 # bytes per recv into hiredis: chunk values are megabytes, and redis-py's 64 KiB default makes
 # a large GET several times slower (measured: bench/remote.py get, docs/benchmarks.md)
 READ_SIZE = 1 << 20
+PROBE_START = 64 << 10  # the first bandwidth probe's bytes (see Tier.probe)
+PROBE_ENOUGH_S = 0.02  # a probe round trip this long measures bandwidth well enough
 
 
 class RemoteAuthError(KVStoreError):
@@ -191,7 +193,8 @@ class RemoteTier:
             setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def _call(self, keys: Sequence[bytes], build: Callable[[object, int], None], *,
-              probe: bool = False, redis_keys: bool = False) -> dict[int, object]:
+              probe: bool = False, redis_keys: bool = False,
+              observe: bool = True) -> dict[int, object]:
         """One pipelined round trip per node for the commands ``build(pipe, i)`` of each
         chunk ``keys[i]`` (Redis keys themselves with ``redis_keys``); returns i -> reply (an
         exception object for a per-command error) for the nodes that answered. Failed and
@@ -237,7 +240,8 @@ class RemoteTier:
                 out[i] = r
                 if isinstance(r, bytes):
                     nbytes += len(r)
-            self.estimate.observe(nbytes, dt, probe=probe)
+            if observe:
+                self.estimate.observe(nbytes, dt, probe=probe)
             with self._lock:
                 self.counters.fetched_bytes += nbytes
         if moved:  # the slot map changed, or a single URL named a cluster node
@@ -402,19 +406,37 @@ class RemoteTier:
         return out
 
     def probe(self, found: Sequence[tuple[bytes, rv.Header]]) -> None:
-        """Time one round trip fetching up to ``probe_bytes`` of these values' payloads
-        (``GETRANGE``; a bandwidth estimate)."""
-        ranges, left = [], self.cfg.probe_bytes
-        for key, h in found:
-            if left <= 0:
-                break
-            b = min(h.value_bytes, h.size + left) - 1
-            ranges.append((key, h.size, b))
-            left -= b + 1 - h.size
+        """Estimate the link's bandwidth from these values' payloads (``GETRANGE``): round
+        trips of growing size (``PROBE_START`` bytes, x4 each time, up to ``probe_bytes``)
+        until one takes ``PROBE_ENOUGH_S``; the last one is the bandwidth sample. So the probe
+        costs what the link allows: tens of milliseconds on a slow link (where one 256 KiB range
+        at 2 MB/s cost 0.13 s, more than what deciding not to fetch could save), a
+        full-size range on a fast one, where a small range would be mostly latency."""
+        size = min(PROBE_START, self.cfg.probe_bytes)
         self._count("probes")
-        self._call([k for k, _, _ in ranges],
-                   lambda pipe, i: pipe.getrange(self.redis_key(ranges[i][0]), ranges[i][1],
-                                                 ranges[i][2]), probe=True)
+        while True:
+            ranges, left = [], size
+            for key, h in found:
+                if left <= 0:
+                    break
+                b = min(h.value_bytes, h.size + left) - 1
+                ranges.append((key, h.size, b))
+                left -= b + 1 - h.size
+            t0 = time.perf_counter()
+            got = self._call([k for k, _, _ in ranges],
+                             lambda pipe, i, ranges=ranges: pipe.getrange(
+                                 self.redis_key(ranges[i][0]), ranges[i][1], ranges[i][2]),
+                             observe=False)
+            dt = time.perf_counter() - t0
+            nbytes = sum(len(r) for r in got.values() if isinstance(r, bytes))
+            if not got or dt >= PROBE_ENOUGH_S or size >= self.cfg.probe_bytes or left > 0:
+                break
+            size = min(size * 4, self.cfg.probe_bytes)
+        if nbytes:
+            # the round trip's latency (measured by the small calls) is not transfer time;
+            # at most half of it is taken off, so a noisy latency cannot inflate the estimate
+            lat = self.estimate.latency_s or 0.0
+            self.estimate.observe(nbytes, max(dt - lat, dt / 2), probe=True)
 
     # ------------------------------------------------------------------ small documents
     def put_doc(self, name: str, data: bytes) -> bool:
