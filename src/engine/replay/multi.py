@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from engine.replay.costs import CostModel
 from engine.replay.server import Job, Method
 from engine.replay.simstore import SimStore
+from engine.replay.simulated import CostLimits
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +46,7 @@ class ScaleOut:
             raise ValueError(f"remote_bps must be > 0, got {self.remote_bps!r}")
 
 
-class MultiServerExecutor:
+class MultiServerExecutor(CostLimits):
     def __init__(self, method: Method, cost: CostModel, scale: ScaleOut) -> None:
         if not method.caches:
             raise ValueError("scale-out simulation needs a caching method (as or of)")
@@ -63,18 +64,6 @@ class MultiServerExecutor:
         self.remote_hits = 0
         self.remote_evictions = 0
         self.declined = 0  # remote contexts not fetched: recomputing was estimated sooner
-
-    @property
-    def max_batch(self) -> int:
-        return self.cost.max_batch
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        return self.cost.max_prefill_tokens
-
-    def fits(self, running: list[Job], job: Job) -> bool:
-        tokens = sum(j.context_after for j in running) + job.context_after
-        return tokens * self.cost.token_bytes <= self.cost.hbm_kv_bytes
 
     def server_of(self, job: Job) -> int:
         h = hashlib.blake2b(f"{self.scale.seed}/{job.conv.index}/{job.turn}".encode(),

@@ -13,7 +13,26 @@ from engine.replay.simstore import SimStore
 from kvstore.policy import make_policy
 
 
-class SimulatedExecutor:
+class CostLimits:
+    """The server's batch limits, from ``self.cost`` (a :class:`CostModel`): shared by the
+    simulated executors."""
+
+    cost: CostModel
+
+    @property
+    def max_batch(self) -> int:
+        return self.cost.max_batch
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.cost.max_prefill_tokens
+
+    def fits(self, running: list[Job], job: Job) -> bool:
+        tokens = sum(j.context_after for j in running) + job.context_after
+        return tokens * self.cost.token_bytes <= self.cost.hbm_kv_bytes
+
+
+class SimulatedExecutor(CostLimits):
     """Thread-safety: none (the server's one thread)."""
 
     def __init__(self, method: Method, cost: CostModel, *, log: RequestLog | None = None
@@ -28,18 +47,6 @@ class SimulatedExecutor:
                                   disk_bandwidth=cost.disk_to_dram_bps, log=log)
         self._link_free = 0.0  # when the load link (DRAM/disk -> accelerator) is next free
         self._prev_start = 0.0  # start of the latest prefill
-
-    @property
-    def max_batch(self) -> int:
-        return self.cost.max_batch
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        return self.cost.max_prefill_tokens
-
-    def fits(self, running: list[Job], job: Job) -> bool:
-        tokens = sum(j.context_after for j in running) + job.context_after
-        return tokens * self.cost.token_bytes <= self.cost.hbm_kv_bytes
 
     def arrive(self, job: Job) -> None:
         if self.store is not None:
