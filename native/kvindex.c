@@ -533,40 +533,8 @@ done:
 
 /* ---------------------------------------------------------------- beam search (top-k) */
 
-/* The result heap: Python tuples (score, id), smallest on top (heapq). */
-static int rtuple_lt(const hent *a, const hent *b) { /* hent.neg holds +score here */
-    if (a->neg == b->neg) return a->id < b->id;
-    return a->neg < b->neg;
-}
-
-static void r_siftdown(hent *h, int64_t startpos, int64_t pos) {
-    hent newitem = h[pos];
-    while (pos > startpos) {
-        int64_t parentpos = (pos - 1) >> 1;
-        if (rtuple_lt(&newitem, &h[parentpos])) {
-            h[pos] = h[parentpos];
-            pos = parentpos;
-            continue;
-        }
-        break;
-    }
-    h[pos] = newitem;
-}
-
-static void r_siftup(hent *h, int64_t endpos, int64_t pos) {
-    int64_t startpos = pos;
-    hent newitem = h[pos];
-    int64_t childpos = 2 * pos + 1;
-    while (childpos < endpos) {
-        int64_t rightpos = childpos + 1;
-        if (rightpos < endpos && !rtuple_lt(&h[childpos], &h[rightpos])) childpos = rightpos;
-        h[pos] = h[childpos];
-        pos = childpos;
-        childpos = 2 * pos + 1;
-    }
-    h[pos] = newitem;
-    r_siftdown(h, startpos, pos);
-}
+/* The result heap: Python tuples (score, id), smallest on top (heapq): the same hent and
+   sift functions as above, with hent.neg holding +score. */
 
 static int cmp_rank(const void *a, const void *b) { /* score descending, then id ascending */
     const hent *x = (const hent *)a, *y = (const hent *)b;
@@ -680,11 +648,11 @@ KV_API int64_t kv_graph_search(const float *keys, int64_t n, int64_t d, const in
                 res[rsize].neg = sv;
                 res[rsize].id = v;
                 rsize++;
-                r_siftdown(res, 0, rsize - 1);
+                py_siftdown(res, 0, rsize - 1);
                 if (rsize > ef) { /* heapq.heappop(res) */
                     hent last = res[--rsize];
                     res[0] = last;
-                    r_siftup(res, rsize, 0);
+                    py_siftup(res, rsize, 0);
                 }
             }
         }
