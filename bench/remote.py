@@ -137,9 +137,47 @@ def bench_ttft(args: argparse.Namespace, work: str, srv: Server) -> dict[str, ob
             "ratio_local_dram_to_recompute": med["reuse_local_dram"] / med["recompute"]}
 
 
+def bench_replay(args: argparse.Namespace, work: str, srv: Server) -> dict[str, object]:
+    from engine.model import load_model
+    from engine.replay.multi import ScaleOut
+    from engine.replay.run import ReplayConfig, load_table, replay
+    from engine.replay.server import Method
+    from engine.replay.workload import WorkloadConfig
+
+    wl = WorkloadConfig(conversations=args.conversations, min_turns=3, max_turns=8,
+                        max_message_tokens=512, arrival_rate=0.05, think_s=30.0,
+                        context_window=4096, warmup_fraction=0.0, seed=args.seed)
+    cfg = ReplayConfig(mode="real", methods=(Method("re"), Method("as")), workload=wl,
+                       store_dir=os.path.join(work, "stores"),
+                       scale=ScaleOut(servers=args.servers, shared=True, url=srv.url,
+                                      seed=args.seed))
+    model = load_model()
+    summary = replay(cfg, os.path.join(work, "out"), model=model,
+                     table=load_table(model, cfg, None), progress=False)
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(os.path.join(work, "out", "turns.parquet")).to_pylist()
+    first = {(r["conv"], r["turn"]): r["first_token"] for r in rows if r["method"] == "RE"}
+    out: dict[str, object] = {"servers": args.servers, "conversations":
+                              summary["conversations"], "turns": summary["turns"]}
+    for label, m in summary["methods"].items():
+        mine = [r for r in rows if r["method"] == label and r["turn"] > 0]
+        same = [r["first_token"] == first[(r["conv"], r["turn"])] for r in mine
+                if not r["truncated"]]
+        out[label] = {"hit_rate": m["hit_rate"], "remote_hit_rate": m.get("remote_hit_rate"),
+                      "reused_tokens": m["reused_tokens"], "prompt_tokens": m["prompt_tokens"],
+                      "ttft_s_turn2plus": m["ttft_s_turn2plus"],
+                      "service_s_turn2plus": m["service_s_turn2plus"],
+                      "first_token_equals_re": f"{sum(same)}/{len(same)}"}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=("get", "ttft"))
+    p.add_argument("what", choices=("get", "ttft", "replay"))
+    p.add_argument("--servers", type=int, default=4, help="replay: servers")
+    p.add_argument("--conversations", type=int, default=8, help="replay: conversations")
+    p.add_argument("--seed", type=int, default=0, help="replay: workload and routing seed")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--new", type=int, default=100, help="ttft: new tokens after the history")
     p.add_argument("--reps", type=int, default=10)
@@ -152,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="kvstore-remote-bench-")
     srv = Server(os.path.join(work, "redis"))
     try:
-        res = bench_get(args, work, srv) if args.what == "get" else bench_ttft(args, work, srv)
+        run = {"get": bench_get, "ttft": bench_ttft, "replay": bench_replay}[args.what]
+        res = run(args, work, srv)
     finally:
         srv.stop()
         shutil.rmtree(work, ignore_errors=True)

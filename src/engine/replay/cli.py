@@ -57,10 +57,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--cache-dir", default=None,
                    help="token table cache (default ~/.cache/kvstore)")
     s.add_argument("--servers", type=int, default=1,
-                   help="simulated: route each turn to a random one of N servers (own stores)")
+                   help="route each turn to a random one of N servers, each with its own "
+                        "store (real mode: its own store directory)")
     s.add_argument("--remote", default=None,
-                   help="with --servers: also run with a shared remote tier (a redis:// URL "
-                        "in real use; in simulated mode it only switches the tier on)")
+                   help="with --servers: also run with a shared remote tier: real mode, the "
+                        "redis:// URL every server's store opens; simulated mode, any value "
+                        "switches the modelled tier on")
     s.add_argument("--remote-bandwidth", type=float, default=12.5e9,
                    help="simulated shared tier: bytes/s per fetch (default 100 Gbit/s)")
     s.add_argument("--remote-always", action="store_true",
@@ -95,7 +97,8 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
     scale = None if servers == 1 else ScaleOut(
         servers=servers, shared=remote is not None, seed=args.seed,
         remote_bps=args.remote_bandwidth, remote_bytes=args.remote_capacity,
-        only_when_it_pays=not args.remote_always)
+        only_when_it_pays=not args.remote_always,
+        url=remote if args.mode == "real" else None)
     return ReplayConfig(mode=args.mode, methods=methods, workload=workload_of(args),
                         preset=args.preset, dram_bytes=args.dram, disk_bytes=args.disk,
                         store_dir=args.store, data_path=args.data, scale=scale)

@@ -42,6 +42,9 @@ class CostModel:
     gpu_price_h: float = 5.0  # per GPU
     dram_price_gb_h: float = 0.0088
     disk_price_gb_h: float = 0.000082
+    # A shared remote tier (engine.replay.multi): its link's bandwidth and per-fetch latency.
+    remote_bps: float = 12.5e9  # 100 Gbit/s (RDMA-class, as Mooncake's transfer engine)
+    remote_latency_s: float = 0.0005
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "token_bytes", "context_window", "max_batch",
@@ -59,7 +62,11 @@ class CostModel:
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        for name in ("dram_to_hbm_bps", "disk_to_dram_bps"):
+        if not (isinstance(self.remote_latency_s, int | float)
+                and math.isfinite(self.remote_latency_s) and self.remote_latency_s >= 0):
+            raise ValueError(f"remote_latency_s must be a finite number >= 0, "
+                             f"got {self.remote_latency_s!r}")
+        for name in ("dram_to_hbm_bps", "disk_to_dram_bps", "remote_bps"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and v > 0):
                 raise ValueError(f"{name} must be positive, got {v!r}")
@@ -73,12 +80,28 @@ class CostModel:
 
     def load_s(self, tokens: int, tier: str) -> float:
         """Time to bring the KV of ``tokens`` to the accelerator from ``tier``."""
-        nbytes = tokens * self.token_bytes
+        lat = self.load_latency_s(tier) if tokens > 0 else 0.0
+        return lat + tokens * self.token_bytes / self.tier_bps(tier)
+
+    def load_s_per_token(self, tier: str) -> float:
+        """Seconds per token of KV from ``tier`` (no fixed latency)."""
+        return self.token_bytes / self.tier_bps(tier)
+
+    def tier_bps(self, tier: str) -> float:
+        """Bytes/s of KV from ``tier`` to the accelerator: ``dram`` over PCIe; ``disk`` -> DRAM
+        -> HBM and ``remote`` -> DRAM -> HBM are pipelined, so the slower link bounds them."""
         if tier == "dram":
-            return nbytes / self.dram_to_hbm_bps
-        if tier == "disk":  # disk -> DRAM -> HBM, pipelined: the slower link bounds it
-            return nbytes / min(self.disk_to_dram_bps, self.dram_to_hbm_bps)
-        raise ValueError(f"tier must be 'dram' or 'disk', got {tier!r}")
+            return self.dram_to_hbm_bps
+        if tier == "disk":
+            return min(self.disk_to_dram_bps, self.dram_to_hbm_bps)
+        if tier == "remote":
+            return min(self.remote_bps, self.dram_to_hbm_bps)
+        raise ValueError(f"tier must be 'dram', 'disk' or 'remote', got {tier!r}")
+
+    def load_latency_s(self, tier: str) -> float:
+        """Fixed time of one load from ``tier`` (the remote round trip; 0 for local tiers)."""
+        self.tier_bps(tier)  # validates the name
+        return self.remote_latency_s if tier == "remote" else 0.0
 
     def exposed_load_s(self, load_s: float, compute_s: float) -> float:
         """Load time left visible by layer-wise pre-loading: the first layer always waits; the
@@ -106,7 +129,8 @@ class CostModel:
             return max(front + cn, load + tail)
 
         cands = {0, reused}
-        m_star = self.meeting_point(reused, tier, budget_s=tail - cn - head_start_s)
+        m_star = self.meeting_point(
+            reused, tier, budget_s=tail - cn - head_start_s + self.load_latency_s(tier))
         cands.update(x for x in (math.floor(m_star), math.ceil(m_star)) if 0 <= x <= reused)
         best = min(sorted(cands), key=done)
         return best, done(best)
@@ -119,10 +143,11 @@ class CostModel:
         """Where compute from the front and load from the back cross (real-valued, clamped to
         ``[0, reused]``): ``front(m) = load(reused - m) + budget_s`` with ``front(m) = a m +
         b m (m + 1) / 2`` (the preset's per-token and per-pair prefill costs) and
-        ``load(k) = k * beta`` (seconds per token from ``tier``). With ``b = 0`` it is
+        ``load(k) = k * beta`` (seconds per token from ``tier``; a fixed latency belongs in
+        ``budget_s``). With ``b = 0`` it is
         ``(reused * beta + budget_s) / (a + beta)``."""
         a, b = self.prefill_s_per_token, self.prefill_s_per_pair
-        beta = self.load_s(1, tier)
+        beta = self.load_s_per_token(tier)
         rhs = reused * beta + budget_s
         lin = a + b / 2 + beta
         m = rhs / lin if b == 0 else (-lin + math.sqrt(max(0.0, lin * lin + 2 * b * rhs))) / b

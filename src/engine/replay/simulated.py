@@ -32,6 +32,28 @@ class CostLimits:
         return tokens * self.cost.token_bytes <= self.cost.hbm_kv_bytes
 
 
+def place_load(cost: CostModel, job: Job, tier: str, stored: int, begin: float, *,
+               split: bool) -> float | None:
+    """Cost ``job`` reusing the first ``stored`` tokens of its (kept) history from ``tier``,
+    whose load may begin at ``begin``: with ``split``, the front ``m`` of them is computed
+    while the rest loads from the back (:meth:`CostModel.split`), else all of them load. Sets
+    ``job.recomputed``, ``reused``, ``compute_s`` and ``load_s``; returns when the load ends
+    (None: nothing is loaded)."""
+    assert 0 < stored <= job.kept, "the stored prefix lies inside the kept history"
+    new = job.prompt_len - stored
+    m = cost.split(stored, new, tier, head_start_s=job.start_s - begin)[0] if split else 0
+    cn = cost.prefill_s(new, stored)  # the new tokens over the whole prefix
+    job.recomputed, job.reused = m, stored - m
+    job.compute_s = cn if m == 0 else cost.prefill_s(m, 0) + cn - cost.prefill_s_fixed
+    job.load_s = 0.0
+    if not job.reused:
+        return None
+    end = begin + cost.load_s(job.reused, tier)
+    done = max(job.start_s + job.compute_s, end + cn / cost.num_layers)  # last layer after load
+    job.load_s = done - job.start_s - job.compute_s
+    return end
+
+
 class SimulatedExecutor(CostLimits):
     """Thread-safety: none (the server's one thread)."""
 
@@ -77,22 +99,10 @@ class SimulatedExecutor(CostLimits):
             # prefill layer by layer (AttentionStore §3.2.1). With the split, the front of
             # the history is computed while its back loads (CostModel.split).
             begin = max(job.arrival_s, self._link_free, self._prev_start)
-            new = job.user_len
-            if self.method.load == "split":
-                m, _ = cost.split(job.reused, new, tier, head_start_s=job.start_s - begin)
-            else:
-                m = 0
-            job.recomputed, job.reused = m, job.reused - m
-            new = job.prompt_len - job.reused
-            job.compute_s = cost.prefill_s(new, job.reused) if m == 0 else \
-                cost.prefill_s(m, 0) + cost.prefill_s(job.user_len, job.kept) - \
-                cost.prefill_s_fixed
-            if job.reused:
-                end = begin + cost.load_s(job.reused, tier)
+            end = place_load(cost, job, tier, job.reused, begin,
+                             split=self.method.load == "split")
+            if end is not None:
                 self._link_free = end
-                tail = cost.prefill_s(job.user_len, job.kept) / cost.num_layers
-                done = max(job.start_s + job.compute_s, end + tail)  # last layer after load
-                job.load_s = done - job.start_s - job.compute_s
         else:
             job.compute_s = cost.prefill_s(job.prompt_len, 0)
         if job.start_s > self._prev_start:

@@ -1,0 +1,78 @@
+"""Real scale-out: N servers without session affinity, each with its own store directory (DRAM
+and disk), with or without the shared remote tier on a real Redis.
+
+Every turn is routed as in simulated mode (:meth:`ScaleOut.server_of`). Each server is a
+:class:`~engine.replay.real.RealExecutor` over its own store and its own
+:class:`~engine.generate.Generator` (own load/compute rates); they share the model's weights and
+the conversations' histories, which a router would send with each request. With the shared
+tier every server's store opens the same Redis (``ScaleOut.url``) under a key prefix of its
+own per run, so a run never reuses an earlier run's values; a turn's KV is written through in
+the background, and its write-through is waited for when the turn finishes (the think time
+before the conversation's next turn, seconds in the trace, covers it in a deployment).
+
+The servers run on this one machine, one job at a time, so TTFT measures each turn's own
+prefill and loads (queueing is that of one machine doing N servers' work); hit rates and reuse
+are exact under the routing. Thread-safety: none (the server loop's one thread).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import kvstore
+from engine.model import Model
+from engine.replay.multi import ScaleOut
+from engine.replay.real import RealExecutor, _ConvState
+from engine.replay.server import Job, Method
+from kvstore.truncation import Truncation
+
+
+class RealMultiServerExecutor:
+    def __init__(self, method: Method, model: Model, stores: list[kvstore.Store], *,
+                 scale: ScaleOut, truncation: Truncation, window: int) -> None:
+        if not method.caches:
+            raise ValueError("scale-out needs a caching method (as or of)")
+        if len(stores) != scale.servers:
+            raise ValueError(f"stores must hold one store per server ({scale.servers}), "
+                             f"got {len(stores)}")
+        self.scale = scale
+        self.stores = stores
+        convs: dict[int, _ConvState] = {}
+        self.servers = [RealExecutor(method, model, st, truncation=truncation, window=window,
+                                     convs=convs) for st in stores]
+
+    max_batch = 1
+    max_prefill_tokens = 1 << 30
+
+    def fits(self, running: list[Job], job: Job) -> bool:
+        return not running
+
+    def arrive(self, job: Job) -> None:
+        pass
+
+    def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
+        s = self.scale.server_of(job)
+        # each server's store sees its own queue
+        mine = deque(j for j in waiting if self.scale.server_of(j) == s)
+        return self.servers[s].prefill(job, mine, running)
+
+    def decode(self, running: list[Job], steps: int) -> float:
+        return sum(self.servers[self.scale.server_of(j)].decode([j], steps) for j in running)
+
+    def finish(self, job: Job, next_arrival: float | None) -> None:
+        ex = self.servers[self.scale.server_of(job)]
+        ex.finish(job, next_arrival)
+        if self.scale.shared:
+            ex.flush()  # the turn's save is durable locally, then
+            ex.store.flush(remote=True)  # in Redis before the conversation's next turn
+
+    def flush(self) -> None:
+        for ex in self.servers:
+            ex.flush()
+
+    def counters(self) -> dict[str, object]:
+        out: dict[str, object] = {"servers": self.scale.servers, "shared": self.scale.shared}
+        for i, st in enumerate(self.stores):
+            s = st.stats()
+            out[f"server{i}"] = {k: s[k] for k in ("hits", "misses", "remote") if k in s}
+        return out
