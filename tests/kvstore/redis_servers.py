@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -170,11 +171,15 @@ class Proxy:
     """A TCP proxy on loopback to ``port``. Server-to-client bytes go through ``mode``:
     ``"pass"``; ``"throttle"`` (at most ``rate`` bytes/s, plus ``delay_s`` per burst);
     ``"cut"`` (close the connection after ``cut_after`` bytes of a reply: killed mid-transfer);
-    ``"garbage"`` (replace what the server sends with bytes that are not the protocol)."""
+    ``"garbage"`` (replace what the server sends with bytes that are not the protocol).
+    ``tls``: a server-side SSL context: clients then speak TLS to the proxy (``rediss://``),
+    which speaks plain RESP to the server, as a TLS-terminating front of a Redis would."""
 
     def __init__(self, port: int, *, mode: str = "pass", rate: float = 0.0,
-                 delay_s: float = 0.0, cut_after: int = 0) -> None:
+                 delay_s: float = 0.0, cut_after: int = 0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.target = port
+        self.tls = tls
         self.mode, self.rate, self.delay_s, self.cut_after = mode, rate, delay_s, cut_after
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -190,7 +195,8 @@ class Proxy:
 
     def url(self, password: str | None = None) -> str:
         cred = f":{password}@" if password else ""
-        return f"redis://{cred}127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls is not None else "redis"
+        return f"{scheme}://{cred}127.0.0.1:{self.port}/0"
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -198,6 +204,14 @@ class Proxy:
                 c, _ = self.sock.accept()
             except OSError:
                 return
+            if self.tls is not None:
+                try:  # the handshake; a client that does not trust us hangs up here
+                    c.settimeout(10)
+                    c = self.tls.wrap_socket(c, server_side=True)
+                    c.settimeout(None)
+                except (OSError, ssl.SSLError):
+                    c.close()
+                    continue
             try:
                 s = socket.create_connection(("127.0.0.1", self.target))
             except OSError:

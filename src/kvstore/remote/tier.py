@@ -15,6 +15,7 @@ keep a pool of connections; counters are updated under a lock).
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +46,20 @@ PROBE_ENOUGH_S = 0.02  # a probe round trip this long measures bandwidth well en
 
 
 class RemoteAuthError(KVStoreError):
-    """The Redis server refused the credentials of the remote URL (raised at open)."""
+    """The Redis server refused the credentials of the remote URL, or (``rediss://``) its TLS
+    certificate is not one this client trusts (raised at open)."""
+
+
+def _untrusted(e: BaseException) -> bool:
+    """Whether a failed call's cause is a TLS certificate this client does not trust."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        if isinstance(x, ssl.SSLCertVerificationError):
+            return True
+        seen.add(id(x))
+        x = x.__cause__ or x.__context__
+    return "CERTIFICATE_VERIFY_FAILED" in str(e)
 
 
 @dataclass(slots=True)
@@ -85,7 +99,7 @@ class Node:
 def _node_url(template: str, host: str, port: int) -> str:
     p = urlsplit(template)
     cred = p.netloc.rsplit("@", 1)[0] + "@" if "@" in p.netloc else ""
-    return urlunsplit((p.scheme, f"{cred}{host}:{port}", "", "", ""))
+    return urlunsplit((p.scheme, f"{cred}{host}:{port}", "", p.query, ""))  # TLS options
 
 
 class RemoteTier:
@@ -123,6 +137,11 @@ class RemoteTier:
                 raise
             except (RedisError, OSError) as e:
                 node.reset()
+                if _untrusted(e):
+                    raise RemoteAuthError(
+                        f"Redis at {node.name} presented a TLS certificate this client does not "
+                        f"trust (name the CA as rediss://host:port/0?ssl_ca_certs=PATH): {e}"
+                    ) from None
                 self._count("call_errors")
                 node.breaker.trip(e)
                 continue
