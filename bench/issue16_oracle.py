@@ -5,7 +5,8 @@ never a production policy).
   expected wait comes from the learned survival function, as online.
 * ``when``: knows the think time drawn after each turn (the trace draws one after every turn,
   the last included, so it is the time the conversation *would* come back), not whether it
-  does: p comes from the learned model, as online.
+  does: p is the learned return rate at the context's turn count until that time (not being
+  back earlier says nothing) and 0 after it (it would have come).
 * ``both``: knows both (hits per byte-second with the true next use: a size-aware Belady).
 * ``rates``: knows no single context's future, but the whole trace's return rate per turn
   count and history length (fitted on the trace it replays: the best any estimator of the
@@ -53,6 +54,10 @@ class OracleReuse(ReuseProbability):
             p = sq / (sq + 1.0 - q) if sq > 0 else 0.0
             return p / (s.tokens * (rem + 1.0))
         returns, at = self.future.get(s.key, (True, self.now))
+        if self.know == "when":
+            # The time it comes back if it does is known, so not being back before it says
+            # nothing until then (p = the turn count's return rate), and everything after it.
+            p = self.model.return_rate(max(s.turns, 1)) if self.now <= at else 0.0
         if self.know in ("whether", "both"):
             p = 1.0 if returns else 0.0
         if self.know in ("when", "both"):
