@@ -137,3 +137,31 @@ def test_without_returns_it_is_lru(open_small):
         if policy == "reuse":
             assert not s.policy.model.ready
     assert kept["reuse"] == kept["lru"] == {0, 2}
+
+
+def test_contexts_found_at_open_teach_nothing(tmp_path):
+    """Save times are this process's memory: after a reopen a stored context counts from when
+    the process first sees it, with one turn, and its extension is no think-time sample; a
+    conversation saved after the reopen is one again."""
+    import kvstore
+    from tests.kvstore.conftest import SMALL
+
+    kw = dict(layout=SMALL, chunk_tokens=4, dram_bytes=1 << 20, disk_bytes=64 * SLOT,
+              policy="reuse")
+    old = [1000 + j for j in range(6)]
+    with kvstore.open(tmp_path / "st", **kw) as s:
+        put_causal(s, old)
+    with kvstore.open(tmp_path / "st", **kw) as s:
+        clock = Clock()
+        s.policy.clock = clock
+        clock.t = 50.0
+        assert s.match(old) == 6
+        put_causal(s, old + [7, 8])  # extends a context of unknown history
+        assert s.policy.model.samples == 0
+        new = [2000 + j for j in range(3)]
+        put_causal(s, new)
+        clock.t = 62.5
+        put_causal(s, new + [9])
+        m = s.policy.model
+        assert m.samples == 1 and m.mean_gap_s == pytest.approx(12.5)
+        assert m.return_rate(1) == pytest.approx(1.0)
