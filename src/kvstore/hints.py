@@ -94,7 +94,7 @@ class Hints:
         windows, and the priorities that depend on them."""
         core = self.core
         if self.learner is not None:
-            self.learner.refresh()  # time-varying priorities
+            self.learner.refresh(self.context_queued)  # time-varying priorities
         if not self.policy.uses_queue or (not self._dirty
                                           and self._refreshed_gen == core.mirror.seen_gen):
             return

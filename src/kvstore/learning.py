@@ -10,8 +10,9 @@ parent's address and its length (one hash per candidate). Contexts this process 
 turn, and never counted as returns or ends.
 
 Time is the policy's ``clock`` (seconds; injectable), and priorities that depend on it are
-re-ranked at most every twentieth of the mean think time seen, before an eviction (the tree's
-heap replaces a key's priority on push: no loop runs in the background).
+re-ranked (unqueued ones in one vectorized pass) at most every twentieth of the mean think
+time seen, before an eviction (the tree's heap replaces a key's priority on push: no loop
+runs in the background).
 
 Thread-safety: none of its own; every method is called with the store's metadata lock held.
 """
@@ -19,11 +20,12 @@ Thread-safety: none of its own; every method is called with the store's metadata
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from kvstore.hashing import chunk_hash
-from kvstore.policy import AccessStats, ReturnTracker, ReuseProbability
+from kvstore.policy import AccessStats, Queued, ReturnTracker, ReuseProbability
 from kvstore.records import ContextRecord
 from kvstore.tree import ContextTree
 
@@ -100,10 +102,11 @@ class PutLearner:
         self.tree.reprioritize([chain[-1]])
 
     # ------------------------------------------------------------------ time
-    def refresh(self) -> None:
+    def refresh(self, queued: Callable[[bytes], Queued | None]) -> None:
         """Before an eviction: count conversations gone longer than any think time seen as
         ended and re-rank every context, at most every 1/20 of the mean think time (and at
-        once when the model first has statistics: until then the policy is LRU)."""
+        once when the model first has statistics: until then the policy is LRU). ``queued``:
+        where a context is next needed; unqueued ones are ranked in one vectorized pass."""
         model = self.policy.model
         if not model.ready:
             return
@@ -113,4 +116,16 @@ class PutLearner:
         self._ranked_ready = True
         self._refreshed_at = now
         self.tracker.sweep(now)
-        self.tree.reprioritize(list(self.tree.contexts))
+        tree = self.tree
+        plain: list[ContextRecord] = []
+        rest: list[bytes] = []
+        for key, rec in tree.contexts.items():
+            if queued(key) is None:
+                plain.append(rec)
+            else:
+                rest.append(key)
+        tree.reprioritize(rest)
+        if plain:  # what policy.priority gives an unqueued context: (0, benefit)
+            b = self.policy.benefits_of([self.stats(r) for r in plain])
+            for rec, x in zip(plain, b.tolist(), strict=True):
+                tree.heap.push(rec.key, (0, x))

@@ -246,7 +246,11 @@ class ReturnModel:
         k = n - i
         surv = k / n if n else np.ones_like(idle_s)
         rem = np.where(k > 0, self._suffix[i] / np.maximum(k, 1) - idle_s, 0.0)
-        q = np.array([self.return_rate(int(t)) for t in turns]) if len(turns) else np.empty(0)
+        if len(turns):  # one rate per distinct turn count
+            uniq, inv = np.unique(np.asarray(turns, dtype=np.int64), return_inverse=True)
+            q = np.array([self.return_rate(int(t)) for t in uniq])[inv]
+        else:
+            q = np.empty(0)
         sq = q * surv
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.where(sq > 0, sq / (sq + 1.0 - q), 0.0)

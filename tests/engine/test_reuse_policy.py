@@ -86,6 +86,20 @@ def test_hand_computed_preference():
     assert pol.priority(spent) < pol.priority(late)
 
 
+def test_vectorized_benefits_equal_the_one_at_a_time_ones():
+    """benefits_of (the refresh's batch, in the simulator and the store) against benefit."""
+    rng = np.random.default_rng(11)
+    pol = ReuseProbability(hand_model())
+    pol.model.ended(7)
+    pol.now = 60.0
+    stats = [AccessStats(inserted=i, last_access=i, tokens=int(rng.integers(1, 500)),
+                         turns=int(rng.integers(1, 20)), saved_at=float(rng.uniform(0, 70)))
+             for i in range(300)]
+    want = [pol.benefit(s) for s in stats]
+    assert pol.benefits_of(stats).tolist() == pytest.approx(want, rel=1e-12, abs=0)
+    assert len(set(want)) > 50
+
+
 def test_tracker_counts_ends_and_takes_them_back():
     """a returns after 10 s (1 turn); b (2 turns) is idle past that at 50 s: one end at 2
     turns, q(2) = (0 + 1/2) / 2; b then returns after all: the end is taken back, q(2) = 1. A
