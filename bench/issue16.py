@@ -7,7 +7,7 @@ offline bound (``engine.replay.offline.dual_bound``: no placement can serve more
 is computed on each method's own timeline. Hit rates here are over every read (no warm-up), so
 method and bound count the same reads. ``--ttft`` adds RE, AS with load-all and AS with the
 split at the first disk capacity: mean TTFT on turns >= 2 and GPU time. JSON (raw per-point
-numbers) to ``--out``.
+numbers) to ``--out``. Run from the repository root with ``PYTHONPATH=src:.``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import os
 import time
 
+from bench.issue16_oracle import OracleExecutor, trace_rates
 from engine.replay.costs import PRESETS, parse_bytes, preset
 from engine.replay.metrics import rows, summarize
 from engine.replay.offline import RequestLog, dual_bound, intervals_from_log
@@ -27,24 +28,33 @@ from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import WorkloadConfig, build_trace
 
 
-def run_point(trace, method: Method, cost) -> dict[str, object]:
+def run_point(trace, method: Method | str, cost, *, bound: bool = True) -> dict[str, object]:
+    """One replay; ``method`` a :class:`Method` or ``oracle:<whether|when|both>`` (the reuse
+    policy told part of the future: bench/issue16_oracle.py)."""
     log = RequestLog()
-    ex = SimulatedExecutor(method, cost, log=log)
+    if isinstance(method, str):
+        ex = OracleExecutor(cost, method.split(":", 1)[1], log=log)
+        ex.oracle.rates = trace_rates(trace)
+        method = ex.method
+        label = f"AS-{ex.oracle.name}"
+    else:
+        ex = SimulatedExecutor(method, cost, log=log)
+        label = method.label
     t0 = time.perf_counter()
     jobs, stats = serve(trace, ex)
     took = time.perf_counter() - t0
     reads = sum(1 for j in jobs if j.turn > 0)
     hits = sum(1 for j in jobs if j.hit in ("dram", "disk"))
-    out: dict[str, object] = {"method": method.label, "disk_bytes": cost.disk_bytes,
+    out: dict[str, object] = {"method": label, "disk_bytes": cost.disk_bytes,
                               "reads": reads, "hits": hits, "hit_rate": hits / reads,
                               "seconds": took}
-    if method.caches:
+    if method.caches and bound:
         ivs, saves = intervals_from_log(log.events)
         t1 = time.perf_counter()
         b = dual_bound(ivs, saves, cost.disk_bytes, lower=hits)
         out.update(bound_hits=b, bound_hit_rate=b / reads, bound_seconds=time.perf_counter() - t1,
                    potential=len(ivs))
-    s = summarize(rows(method.label, jobs), stats)
+    s = summarize(rows(label, jobs), stats)
     out.update(ttft_turn2plus_mean_s=s["ttft_s_turn2plus"]["mean"], gpu_s=s["gpu_s"],
                dram_hit_rate=s["dram_hit_rate"], store=None if ex.store is None
                else dataclasses.asdict(ex.store.counters))
@@ -60,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--think", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=None)
-    p.add_argument("--methods", default="scheduler,reuse,belady")
+    p.add_argument("--methods", default="scheduler,reuse,belady",
+                   help="comma-separated: methods (scheduler, reuse, belady, as:lru, ...) or "
+                        "oracle:whether / oracle:when / oracle:both (diagnosis only)")
     p.add_argument("--ttft", action="store_true",
                    help="also RE, AS load-all and AS split (at the first disk capacity)")
+    p.add_argument("--no-bound", action="store_true",
+                   help="skip the offline bound (faster, for iterating)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default="bench/results/issue16.json")
     args = p.parse_args(argv)
@@ -82,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     for disk in disks:
         cost = base.with_capacity(dram_bytes=dram, disk_bytes=disk)
         for m in args.methods.split(","):
-            r = run_point(trace, Method.parse(m), cost)
+            r = run_point(trace, m if m.startswith("oracle:") else Method.parse(m), cost,
+                          bound=not args.no_bound)
             points.append(r)
             print(f"disk {disk / 1e12:g} TB {r['method']:>16}: hit {r['hit_rate']:.3f} "
                   f"bound {r.get('bound_hit_rate', float('nan')):.3f} "

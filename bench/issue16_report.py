@@ -38,7 +38,33 @@ def hit_table(doc: dict) -> str:
             f"{pct(b['hit_rate'])} | {pct(s['bound_hit_rate'])} | {pct(b['bound_hit_rate'])} | "
             f"{pts(r['hit_rate'] - b['hit_rate'])} | {pts(s['hit_rate'] - b['hit_rate'])} | "
             f"{pts(s['hit_rate'] - s['bound_hit_rate'])} |")
-    return "\n".join(lines)
+    return "\n".join(lines) if len(lines) > 4 else head
+
+
+ORACLES = ("rates", "when", "whether", "both")
+
+
+def oracle_table(doc: dict) -> str:
+    """The reuse policy told part of the future (bench/issue16_oracle.py), against Belady."""
+    by: dict[int, dict[str, dict]] = {}
+    for p in doc["points"]:
+        by.setdefault(p["disk_bytes"], {})[p["method"]] = p
+    lines = ["| disk | reuse | + trace's rates | + when | + whether | + both | belady | "
+             "gap closed by whether |", "|---|---|---|---|---|---|---|---|"]
+    for disk in sorted(by):
+        m = by[disk]
+        r, b = m.get("AS-reuse"), m.get("AS-belady")
+        o = [m.get(f"AS-reuse-oracle-{k}") for k in ORACLES]
+        if not (r and b) or not any(o):
+            continue
+        cells = ["–" if x is None else f"{100 * x['hit_rate']:.1f}%" for x in o]
+        gap = b["hit_rate"] - r["hit_rate"]
+        w = m.get("AS-reuse-oracle-whether")
+        closed = "–" if w is None or gap <= 0.005 else \
+            f"{100 * (w['hit_rate'] - r['hit_rate']) / gap:.0f}%"
+        lines.append(f"| {disk / 1e12:g} TB | {100 * r['hit_rate']:.1f}% | {' | '.join(cells)} "
+                     f"| {100 * b['hit_rate']:.1f}% | {closed} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def ttft_table(doc: dict) -> str:
@@ -64,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.load(fh)
         print(hit_table(doc))
         print()
+        o = oracle_table(doc)
+        if o:
+            print("With part of the future (diagnosis, bench/issue16_oracle.py):")
+            print()
+            print(o)
+            print()
         t = ttft_table(doc)
         if t:
             print(f"TTFT at {doc['args']['disks'].split(',')[0]} of disk:")

@@ -11,7 +11,8 @@ from __future__ import annotations
 from kvstore.context_indexes import IndexFiles
 from kvstore.core import Core
 from kvstore.errors import CorruptData
-from kvstore.policy import AccessStats, EvictionPolicy, Priority, Queued
+from kvstore.learning import PutLearner
+from kvstore.policy import AccessStats, EvictionPolicy, Priority, Queued, ReuseProbability
 from kvstore.read import Raced, quarantine, read_verified
 from kvstore.records import ContextRecord
 from kvstore.schedule import Job, Prefetcher, Windows
@@ -35,6 +36,9 @@ class Hints:
         self._chunk_pos: dict[bytes, int] = {}
         self._context_pos: dict[bytes, int] = {}
         self.prefetcher = Prefetcher(self._step)  # its thread runs only while there is work
+        # A learning policy (``reuse``) learns from this process's puts (kvstore.learning).
+        self.learner = PutLearner(policy, core.tree) \
+            if isinstance(policy, ReuseProbability) else None
 
     # ------------------------------------------------------------------ positions (lock held)
     def _queued(self, pos: int | None) -> Queued | None:
@@ -49,8 +53,17 @@ class Hints:
         return self._queued(self._context_pos.get(key))
 
     def context_priority(self, rec: ContextRecord) -> Priority:
-        return self.policy.priority(AccessStats(inserted=rec.created, last_access=rec.last_access),
-                                    self.context_queued(rec.key))
+        if self.learner is not None:
+            self.learner.now()
+            stats = self.learner.stats(rec)
+        else:
+            stats = AccessStats(inserted=rec.created, last_access=rec.last_access)
+        return self.policy.priority(stats, self.context_queued(rec.key))
+
+    def saved(self, toks, chain: list[bytes], namespace: str | None) -> None:
+        """With the lock held: a put of this process committed (a learning policy learns)."""
+        if self.learner is not None:
+            self.learner.saved(toks, chain, namespace)
 
     def exempt(self, key: bytes) -> bool:
         """Whether the look-ahead window protects context ``key`` from eviction."""
@@ -80,6 +93,8 @@ class Hints:
         """With the lock held: recompute where chunks and contexts are next needed, the
         windows, and the priorities that depend on them."""
         core = self.core
+        if self.learner is not None:
+            self.learner.refresh(self.context_queued)  # time-varying priorities
         if not self.policy.uses_queue or (not self._dirty
                                           and self._refreshed_gen == core.mirror.seen_gen):
             return

@@ -26,8 +26,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +40,9 @@ class AccessStats:
     """What a policy may look at: logical insertion time, last access time, hit count; and,
     where the owner knows them (the replay's simulator), the context's tokens, its
     conversation's turns so far, the wall-clock time of its latest save (``saved_at``, s) and
-    whether its one pending read already happened (``spent``: the running job holds it)."""
+    whether its one pending read already happened (``spent``: the running job holds it).
+    ``key``: the owner's key for the entry, where it sets one (simulation oracles look up what
+    they know of its future by it; the online policies never read it)."""
 
     inserted: int
     last_access: int
@@ -47,6 +51,7 @@ class AccessStats:
     turns: int = 0
     saved_at: float | None = None
     spent: bool = False
+    key: Hashable | None = None
 
     def touch(self, clock: int) -> None:
         self.last_access = clock
@@ -241,7 +246,11 @@ class ReturnModel:
         k = n - i
         surv = k / n if n else np.ones_like(idle_s)
         rem = np.where(k > 0, self._suffix[i] / np.maximum(k, 1) - idle_s, 0.0)
-        q = np.array([self.return_rate(int(t)) for t in turns]) if len(turns) else np.empty(0)
+        if len(turns):  # one rate per distinct turn count
+            uniq, inv = np.unique(np.asarray(turns, dtype=np.int64), return_inverse=True)
+            q = np.array([self.return_rate(int(t)) for t in uniq])[inv]
+        else:
+            q = np.empty(0)
         sq = q * surv
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.where(sq > 0, sq / (sq + 1.0 - q), 0.0)
@@ -251,6 +260,64 @@ class ReturnModel:
         q = self.return_rate(turns)
         s = q * self.survival(idle_s)
         return s / (s + 1.0 - q) if s > 0 else 0.0
+
+
+class ReturnTracker:
+    """Feeds a :class:`ReturnModel` from what an owner sees: each context's latest save (wall
+    time, turns) until its conversation comes back or is counted as ended.
+
+    * ``saved(key, now, turns)``: a context was saved (``learn=False``: its history is unknown,
+      e.g. found on disk at open; it is ranked, never counted as an end or a return);
+    * ``returned(key, now)``: its conversation came back: one think-time sample of
+      ``now - saved_at`` at its turns (an end counted too early is taken back); returns those
+      turns (None for a key it does not know);
+    * ``sweep(now)``: saves idle longer than every think time seen count as ends (once).
+
+    Memory: one small tuple per tracked key until it returns (a conversation that ended stays,
+    so a late return can take its end back). Thread-safety: none; the owner serializes access.
+    """
+
+    def __init__(self, model: ReturnModel) -> None:
+        self.model = model
+        self._seen: dict[Hashable, tuple[float, int, bool, bool]] = {}  # at, turns, ended, learn
+        self._by_time: deque[tuple[float, Hashable]] = deque()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._seen
+
+    def info(self, key: Hashable) -> tuple[float, int] | None:
+        """(saved_at, turns) of the latest save of ``key``."""
+        s = self._seen.get(key)
+        return None if s is None else (s[0], s[1])
+
+    def saved(self, key: Hashable, now: float, turns: int, *, learn: bool = True) -> None:
+        self._seen[key] = (now, turns, False, learn)
+        if learn:
+            self._by_time.append((now, key))
+
+    def returned(self, key: Hashable, now: float) -> int | None:
+        s = self._seen.pop(key, None)
+        if s is None:
+            return None
+        at, turns, ended, learn = s
+        if learn:
+            if ended:  # counted as an end too early: it was a long think
+                self.model.ended(turns, -1)
+            self.model.returned(now - at, turns)
+        return turns
+
+    def forget(self, key: Hashable) -> None:
+        self._seen.pop(key, None)
+
+    def sweep(self, now: float) -> None:
+        horizon = self.model.horizon_s
+        q = self._by_time
+        while q and now - q[0][0] > horizon:
+            at, k = q.popleft()
+            s = self._seen.get(k)
+            if s is not None and s[0] == at and not s[2]:
+                self.model.ended(s[1])
+                self._seen[k] = (at, s[1], True, s[3])
 
 
 class ReuseProbability(EvictionPolicy):
@@ -264,7 +331,9 @@ class ReuseProbability(EvictionPolicy):
     due now finite. Queued contexts are certain and rank as ``scheduler`` ranks them (their
     window exempts them on disk); spent ones (read by the running job, replaced when it ends)
     go first. Without statistics: LRU. ``now``: the owner's wall clock (seconds), set before
-    asking for priorities. Thread-safety: none; the owning tier serializes access.
+    asking for priorities; ``clock``: where an owner that runs in real time (``kvstore.Store``)
+    reads it (default ``time.monotonic``; tests inject their own). Thread-safety: none; the
+    owning tier serializes access.
     """
 
     name = "reuse"
@@ -274,9 +343,11 @@ class ReuseProbability(EvictionPolicy):
     size_aware = True
     time_varying = True
 
-    def __init__(self, model: ReturnModel | None = None, value=None) -> None:
+    def __init__(self, model: ReturnModel | None = None, value=None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model if model is not None else ReturnModel()
         self.value = value  # tokens -> seconds a hit saves; None: tokens
+        self.clock = clock
         self.now = 0.0
 
     def benefit(self, stats: AccessStats) -> float:
@@ -289,6 +360,12 @@ class ReuseProbability(EvictionPolicy):
             return 0.0
         v = 1.0 if self.value is None else self.value(stats.tokens)
         return p * v / (stats.tokens * (self.model.remaining_s(idle) + 1.0))
+
+    def benefits_of(self, stats: list[AccessStats]) -> np.ndarray:
+        """:meth:`benefit` for many unqueued, unspent contexts with ``saved_at`` set."""
+        return self.benefits(np.array([s.saved_at for s in stats], dtype=np.float64),
+                             np.array([s.turns for s in stats], dtype=np.int64),
+                             np.array([s.tokens for s in stats], dtype=np.float64))
 
     def benefits(self, saved_at: np.ndarray, turns: np.ndarray, tokens: np.ndarray
                  ) -> np.ndarray:

@@ -73,7 +73,7 @@ class Store:
         self._loads = Loads(core, files)
         self._writer = Writer(core, queued=self._hints.chunk_queued, exempt=self._hints.exempt,
                               refresh_hints=self._hints.refresh, files=files,
-                              on_commit=self._hints.changed)
+                              on_commit=self._hints.changed, saved=self._hints.saved)
         self._indexes = ContextIndexStore(
             core, files, get=lambda toks, ns: self.get(toks, namespace=ns))
         self._saver = Saver(
@@ -96,6 +96,11 @@ class Store:
         self._writer.put(toks, extent.raw(k), extent.raw(v), namespace, base)
         if self._remote is not None:
             self._remote.after_put(toks, namespace)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """This process's eviction policy object (e.g. to give ``reuse`` a test clock)."""
+        return self._hints.policy
 
     @property
     def problems(self) -> list[str]:

@@ -97,8 +97,11 @@ class Writer:
     def __init__(self, core: Core, *, queued: Callable[[bytes], Queued | None],
                  exempt: Callable[[bytes], bool],
                  refresh_hints: Callable[[], None], files: IndexFiles,
-                 on_commit: Callable[[], None]) -> None:
+                 on_commit: Callable[[], None],
+                 saved: Callable[[np.ndarray, list[bytes], str | None], None] | None = None
+                 ) -> None:
         self.core = core
+        self._saved = saved  # with the lock held, after a commit: (tokens, chain, namespace)
         self._queued = queued
         self._exempt = exempt  # context -> whether the look-ahead window protects it
         self._refresh_hints = refresh_hints
@@ -393,6 +396,8 @@ class Writer:
         plan.state = "committed"
         with core.mutex:
             core.mirror.catch_up()
+            if self._saved is not None:
+                self._saved(plan.toks, plan.chain, plan.namespace)
             gens = {r.key: r.gen for r in plan.records}
             core.slots.give_back(r.slot for r in plan.records if r.key in dup)
             for key, e in plan.staged.items():

@@ -10,7 +10,7 @@ import pytest
 
 from engine.replay.costs import PRESETS
 from engine.replay.simstore import SimStore
-from kvstore.policy import LRU, AccessStats, Queued, ReturnModel, ReuseProbability
+from kvstore.policy import LRU, AccessStats, Queued, ReturnModel, ReturnTracker, ReuseProbability
 
 
 def test_survival_matches_a_known_distribution():
@@ -84,6 +84,40 @@ def test_hand_computed_preference():
     assert pol.priority(late, Queued(position=3, in_window=False)) > pol.priority(b)
     spent = AccessStats(inserted=9, last_access=9, tokens=1, turns=9, saved_at=99.0, spent=True)
     assert pol.priority(spent) < pol.priority(late)
+
+
+def test_vectorized_benefits_equal_the_one_at_a_time_ones():
+    """benefits_of (the refresh's batch, in the simulator and the store) against benefit."""
+    rng = np.random.default_rng(11)
+    pol = ReuseProbability(hand_model())
+    pol.model.ended(7)
+    pol.now = 60.0
+    stats = [AccessStats(inserted=i, last_access=i, tokens=int(rng.integers(1, 500)),
+                         turns=int(rng.integers(1, 20)), saved_at=float(rng.uniform(0, 70)))
+             for i in range(300)]
+    want = [pol.benefit(s) for s in stats]
+    assert pol.benefits_of(stats).tolist() == pytest.approx(want, rel=1e-12, abs=0)
+    assert len(set(want)) > 50
+
+
+def test_tracker_counts_ends_and_takes_them_back():
+    """a returns after 10 s (1 turn); b (2 turns) is idle past that at 50 s: one end at 2
+    turns, q(2) = (0 + 1/2) / 2; b then returns after all: the end is taken back, q(2) = 1. A
+    context of unknown history (learn=False) is ranked but teaches nothing."""
+    m = ReturnModel()
+    tr = ReturnTracker(m)
+    tr.saved("a", 0.0, 1)
+    tr.saved("b", 0.0, 2)
+    tr.saved("c", 0.0, 1, learn=False)
+    assert tr.returned("a", 10.0) == 1 and m.samples == 1 and m.horizon_s == 10.0
+    tr.sweep(50.0)
+    assert m.return_rate(2) == pytest.approx(0.25)
+    tr.sweep(60.0)  # counted once
+    assert m.return_rate(2) == pytest.approx(0.25)
+    assert tr.returned("b", 70.0) == 2
+    assert m.return_rate(2) == pytest.approx(1.0) and m.samples == 2 and m.horizon_s == 70.0
+    assert tr.info("c") == (0.0, 1) and tr.returned("c", 80.0) == 1 and m.samples == 2
+    assert tr.returned("zzz", 90.0) is None
 
 
 # ------------------------------------------------------------------ load or compute

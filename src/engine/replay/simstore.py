@@ -37,14 +37,19 @@ Thread-safety: none; a simulation drives it from one thread.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine.replay.offline import RequestLog
-from kvstore.policy import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued, make_policy
+from kvstore.policy import (
+    AccessStats,
+    EvictionPolicy,
+    Priority,
+    PriorityHeap,
+    Queued,
+    ReturnTracker,
+    make_policy,
+)
 from kvstore.schedule import Windows
 
 _RUNNING = Queued(position=-1, in_window=True)
@@ -103,10 +108,9 @@ class SimStore:
         self._pol: EvictionPolicy = self.policy
         self._belady = self._pol.name == "belady"
         self._learns = self._pol.time_varying and hasattr(self._pol, "model")
-        # Learning (time-varying policies): each key's latest save (time, turns, whether it was
-        # already counted as an end), and the saves in time order for the end sweep.
-        self._seen: dict[Hashable, tuple[float, int, bool]] = {}
-        self._by_time: deque[tuple[float, Hashable]] = deque()
+        # Learning (time-varying policies): each key's latest save, until its conversation
+        # is read again or counted as ended.
+        self._tracker = ReturnTracker(self._pol.model) if self._learns else None
         self._turns: dict[Hashable, int] = {}
         self._refreshed_at = -1.0
         self._entries: dict[Hashable, SimEntry] = {}
@@ -235,12 +239,8 @@ class SimStore:
             self.log.read(key)
         if self._belady:
             self._next_use.pop(key, None)  # this read was the use
-        if self._learns:
-            seen = self._seen.pop(key, None)
-            if seen is not None:
-                if seen[2]:  # counted as an end too early: it was a long think
-                    self._pol.model.ended(seen[1], -1)
-                self._pol.model.returned(self._wall - seen[0], seen[1])
+        if self._tracker is not None:
+            self._tracker.returned(key, self._wall)
         e = self._entries.get(key)
         if e is None:
             return None
@@ -282,9 +282,8 @@ class SimStore:
                 self._next_use[key] = next_use  # type: ignore[assignment]
         turns = self._turns.get(key, 0) + 1
         self._turns[key] = turns
-        if self._learns:
-            self._seen[key] = (self._wall, turns, False)
-            self._by_time.append((self._wall, key))
+        if self._tracker is not None:
+            self._tracker.saved(key, self._wall, turns)
             self._pol.now = self._wall
         old = self._entries.get(key)
         if nbytes > self.disk_bytes:
@@ -298,7 +297,7 @@ class SimStore:
         # A new context, as in the store (each turn's put is a new session record).
         e = SimEntry(key=key, tokens=tokens, nbytes=nbytes,
                      stats=AccessStats(inserted=clock, last_access=clock, tokens=tokens,
-                                       turns=turns, saved_at=self._wall))
+                                       turns=turns, saved_at=self._wall, key=key))
         e.queued = self._queued(key)
         if not self._evict_for(e, judge):
             self.counters.bypassed += 1
@@ -356,14 +355,7 @@ class SimStore:
         if self._wall - self._refreshed_at < step:
             return
         self._refreshed_at = self._wall
-        horizon = model.horizon_s
-        q = self._by_time
-        while q and self._wall - q[0][0] > horizon:
-            at, k = q.popleft()
-            seen = self._seen.get(k)
-            if seen is not None and seen[0] == at and not seen[2]:
-                model.ended(seen[1])
-                self._seen[k] = (at, seen[1], True)
+        self._tracker.sweep(self._wall)  # type: ignore[union-attr]
         plain = []
         for k, e in self._entries.items():
             if e.queued is None and not e.stats.spent:
@@ -371,9 +363,7 @@ class SimStore:
             else:
                 self._reprioritize(k)
         if plain:
-            b = self._pol.benefits(np.array([e.stats.saved_at for e in plain]),
-                                   np.array([e.stats.turns for e in plain]),
-                                   np.array([e.tokens for e in plain], dtype=np.float64))
+            b = self._pol.benefits_of([e.stats for e in plain])
             for e, x in zip(plain, b.tolist(), strict=True):
                 prio = (0, x)
                 self._disk_heap.push(e.key, prio)
@@ -384,8 +374,8 @@ class SimStore:
         """Invalidate a stored context (e.g. positions baked in and the history truncated)."""
         if self.log is not None:
             self.log.drop(key)
-        if self._learns:
-            self._seen.pop(key, None)
+        if self._tracker is not None:
+            self._tracker.forget(key)
         if key not in self._entries:
             return False
         self._remove(key)
