@@ -23,4 +23,5 @@ setup(ext_modules=[Extension("kvstore.index._kvindex", sources=["native/kvindex.
                              extra_compile_args=flags, optional=True),
                    Extension("kvstore._kvcodec", sources=["native/kvcodec.c"],
                              define_macros=[("KVCODEC_PYMODULE", "1")],
+                             libraries=[] if sys.platform == "win32" else ["m"],
                              extra_compile_args=flags, optional=True)])

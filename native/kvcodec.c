@@ -1,4 +1,5 @@
-/* Decoders of the store's lossy KV codecs (called through ctypes from src/kvstore/codec_native.py).
+/* Decoders of the store's lossy KV codecs, and the int8 encoder (called through ctypes from
+ * src/kvstore/codec_native.py).
  *
  * One call decodes one (chunk, layer): the encoded data (int8 / e4m3 bytes, or packed int4
  * nibbles) times its float32 scales, rounded to the layout dtype (float16, bfloat16 or float32,
@@ -21,6 +22,7 @@
 #endif
 
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,7 +38,7 @@
 #define KV_API __attribute__((visibility("default")))
 #endif
 
-#define KVCODEC_ABI_VERSION 2
+#define KVCODEC_ABI_VERSION 3
 #define ROW 64 /* floats computed before each conversion to the output dtype */
 #define KVCODEC_BAD_SCALE 1 /* a scale is negative or not finite */
 #define KVCODEC_NAN 2       /* an e4m3 code is a NaN */
@@ -281,6 +283,104 @@ KV_API int64_t kvcodec_decode(int codec, const uint8_t *data, const int64_t *off
     }
     free(scales);
     return rc;
+}
+
+/* ------------------------------------------------------------------ int8 encode
+ * float16 / bfloat16 bits -> float32 (exact). */
+static inline float h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1f) return bits_f(sign | 0x7f800000u | (m << 13));
+    if (e) return bits_f(sign | ((e + 112u) << 23) | (m << 13));
+    const float f = (float)m * 5.9604644775390625e-08f; /* m * 2^-24, exact */
+    return sign ? -f : f;
+}
+
+static void get_generic(const uint8_t *src, int64_t count, int dtype, float *x) {
+    for (int64_t i = 0; i < count; i++) {
+        uint16_t b;
+        if (dtype == OUT_F32) {
+            memcpy(&x[i], src + 4 * i, 4);
+            continue;
+        }
+        memcpy(&b, src + 2 * i, 2);
+        x[i] = dtype == OUT_BF16 ? bits_f((uint32_t)b << 16) : h2f(b);
+    }
+}
+
+#ifdef KV_HAVE_F16C
+__attribute__((target("avx2,f16c")))
+static void get_f16c(const uint8_t *src, int64_t count, int dtype, float *x) {
+    if (dtype != OUT_F16) {
+        get_generic(src, count, dtype, x);
+        return;
+    }
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+    get_generic(src + 2 * i, count - i, dtype, x + i);
+}
+#endif
+
+static inline int8_t quant(float x, float div) {
+    float q = rintf(x / div); /* round half to even, as torch.round */
+    q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
+    return (int8_t)q;
+}
+
+/* int8 encode of one layer: ``raw`` [2 (K/V), H, n, D] elements of ``dtype``; ``out``: qk
+ * [H, n, D] int8, qv [H, n, D], sk [H, D] float32 (per channel: max |k| over the tokens / 127),
+ * sv [H, n] float32 (per token: max |v| over the channels / 127), little-endian, as
+ * codecs._enc_scaled writes them. Returns 0, 1 if a value is not finite (nothing useful is
+ * written then), -1 if out of memory. */
+KV_API int kvcodec_encode_int8(const uint8_t *raw, int64_t h, int64_t n, int64_t d, int dtype,
+                               uint8_t *out, int simd) {
+    const int64_t hnd = h * n * d;
+    float *x = malloc((size_t)(2 * hnd + h * d) * sizeof(float));
+    if (!x) return -1;
+    float *amax = x + 2 * hnd;
+#ifdef KV_HAVE_F16C
+    if (simd && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2"))
+        get_f16c(raw, 2 * hnd, dtype, x);
+    else
+#endif
+        get_generic(raw, 2 * hnd, dtype, x);
+    int bad = 0;
+    for (int64_t i = 0; i < 2 * hnd; i++) bad |= !(fabsf(x[i]) <= FLT_MAX);
+    if (bad) {
+        free(x);
+        return 1;
+    }
+    int8_t *qk = (int8_t *)out, *qv = (int8_t *)out + hnd;
+    uint8_t *sk = out + 2 * hnd, *sv = sk + 4 * h * d;
+    for (int64_t hh = 0; hh < h; hh++) { /* K: a scale per channel */
+        float *a = amax + hh * d;
+        for (int64_t c = 0; c < d; c++) a[c] = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+            const float *row = x + (hh * n + t) * d;
+            for (int64_t c = 0; c < d; c++) a[c] = fabsf(row[c]) > a[c] ? fabsf(row[c]) : a[c];
+        }
+        for (int64_t c = 0; c < d; c++) {
+            const float sc = a[c] / 127.0f;
+            memcpy(sk + 4 * (hh * d + c), &sc, 4);
+            a[c] = sc > 0.0f ? sc : 1.0f; /* the divisor */
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t r = (hh * n + t) * d;
+            for (int64_t c = 0; c < d; c++) qk[r + c] = quant(x[r + c], a[c]);
+        }
+    }
+    for (int64_t hh = 0; hh < h; hh++) /* V: a scale per token */
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t r = (hh * n + t) * d;
+            const float *row = x + hnd + r;
+            float m = 0.0f;
+            for (int64_t c = 0; c < d; c++) m = fabsf(row[c]) > m ? fabsf(row[c]) : m;
+            const float sc = m / 127.0f, div = sc > 0.0f ? sc : 1.0f;
+            memcpy(sv + 4 * (hh * n + t), &sc, 4);
+            for (int64_t c = 0; c < d; c++) qv[r + c] = quant(row[c], div);
+        }
+    free(x);
+    return 0;
 }
 
 #ifdef KVCODEC_PYMODULE

@@ -1,5 +1,5 @@
-"""The native decoders of the lossy codecs (``native/kvcodec.c``, built as ``kvstore._kvcodec``
-and opened with ctypes), used by :mod:`kvstore.codecs` when available.
+"""The native decoders of the lossy codecs and the ``int8`` encoder (``native/kvcodec.c``, built
+as ``kvstore._kvcodec`` and opened with ctypes), used by :mod:`kvstore.codecs` when available.
 
 They compute what the numpy/torch decoders compute (float32 code x scale, rounded to the layout
 dtype to nearest even) and write the same bytes, several times faster and without the GIL (ctypes
@@ -35,7 +35,7 @@ class LayerShape(Protocol):
     @property
     def raw_bytes(self) -> int: ...
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 _DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -61,6 +61,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.kvcodec_decode.restype = _I64
         lib.kvcodec_decode.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                                        _P, ctypes.c_int, _P, _I64, ctypes.c_int]
+        lib.kvcodec_encode_int8.restype = ctypes.c_int
+        lib.kvcodec_encode_int8.argtypes = [_P, _I64, _I64, _I64, ctypes.c_int, _P, ctypes.c_int]
     except (OSError, AttributeError) as err:
         return None, f"cannot load {spec.origin}: {err}"
     return lib, None
@@ -118,6 +120,24 @@ def decode_layers(name: str, data: np.ndarray, offsets: list[int], shape: LayerS
         raise MemoryError("the native codec decoder could not allocate its scales")
     if rc > 0:
         raise CorruptData(f"{name} data of layer {rc // 4} {_ERRORS[rc % 4]}")
+
+
+def encode_int8(raw: np.ndarray, shape: LayerShape) -> bytes:
+    """The ``int8`` encoding of one layer's raw bytes (uint8, ``shape.raw_bytes``): the bytes
+    ``kvstore.codecs`` writes. ``ValueError`` if a value is not finite."""
+    lib = _lib_or_raise()
+    h, n, d = shape.num_kv_heads, shape.n_tokens, shape.head_dim
+    if shape.dtype not in _DTYPES or min(h, n, d) <= 0:
+        raise ValueError(f"shape {shape} has no native encoder")
+    _check(raw, np.uint8, shape.raw_bytes, "raw")
+    out = np.empty(2 * h * n * d + 4 * (h * d + h * n), dtype=np.uint8)
+    rc = lib.kvcodec_encode_int8(raw.ctypes.data, h, n, d, _DTYPES[shape.dtype],
+                                 out.ctypes.data, int(SIMD))
+    if rc < 0:
+        raise MemoryError("the native int8 encoder could not allocate its buffer")
+    if rc:
+        raise ValueError("a lossy codec cannot encode non-finite KV values")
+    return out.tobytes()
 
 
 def _check(a: np.ndarray, dtype: type, count: int, what: str) -> None:

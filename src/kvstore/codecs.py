@@ -305,11 +305,19 @@ def _dec_zstd(data: object, shape: LayerShape, out: np.ndarray | None) -> np.nda
     return res
 
 
-def encode(name: str, layer: object, shape: LayerShape) -> bytes:
+def encode(name: str, layer: object, shape: LayerShape, *, native: bool | None = None
+           ) -> bytes:
     """The stored bytes of one layer (raw bytes, K then V, in ``shape.dtype``) through codec
     ``name``. ``ValueError`` if ``layer`` does not hold ``shape.raw_bytes`` bytes, or holds
-    non-finite values and the codec is lossy."""
+    non-finite values and the codec is lossy. ``native``: encode ``int8`` in C (same bytes)
+    or with torch; default: C where it was built."""
     check_name(name)
+    if name == "int8" and _use_native(native):
+        buf = np.frombuffer(layer, dtype=np.uint8)  # type: ignore[call-overload]
+        if buf.nbytes != shape.raw_bytes:
+            raise ValueError(f"layer must hold {shape.raw_bytes} bytes for {shape}, "
+                             f"got {buf.nbytes}")
+        return codec_native.encode_int8(np.ascontiguousarray(buf), shape)
     if name == "none":
         buf = np.frombuffer(layer, dtype=np.uint8)  # type: ignore[call-overload]
         if buf.nbytes != shape.raw_bytes:

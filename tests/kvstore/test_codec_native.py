@@ -170,3 +170,43 @@ def test_hostile_lengths_never_reach_native_code(name):
         codec_native.decode_layers(name, data, [0, n], shape, size, out[:-1], **kw)
     with pytest.raises(ValueError, match="data"):
         codec_native.decode_layers(name, data.astype(np.int16), [0], shape, size, out[:1], **kw)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=odd_shapes, seed=st.integers(0, 2**31),
+       spread=st.sampled_from([1e-6, 1e-3, 1.0, 300.0]), special=st.sampled_from(
+           [None, 0.0, -0.0, 65504.0, 1e-7, float("inf"), float("-inf"), float("nan")]))
+def test_native_int8_encode_equals_torch(simd, shape, seed, spread, special):
+    """The same bytes as the torch encoder, or the same refusal of non-finite values."""
+    x = torch.from_numpy(np.frombuffer(kv(shape, seed, spread).tobytes(), dtype={
+        2: np.int16, 4: np.int32}[shape.itemsize]).copy()).view(DTYPES[shape.dtype])
+    if special is not None:
+        x.view(-1)[seed % x.numel()] = special
+    raw = raw_of(x)
+    got = []
+    for native in (True, False):
+        try:
+            got.append(codecs.encode("int8", raw, shape, native=native))
+        except ValueError as e:
+            got.append(type(e))
+    assert got[0] == got[1]
+    if special is not None and not np.isfinite(special):
+        assert got[0] is ValueError
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_int8_encode_rounds_ties_to_even_like_torch(simd, dtype):
+    """Scale 1 (max 127): ties at .5 go to the even integer, in K (per channel) and V (per
+    token)."""
+    col = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5])
+    x = torch.zeros(2, 1, 8, 8)
+    x[0, 0, :, 3] = col  # K channel 3 over 8 tokens
+    x[1, 0, 2, :] = col  # V token 2 over 8 channels
+    shape = LayerShape(dtype, 1, 8, 8)
+    raw = raw_of(x.to(DTYPES[dtype]))
+    enc = codecs.encode("int8", raw, shape, native=True)
+    assert enc == codecs.encode("int8", raw, shape, native=False)
+    q = np.frombuffer(enc, dtype=np.int8, count=2 * 64).reshape(2, 8, 8)
+    want = [127, 0, 2, 2, 0, -2, 126, -126]
+    assert q[0, :, 3].tolist() == want and q[1, 2, :].tolist() == want
