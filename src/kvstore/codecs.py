@@ -3,8 +3,10 @@
 A codec works on one (chunk, layer) at a time: its input is the layer's raw bytes in the
 store's extent order, K of every kv-head ``[H, n, D]`` then V ``[H, n, D]`` in the layout dtype,
 and its output is a self-contained byte string (scales travel beside the data), so a layer-wise
-load still reads and decodes one layer at a time. Any tier may call it (disk today; a remote tier
-stores the codec id beside the bytes and calls :func:`decode` the same way).
+load still reads and decodes one layer at a time. The disk and remote tiers call it (each stores
+the codec id beside the bytes). ``int8``/``fp8``/``int4`` decode and ``int8`` encode run in C
+(:mod:`kvstore.codec_native`) where it was built, with the same bytes as the numpy/torch code
+here (``native=False`` forces the latter).
 
 ========  =======  ==================================================================
 codec     lossy    stored bytes per layer
