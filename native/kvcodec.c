@@ -327,6 +327,28 @@ static inline int8_t quant(float x, float div) {
     return (int8_t)q;
 }
 
+/* q[c] = quant(x[c], div ? div[c] : div1) for c < m. */
+static void quant_generic(const float *x, const float *div, float div1, int64_t m, int8_t *q) {
+    for (int64_t c = 0; c < m; c++) q[c] = quant(x[c], div ? div[c] : div1);
+}
+
+#ifdef KV_HAVE_F16C
+__attribute__((target("avx2,f16c")))
+static void quant_avx2(const float *x, const float *div, float div1, int64_t m, int8_t *q) {
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256 d1 = _mm256_set1_ps(div1);
+    int64_t c = 0;
+    for (; c + 8 <= m; c += 8) {
+        const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + c), div ? _mm256_loadu_ps(div + c) : d1);
+        const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        int32_t t[8];
+        _mm256_storeu_si256((__m256i *)t, _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi)));
+        for (int k = 0; k < 8; k++) q[c + k] = (int8_t)t[k];
+    }
+    quant_generic(x + c, div ? div + c : NULL, div1, m - c, q + c);
+}
+#endif
+
 /* int8 encode of one layer: ``raw`` [2 (K/V), H, n, D] elements of ``dtype``; ``out``: qk
  * [H, n, D] int8, qv [H, n, D], sk [H, D] float32 (per channel: max |k| over the tokens / 127),
  * sv [H, n] float32 (per token: max |v| over the channels / 127), little-endian, as
@@ -338,10 +360,12 @@ KV_API int kvcodec_encode_int8(const uint8_t *raw, int64_t h, int64_t n, int64_t
     float *x = malloc((size_t)(2 * hnd + h * d) * sizeof(float));
     if (!x) return -1;
     float *amax = x + 2 * hnd;
+    void (*qrow)(const float *, const float *, float, int64_t, int8_t *) = quant_generic;
 #ifdef KV_HAVE_F16C
-    if (simd && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2"))
+    if (simd && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2")) {
         get_f16c(raw, 2 * hnd, dtype, x);
-    else
+        qrow = quant_avx2;
+    } else
 #endif
         get_generic(raw, 2 * hnd, dtype, x);
     int bad = 0;
@@ -366,7 +390,7 @@ KV_API int kvcodec_encode_int8(const uint8_t *raw, int64_t h, int64_t n, int64_t
         }
         for (int64_t t = 0; t < n; t++) {
             const int64_t r = (hh * n + t) * d;
-            for (int64_t c = 0; c < d; c++) qk[r + c] = quant(x[r + c], a[c]);
+            qrow(x + r, a, 0.0f, d, qk + r);
         }
     }
     for (int64_t hh = 0; hh < h; hh++) /* V: a scale per token */
@@ -377,7 +401,7 @@ KV_API int kvcodec_encode_int8(const uint8_t *raw, int64_t h, int64_t n, int64_t
             for (int64_t c = 0; c < d; c++) m = fabsf(row[c]) > m ? fabsf(row[c]) : m;
             const float sc = m / 127.0f, div = sc > 0.0f ? sc : 1.0f;
             memcpy(sv + 4 * (hh * n + t), &sc, 4);
-            for (int64_t c = 0; c < d; c++) qv[r + c] = quant(row[c], div);
+            qrow(row, NULL, div, d, qv + r);
         }
     free(x);
     return 0;
