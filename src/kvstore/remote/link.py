@@ -38,6 +38,7 @@ from kvstore.core import Core
 from kvstore.errors import StoreClosed
 from kvstore.hashing import chunk_hash, common_prefix_len
 from kvstore.layerwise import LayerLoad
+from kvstore.records import ChunkRecord
 from kvstore.remote import value as rv
 from kvstore.remote.estimate import worth_fetching
 from kvstore.remote.queue import Worker
@@ -107,7 +108,7 @@ class RemoteLink:
     def __init__(self, core: Core, tier: RemoteTier, *,
                  get_local: Callable[[np.ndarray, str | None, tuple[torch.Tensor, torch.Tensor]],
                                      None],
-                 read_chunk: Callable[[bytes], tuple[object, np.ndarray] | None],
+                 read_chunk: Callable[[bytes], tuple[ChunkRecord, np.ndarray] | None],
                  fill: Callable[[np.ndarray, str | None, np.ndarray, np.ndarray], None],
                  prefetch_get: Callable[[np.ndarray, str | None], None]) -> None:
         self.core = core
@@ -435,23 +436,22 @@ class RemoteLink:
                 tier._count("written_chunks" if ok else "already_present" if ok is False
                             else "write_failed")
 
-    def _value(self, key: bytes, rec: object, ext: np.ndarray) -> bytes:
+    def _value(self, key: bytes, rec: ChunkRecord, ext: np.ndarray) -> bytes:
         """The remote value of a local chunk (``ext``: its decoded extent), through the
         remote codec; raw if a lossy codec cannot take it (non-finite KV)."""
         lay, codec = self.core.layout, self.tier.cfg.codec
         if codec != "none":
             try:
-                val = rv.encode_bytes(key, rec.tokens, ext, lay.num_layers,  # type: ignore
-                                      codec=codec, layout=lay)
+                val = rv.encode_bytes(key, rec.tokens, ext, lay.num_layers, codec=codec,
+                                      layout=lay)
                 self._count("coded_writes")
                 return val
             except ValueError:
                 self._count("raw_fallback_writes")
         # a chunk stored through a disk codec keeps checksums of its encoded bytes; ext is
         # decoded, so its checksums are computed afresh
-        sums = rec.checksums if rec.codec == 0 else None  # type: ignore[attr-defined]
-        return rv.encode_bytes(key, rec.tokens, ext, lay.num_layers,  # type: ignore
-                               checksums=sums)
+        sums = rec.checksums if rec.codec == 0 else None
+        return rv.encode_bytes(key, rec.tokens, ext, lay.num_layers, checksums=sums)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every chunk queued for write-through so far was sent (or failed, as
