@@ -71,8 +71,9 @@ def resolve_all(core: Core, toks: np.ndarray, namespace: str | None) -> list[Pie
 
 class _Scratch:
     """Buffers for coded extents' stored bytes, reused between reads: a fresh buffer per read
-    costs a page fault per 4 KiB (measured ~10 ms per 24 MB get here). At most ``keep`` are
-    kept (one per helper thread). Thread-safety: any thread may take and give back."""
+    costs a page fault per 4 KiB (in a check here, writing 5.9 MB into fresh memory ran at about
+    1 GB/s, into reused memory at 3-4). At most ``keep`` are kept (one per helper thread), each
+    as large as the largest extent read. Thread-safety: any thread may take and give back."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
