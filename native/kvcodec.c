@@ -190,6 +190,29 @@ static row_fn pick_row(int simd) {
     return row_generic;
 }
 
+/* Whether any of the ``n`` e4m3 codes at ``p`` is a NaN (0x7f or 0xff). */
+static int any_nan_generic(const uint8_t *p, int64_t n) {
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) nan |= (p[i] & 0x7f) == 0x7f;
+    return nan;
+}
+
+#ifdef KV_HAVE_F16C
+__attribute__((target("avx2,f16c")))
+static int any_nan_avx2(const uint8_t *p, int64_t n) {
+    const __m256i m = _mm256_set1_epi8(0x7f);
+    __m256i acc = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i x = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + i)), m);
+        acc = _mm256_or_si256(acc, _mm256_cmpeq_epi8(x, m));
+    }
+    return (_mm256_movemask_epi8(acc) != 0) | any_nan_generic(p + i, n - i);
+}
+#endif
+
+typedef int (*nan_fn)(const uint8_t *, int64_t);
+
 /* Copy ``count`` little-endian float32 scales from ``src`` (any alignment) to ``dst``; 0 if
  * every one is finite and >= 0. */
 static int load_scales(float *dst, const uint8_t *src, int64_t count) {
@@ -206,16 +229,12 @@ static inline float nibble(const uint8_t *packed, int64_t i) {
 /* ------------------------------------------------------------------ layers
  * int8 / fp8 layer: data = qk [H, n, D] codes, qv [H, n, D], sk [H, D] float32, sv [H, n]. */
 static int dec_scaled(const uint8_t *data, int64_t h, int64_t n, int64_t d, const float *table,
-                      int dtype, uint8_t *out, row_fn row, float *scales) {
+                      int dtype, uint8_t *out, row_fn row, nan_fn any_nan, float *scales) {
     const int64_t esize = dtype == OUT_F32 ? 4 : 2, hnd = h * n * d;
     const uint8_t *qk = data, *qv = data + hnd;
     float *sk = scales, *sv = scales + h * d;
     if (load_scales(scales, data + 2 * hnd, h * d + h * n)) return KVCODEC_BAD_SCALE;
-    if (table) {
-        int nan = 0;
-        for (int64_t i = 0; i < 2 * hnd; i++) nan |= (data[i] & 0x7f) == 0x7f;
-        if (nan) return KVCODEC_NAN;
-    }
+    if (table && any_nan(data, 2 * hnd)) return KVCODEC_NAN;
     for (int64_t hh = 0; hh < h; hh++)
         for (int64_t t = 0; t < n; t++) {
             const int64_t r = (hh * n + t) * d;
@@ -272,13 +291,17 @@ KV_API int64_t kvcodec_decode(int codec, const uint8_t *data, const int64_t *off
     float *scales = malloc((size_t)nscales * sizeof(float) + 1);
     if (!scales) return -1;
     const row_fn row = pick_row(simd);
+    nan_fn any_nan = any_nan_generic;
+#ifdef KV_HAVE_F16C
+    if (row == row_avx2) any_nan = any_nan_avx2;
+#endif
     int64_t rc = 0;
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         const uint8_t *src = data + offsets[l];
         uint8_t *dst = out + l * out_stride;
         const int err = codec == 4 ? dec_int4(src, h, n, d, groups, g, dtype, dst, simd, scales)
                                    : dec_scaled(src, h, n, d, codec == 3 ? table : NULL, dtype,
-                                                dst, row, scales);
+                                                dst, row, any_nan, scales);
         if (err) rc = l * 4 + err;
     }
     free(scales);
