@@ -6,7 +6,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 
 .PHONY: test demo lint clean
 
-$(VENV)/.installed: pyproject.toml setup.py native/kvindex.c native/kvcopy.c Makefile
+$(VENV)/.installed: pyproject.toml setup.py native/kvindex.c native/kvcopy.c native/kvcodec.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install torch==2.13.0

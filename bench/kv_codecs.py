@@ -7,11 +7,17 @@ baseline, measured in the same run):
 * ``bytes_per_token``: stored bytes of the context's chunks / tokens (the store's
   ``stats()["disk"]["stored_bytes"]``), and the ratio raw / stored.
 * ``encode_gbps`` / ``decode_gbps``: raw bytes / seconds of ``kvstore.codecs.encode`` /
-  ``decode`` over every (chunk, layer), one thread; the ceiling beside it is a numpy copy of
-  the same bytes (``memcpy_gbps``).
+  ``decode`` over every (chunk, layer), one thread, with the default decoders (native C for
+  int8/fp8/int4 where built, and the native int8 encoder); ``decode_numpy_gbps``: the numpy/
+  torch decoders of the same bytes in the same repetitions; the ceiling beside them is a numpy
+  copy of the same bytes (``memcpy_gbps``).
 * ``cold_get``: ``store.get`` of the whole context after ``store.drop_caches()`` (DRAM tier
-  and page cache of the segments emptied), effective GB/s = decoded (raw) bytes / s, and its
-  ratio to the raw store's cold get in the same run.
+  and page cache of the segments emptied), effective GB/s = decoded (raw) bytes / s,
+  alternating with a raw store holding the same KV (``raw_get``), so each coded sample has a
+  raw one taken just before it on the same disk under the same load; ``pair_ratios``: raw s /
+  coded s of each pair (> 1: the codec's get is faster).
+* ``--no-quality`` skips the model quality part (perplexity and greedy agreement depend only on
+  the decoded bytes, which the native and numpy decoders produce identically).
 
 Quality (``--samples`` prompts of ``--prompt`` tokens, from further conversations): each prompt's
 KV is computed once, stored through the codec, the DRAM tier dropped, and then
@@ -25,6 +31,7 @@ KV is computed once, stored through the codec, the DRAM tier dropped, and then
 
 Usage (the numbers in docs/benchmarks.md):
     PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --out bench/results/kv_codecs.json
+    PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --no-quality --reps 7  # speed only
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import machine_info, summarize  # noqa: E402
 
 import kvstore  # noqa: E402
-from kvstore import codecs  # noqa: E402
+from kvstore import codec_native, codecs  # noqa: E402
 from kvstore.codecs import LayerShape  # noqa: E402
 
 CHUNK = 256
@@ -72,44 +79,60 @@ def layer_raws(k: torch.Tensor, v: torch.Tensor) -> list[tuple[np.ndarray, Layer
 
 
 def time_codec(name: str, raws, reps: int) -> dict:
+    """Encode and decode speed over every (chunk, layer), one thread; lossy codecs' decode both
+    native (the default path) and numpy/torch; memcpy of the same bytes as the ceiling."""
     nbytes = sum(r.nbytes for r, _ in raws)
-    enc_s, dec_s, copy_s = [], [], []
+    enc_s, dec_s, np_s, copy_s = [], [], [], []
     encoded = [codecs.encode(name, r, s) for r, s in raws]  # warmup
     outs = [np.empty(r.nbytes, dtype=np.uint8) for r, _ in raws]
+    natives = [True, False] if name in codecs.LOSSY and codec_native.AVAILABLE else [None]
     for _ in range(reps):
         t = time.perf_counter()
         encoded = [codecs.encode(name, r, s) for r, s in raws]
         enc_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        for e, (_, s), o in zip(encoded, raws, outs, strict=True):
-            codecs.decode(name, e, s, o)
-        dec_s.append(time.perf_counter() - t)
+        for native in natives:
+            t = time.perf_counter()
+            for e, (_, s), o in zip(encoded, raws, outs, strict=True):
+                codecs.decode(name, e, s, o, native=native)
+            (np_s if native is False else dec_s).append(time.perf_counter() - t)
         t = time.perf_counter()
         for (r, _), o in zip(raws, outs, strict=True):
             np.copyto(o, r)
         copy_s.append(time.perf_counter() - t)
-    return {"encode": summarize(enc_s, nbytes), "decode": summarize(dec_s, nbytes),
-            "memcpy": summarize(copy_s, nbytes),
-            "encoded_bytes": sum(len(e) for e in encoded), "raw_bytes": nbytes}
+    out = {"encode": summarize(enc_s, nbytes), "decode": summarize(dec_s, nbytes),
+           "memcpy": summarize(copy_s, nbytes),
+           "encoded_bytes": sum(len(e) for e in encoded), "raw_bytes": nbytes}
+    if np_s:
+        out["decode_numpy"] = summarize(np_s, nbytes)
+    return out
 
 
 def cold_gets(path: str, layout, name: str, toks, k, v, reps: int) -> dict:
-    with kvstore.open(path, layout=layout, chunk_tokens=CHUNK, disk_bytes=4 << 30,
-                      codecs={"disk": name}) as store:
+    """Cold ``store.get`` of the whole context through codec ``name``, alternating with a raw
+    store holding the same KV (so both see the same disk and the same neighbours' load);
+    ``pair_ratios``: raw seconds / coded seconds of each adjacent pair."""
+    kw = {"layout": layout, "chunk_tokens": CHUNK, "disk_bytes": 4 << 30}
+    with kvstore.open(path, codecs={"disk": name}, **kw) as store, \
+            kvstore.open(path + "-raw", **kw) as raw:
         store.put(toks, k, v)
+        raw.put(toks, k, v)
         stored = store.stats()["disk"]["stored_bytes"]
-        samples = []
+        samples, raw_samples = [], []
         for i in range(reps + 1):
-            store.drop_caches()
-            t = time.perf_counter()
-            gk, gv = store.get(toks)
-            dt = time.perf_counter() - t
-            if i:
-                samples.append(dt)
+            for st, out in ((raw, raw_samples), (store, samples)):
+                st.drop_caches()
+                t = time.perf_counter()
+                gk, gv = st.get(toks)
+                dt = time.perf_counter() - t
+                if i:
+                    out.append(dt)
         lossy = store.stats()["codecs"]["lossy_tokens_served"]
         err = max(float((gk.float() - k.float()).abs().max()),
                   float((gv.float() - v.float()).abs().max()))
-    return {"get": summarize(samples, 2 * k.numel() * k.element_size()),
+    shutil.rmtree(path + "-raw", ignore_errors=True)
+    nbytes = 2 * k.numel() * k.element_size()
+    return {"get": summarize(samples, nbytes), "raw_get": summarize(raw_samples, nbytes),
+            "pair_ratios": [r / c for r, c in zip(raw_samples, samples, strict=True)],
             "stored_bytes": stored, "bytes_per_token": stored / len(toks),
             "lossy_tokens_served": lossy, "max_abs_error": err}
 
@@ -165,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
     p.add_argument("--out", default="bench/results/kv_codecs.json")
+    p.add_argument("--no-quality", action="store_true",
+                   help="size and speed only (quality does not depend on which decoder runs: "
+                        "native and numpy decode to the same bytes)")
     args = p.parse_args(argv)
     names = [x for x in args.codecs.split(",") if x]
     for x in names:
@@ -187,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         raws = layer_raws(k, v)
         print(f"KV of {len(ids)} tokens: {2 * k.numel() * 2 / 1e6:.1f} MB", flush=True)
 
-        samples = sharegpt_ids(model, args.prompt + args.continuation, args.samples,
-                               args.skip + 200)
+        samples = [] if args.no_quality else sharegpt_ids(
+            model, args.prompt + args.continuation, args.samples, args.skip + 200)
         prompts = [s[: args.prompt] for s in samples]
         conts = [s[args.prompt :] for s in samples]
         ref = []
@@ -206,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref.append({"kv": (pk.to(torch.float16), pv.to(torch.float16)),
                             "logits": logits.float(), "nll": nll, "tokens": r.tokens})
         print("references done", flush=True)
+        report["native_decoders"] = codec_native.AVAILABLE
 
         for name in names:
             res: dict = {"lossy": name in codecs.LOSSY}
@@ -213,37 +240,49 @@ def main(argv: list[str] | None = None) -> int:
             res["cold"] = cold_gets(os.path.join(workdir, f"cold-{name}"), model.layout, name,
                                     ids, k, v, args.reps)
             shutil.rmtree(os.path.join(workdir, f"cold-{name}"), ignore_errors=True)
-            res["quality"] = quality(model, prompts, conts, name, workdir, args.new_tokens, ref)
-            q = res["quality"]
-            all_nll = [x for s in q for x in s["nll"]]
-            ref_nll = [x for r in ref for x in r["nll"]]
             res["summary"] = {
                 "bytes_per_token": res["cold"]["bytes_per_token"],
                 "ratio": 2 * k.numel() * 2 / res["cold"]["stored_bytes"],
                 "encode_gbps_p50": res["speed"]["encode"]["gbps_p50"],
                 "decode_gbps_p50": res["speed"]["decode"]["gbps_p50"],
+                "decode_numpy_gbps_p50": res["speed"].get("decode_numpy", {}).get("gbps_p50"),
                 "memcpy_gbps_p50": res["speed"]["memcpy"]["gbps_p50"],
                 "cold_get_gbps_p50": res["cold"]["get"]["gbps_p50"],
-                "ppl": math.exp(sum(all_nll) / len(all_nll)),
-                "ref_ppl": math.exp(sum(ref_nll) / len(ref_nll)),
-                "greedy_equal_positions": sum(s["greedy_equal_positions"] for s in q),
-                "greedy_equal_prefix": [s["greedy_equal_prefix"] for s in q],
-                "greedy_total": sum(s["greedy_len"] for s in q),
-                "logit_max_abs_delta": max(s["logit_max_abs_delta"] for s in q),
-                "logit_mean_abs_delta": float(np.mean([s["logit_mean_abs_delta"] for s in q])),
-                "generator_reported_lossy": all(s["lossy_reused_tokens"] > 0 for s in q),
+                "raw_cold_get_gbps_p50": res["cold"]["raw_get"]["gbps_p50"],
+                "cold_get_vs_raw_pairs_p50": float(np.median(res["cold"]["pair_ratios"])),
                 "kv_max_abs_error": res["cold"]["max_abs_error"],
             }
             sm = res["summary"]
-            sm["ppl_delta_pct"] = 100 * (sm["ppl"] / sm["ref_ppl"] - 1)
+            line = (f"{name:5s} {sm['bytes_per_token']:8.0f} B/tok x{sm['ratio']:.2f}  enc "
+                    f"{sm['encode_gbps_p50']:.2f} dec {sm['decode_gbps_p50']:.2f} GB/s "
+                    f"(numpy {sm['decode_numpy_gbps_p50'] or 0:.2f}; memcpy "
+                    f"{sm['memcpy_gbps_p50']:.1f})  cold get {sm['cold_get_gbps_p50']:.2f} GB/s "
+                    f"vs raw {sm['raw_cold_get_gbps_p50']:.2f} (pairs: "
+                    f"x{sm['cold_get_vs_raw_pairs_p50']:.2f})")
+            if not args.no_quality:
+                res["quality"] = quality(model, prompts, conts, name, workdir, args.new_tokens,
+                                         ref)
+                q = res["quality"]
+                all_nll = [x for s in q for x in s["nll"]]
+                ref_nll = [x for r in ref for x in r["nll"]]
+                sm.update({
+                    "ppl": math.exp(sum(all_nll) / len(all_nll)),
+                    "ref_ppl": math.exp(sum(ref_nll) / len(ref_nll)),
+                    "greedy_equal_positions": sum(s["greedy_equal_positions"] for s in q),
+                    "greedy_equal_prefix": [s["greedy_equal_prefix"] for s in q],
+                    "greedy_total": sum(s["greedy_len"] for s in q),
+                    "logit_max_abs_delta": max(s["logit_max_abs_delta"] for s in q),
+                    "logit_mean_abs_delta": float(np.mean([s["logit_mean_abs_delta"]
+                                                           for s in q])),
+                    "generator_reported_lossy": all(s["lossy_reused_tokens"] > 0 for s in q),
+                })
+                sm["ppl_delta_pct"] = 100 * (sm["ppl"] / sm["ref_ppl"] - 1)
+                line += (f"  PPL {sm['ppl']:.4f} vs {sm['ref_ppl']:.4f} "
+                         f"({sm['ppl_delta_pct']:+.2f}%)  greedy {sm['greedy_equal_positions']}/"
+                         f"{sm['greedy_total']} prefixes {sm['greedy_equal_prefix']}  "
+                         f"lossy={sm['generator_reported_lossy']}")
             report["codecs"][name] = res
-            print(f"{name:5s} {sm['bytes_per_token']:8.0f} B/tok x{sm['ratio']:.2f}  enc "
-                  f"{sm['encode_gbps_p50']:.2f} dec {sm['decode_gbps_p50']:.2f} GB/s (memcpy "
-                  f"{sm['memcpy_gbps_p50']:.1f})  cold get {sm['cold_get_gbps_p50']:.2f} GB/s  "
-                  f"PPL {sm['ppl']:.4f} vs {sm['ref_ppl']:.4f} ({sm['ppl_delta_pct']:+.2f}%)  "
-                  f"greedy {sm['greedy_equal_positions']}/{sm['greedy_total']} prefixes "
-                  f"{sm['greedy_equal_prefix']}  lossy={sm['generator_reported_lossy']}",
-                  flush=True)
+            print(line, flush=True)
         if "none" in report["codecs"]:
             base = report["codecs"]["none"]["summary"]["cold_get_gbps_p50"]
             for res in report["codecs"].values():

@@ -3,8 +3,10 @@
 A codec works on one (chunk, layer) at a time: its input is the layer's raw bytes in the
 store's extent order, K of every kv-head ``[H, n, D]`` then V ``[H, n, D]`` in the layout dtype,
 and its output is a self-contained byte string (scales travel beside the data), so a layer-wise
-load still reads and decodes one layer at a time. Any tier may call it (disk today; a remote tier
-stores the codec id beside the bytes and calls :func:`decode` the same way).
+load still reads and decodes one layer at a time. The disk and remote tiers call it (each stores
+the codec id beside the bytes). ``int8``/``fp8``/``int4`` decode and ``int8`` encode run in C
+(:mod:`kvstore.codec_native`) where it was built, with the same bytes as the numpy/torch code
+here (``native=False`` forces the latter).
 
 ========  =======  ==================================================================
 codec     lossy    stored bytes per layer
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 import zstandard
 
+from kvstore import codec_native
 from kvstore.errors import CorruptData
 
 NAMES = ("none", "zstd", "int8", "fp8", "int4")  # index = the codec id stored in records
@@ -174,10 +177,18 @@ class _Reader:
         return a
 
     def scales(self, count: int, shape: tuple[int, ...]) -> torch.Tensor:
-        s = torch.from_numpy(self.take("<f4", count).copy()).reshape(shape)
-        if not bool((torch.isfinite(s) & (s >= 0)).all()):
+        # a native-order aligned copy (the C decoders take it as it is)
+        a = self.take("<f4", count).astype(np.float32)
+        if not bool((np.isfinite(a) & (a >= 0)).all()):
             raise CorruptData(f"{self.name} data holds a negative or non-finite scale")
-        return s
+        return torch.from_numpy(a).reshape(shape)
+
+
+_NATIVE = frozenset({"int8", "fp8", "int4"})  # codecs kvcodec.c decodes
+
+
+def _use_native(native: bool | None) -> bool:
+    return codec_native.AVAILABLE if native is None else native
 
 
 # ---------------------------------------------------------------------------------- codecs
@@ -202,18 +213,17 @@ def _dec_scaled(data: object, shape: LayerShape, name: str, out: np.ndarray | No
                 ) -> np.ndarray:
     h, n, d = shape.num_kv_heads, shape.n_tokens, shape.head_dim
     r = _Reader(data, name)
-    qk = torch.from_numpy(r.take("i1", h * n * d).copy()).reshape(h, n, d)
-    qv = torch.from_numpy(r.take("i1", h * n * d).copy()).reshape(h, n, d)
+    bk, bv = r.take("u1", h * n * d), r.take("u1", h * n * d)
     sk = r.scales(h * d, (h, d))
     sv = r.scales(h * n, (h, n))
     if name == "fp8":
-        bk, bv = qk.numpy().view(np.uint8), qv.numpy().view(np.uint8)
         if ((bk & 0x7F) == 0x7F).any() or ((bv & 0x7F) == 0x7F).any():  # e4m3's only NaNs
             raise CorruptData("fp8 data holds a NaN")
-        fk = torch.from_numpy(_FP8_VALUES[bk])
-        fv = torch.from_numpy(_FP8_VALUES[bv])
+        fk = torch.from_numpy(_FP8_VALUES[bk]).reshape(h, n, d)
+        fv = torch.from_numpy(_FP8_VALUES[bv]).reshape(h, n, d)
     else:
-        fk, fv = qk.float(), qv.float()
+        fk = torch.from_numpy(bk.view(np.int8).copy()).reshape(h, n, d).float()
+        fv = torch.from_numpy(bv.view(np.int8).copy()).reshape(h, n, d).float()
     return _store(fk * sk[:, None, :], fv * sv[:, :, None], shape, out)
 
 
@@ -297,11 +307,19 @@ def _dec_zstd(data: object, shape: LayerShape, out: np.ndarray | None) -> np.nda
     return res
 
 
-def encode(name: str, layer: object, shape: LayerShape) -> bytes:
+def encode(name: str, layer: object, shape: LayerShape, *, native: bool | None = None
+           ) -> bytes:
     """The stored bytes of one layer (raw bytes, K then V, in ``shape.dtype``) through codec
     ``name``. ``ValueError`` if ``layer`` does not hold ``shape.raw_bytes`` bytes, or holds
-    non-finite values and the codec is lossy."""
+    non-finite values and the codec is lossy. ``native``: encode ``int8`` in C (same bytes)
+    or with torch; default: C where it was built."""
     check_name(name)
+    if name == "int8" and _use_native(native):
+        buf = np.frombuffer(layer, dtype=np.uint8)  # type: ignore[call-overload]
+        if buf.nbytes != shape.raw_bytes:
+            raise ValueError(f"layer must hold {shape.raw_bytes} bytes for {shape}, "
+                             f"got {buf.nbytes}")
+        return codec_native.encode_int8(np.ascontiguousarray(buf), shape)
     if name == "none":
         buf = np.frombuffer(layer, dtype=np.uint8)  # type: ignore[call-overload]
         if buf.nbytes != shape.raw_bytes:
@@ -314,11 +332,13 @@ def encode(name: str, layer: object, shape: LayerShape) -> bytes:
     return _enc_scaled(layer, shape, name)
 
 
-def decode(name: str, data: object, shape: LayerShape, out: np.ndarray | None = None
-           ) -> np.ndarray:
+def decode(name: str, data: object, shape: LayerShape, out: np.ndarray | None = None, *,
+           native: bool | None = None) -> np.ndarray:
     """The raw layer bytes (uint8 ``[shape.raw_bytes]``, into ``out`` if given) that ``data``
     encodes through codec ``name``. :class:`CorruptData` if ``data`` does not decode to
-    exactly one layer of ``shape``."""
+    exactly one layer of ``shape``. ``native``: decode ``int8``/``fp8``/``int4`` with the C
+    decoders (:mod:`kvstore.codec_native`; same bytes) or with numpy/torch; default: C where
+    it was built."""
     check_name(name)
     size = encoded_size(name, shape)
     nbytes = memoryview(data).nbytes  # type: ignore[arg-type]
@@ -330,6 +350,42 @@ def decode(name: str, data: object, shape: LayerShape, out: np.ndarray | None = 
         return res
     if name == "zstd":
         return _dec_zstd(data, shape, out)
+    if name in _NATIVE and _use_native(native):
+        res = _out(shape, out)
+        _native_layers(name, np.frombuffer(data, dtype=np.uint8), [0], shape,  # type: ignore
+                       size, res)  # type: ignore[arg-type]
+        return res
     if name == "int4":
         return _dec_int4(data, shape, out)
     return _dec_scaled(data, shape, name, out)
+
+
+def _native_layers(name: str, data: np.ndarray, offsets: list[int], shape: LayerShape,
+                   size: int, out: np.ndarray) -> None:
+    groups, g = _int4_groups(shape)
+    codec_native.decode_layers(name, data, offsets, shape, size, out,
+                               table=_FP8_VALUES if name == "fp8" else None,
+                               groups=groups if name == "int4" else 0,
+                               g=g if name == "int4" else 0)
+
+
+def decode_layers(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape: LayerShape,
+                  out: np.ndarray, *, native: bool | None = None) -> None:
+    """Decode consecutive layers of one chunk: layer ``i`` is ``data[off:off + n]`` for
+    ``(off, n) = spans[i]``, its raw bytes go to ``out[i * shape.raw_bytes:]`` (``out``: uint8,
+    ``len(spans) * shape.raw_bytes``). The same bytes and errors as :func:`decode` per layer,
+    in one native call where the codec has one (``int8``, ``fp8``, ``int4``)."""
+    check_name(name)
+    rb = shape.raw_bytes
+    if out.dtype != np.uint8 or out.ndim != 1 or out.nbytes != len(spans) * rb:
+        raise ValueError(f"out must be a 1-D uint8 array of {len(spans) * rb} bytes")
+    size = encoded_size(name, shape)
+    if name in _NATIVE and _use_native(native):
+        for i, (off, n) in enumerate(spans):
+            if n != size or off < 0 or off + n > data.nbytes:
+                raise CorruptData(f"{name} data of layer {i}: {n} bytes at {off} of "
+                                  f"{data.nbytes}; one layer of {shape} takes {size}")
+        _native_layers(name, data, [off for off, _ in spans], shape, size, out)  # type: ignore
+        return
+    for i, (off, n) in enumerate(spans):
+        decode(name, data[off : off + n], shape, out[i * rb : (i + 1) * rb], native=False)

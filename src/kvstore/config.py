@@ -30,8 +30,8 @@ DEFAULT_HBM_BYTES = 1 << 30  # 1 GiB
 SIZES = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
 TIERS = ("dram", "disk", "remote")
 # Tiers whose codec can be other than "none" today. DRAM holds decoded chunks (a cache of what
-# the disk serves); the remote tier is not wired to codecs yet.
-CODED_TIERS = ("disk",)
+# the disk serves).
+CODED_TIERS = ("disk", "remote")
 
 
 def check_codecs(v: object) -> MappingProxyType[str, str]:

@@ -152,6 +152,6 @@ def decode_extent(layout: KVLayout, rec: ChunkRecord, stored: np.ndarray,
                   out: np.ndarray) -> None:
     """Decode every layer of a verified coded extent into ``out`` (raw extent bytes)."""
     lb = rec.n_tokens * layout.layer_token_bytes
-    for layer in range(layout.num_layers):
-        off, n = rec.layer_span(layer, lb)
-        decode_layer(layout, rec, stored[off : off + n], out[layer * lb : (layer + 1) * lb])
+    codecs.decode_layers(codecs.codec_name(rec.codec), stored,
+                         [rec.layer_span(layer, lb) for layer in range(layout.num_layers)],
+                         layer_shape(layout, rec.n_tokens), out[: layout.num_layers * lb])

@@ -127,7 +127,7 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     lock.settle()
     if remote_cfg is not None:
         try:
-            tier = RemoteTier(remote_cfg, store.layout)
+            tier = RemoteTier(_remote_codec(remote_cfg, config.codecs["remote"]), store.layout)
             try:
                 tier.connect()
             except BaseException:
@@ -138,6 +138,17 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             store.close()
             raise
     return store
+
+
+def _remote_codec(cfg: RemoteConfig, codec: str) -> RemoteConfig:
+    """The remote tier's config with the codec of ``codecs={"remote": ...}``; a
+    :class:`RemoteConfig` naming another codec than that is a ``ValueError``."""
+    if codec == "none" or cfg.codec == codec:
+        return cfg
+    if cfg.codec != "none":
+        raise ValueError(f"codecs['remote']={codec!r} disagrees with the RemoteConfig's "
+                         f"codec={cfg.codec!r}")
+    return replace(cfg, codec=codec)
 
 
 def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None,

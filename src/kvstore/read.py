@@ -13,6 +13,7 @@ corrupt and quarantined.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,6 +69,33 @@ def resolve_all(core: Core, toks: np.ndarray, namespace: str | None) -> list[Pie
     return pieces
 
 
+class _Scratch:
+    """Buffers for coded extents' stored bytes, reused between reads: a fresh buffer per read
+    costs a page fault per 4 KiB (in a check here, writing 5.9 MB into fresh memory ran at about
+    1 GB/s, into reused memory at 3-4). At most ``keep`` are kept (one per helper thread), each
+    as large as the largest extent read. Thread-safety: any thread may take and give back."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(nbytes, dtype=np.uint8)
+        return buf
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+_SCRATCH = _Scratch(keep=2)
+
+
 def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
     """Read ``rec``'s extent from disk into ``buf`` (raw extent bytes) and verify it (a coded
     extent: read its stored bytes, verify them, decode them into ``buf``). :class:`Raced` if
@@ -80,15 +108,25 @@ def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
             core.segments.read(rec.slot, [buf[:n]])
             extent.verify(rec, extent.checksums(buf[:n], lay.num_layers))
             return
-        stored = np.empty(extent.check_stored(rec, lay, core.geo.slot_stride), dtype=np.uint8)
-        core.segments.read(rec.slot, [stored])
-        extent.verify(rec, extent.stored_checksums(rec, stored,
-                                                   rec.n_tokens * lay.layer_token_bytes))
+        nstored = extent.check_stored(rec, lay, core.geo.slot_stride)
     except CorruptData:
         if not is_current(core, rec):
             raise Raced(rec.key.hex()) from None
         raise
-    extent.decode_extent(lay, rec, stored, buf[:n])
+    scratch = _SCRATCH.take(nstored)
+    try:
+        stored = scratch[:nstored]
+        try:
+            core.segments.read(rec.slot, [stored])
+            extent.verify(rec, extent.stored_checksums(rec, stored,
+                                                       rec.n_tokens * lay.layer_token_bytes))
+        except CorruptData:
+            if not is_current(core, rec):
+                raise Raced(rec.key.hex()) from None
+            raise
+        extent.decode_extent(lay, rec, stored, buf[:n])
+    finally:
+        _SCRATCH.give(scratch)
 
 
 def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles) -> None:

@@ -294,14 +294,19 @@ class Store:
 
     def lossy_tokens(self, tokens: object, *, namespace: str | None = None) -> int:
         """How many of the tokens ``match(tokens)`` would serve come from chunks stored through
-        a lossy codec (their KV is not bit-identical to a recompute). Thread-safe; no IO."""
+        a lossy codec (their KV is not bit-identical to a recompute): local chunks, and chunks
+        after the local prefix that lossy remote values served to a recent get or load of
+        these tokens. Thread-safe; no IO."""
         toks = as_tokens(tokens)
         core = self._core
         with core.mutex:
             core.check_open()
             core.mirror.catch_up()
-            return sum(p.use for p in core.tree.resolve(toks, namespace)
-                       if codecs.NAMES[p.rec.codec] in codecs.LOSSY)
+            pieces = core.tree.resolve(toks, namespace)
+            n = sum(p.use for p in pieces if codecs.NAMES[p.rec.codec] in codecs.LOSSY)
+        if self._remote is not None and served(pieces) < len(toks):
+            n += self._remote.lossy_tokens(toks, namespace, pieces)
+        return n
 
     def get(self, tokens: object, *, namespace: str | None = None,
             out: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -32,12 +32,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvstore import extent
+from kvstore import codecs, extent
 from kvstore.copying import gather
 from kvstore.core import Core
 from kvstore.errors import StoreClosed
 from kvstore.hashing import chunk_hash, common_prefix_len
 from kvstore.layerwise import LayerLoad
+from kvstore.records import ChunkRecord
 from kvstore.remote import value as rv
 from kvstore.remote.estimate import worth_fetching
 from kvstore.remote.queue import Worker
@@ -62,6 +63,10 @@ class LinkCounters:
     fill_failed: int = 0
     prefetched: int = 0  # jobs whose KV the prefetcher fetched from remote
     queued_writes: int = 0  # chunks queued for write-through
+    lossy_served_tokens: int = 0  # tokens served from values stored through a lossy codec
+    fill_skipped_lossy: int = 0  # fetched contexts not saved locally: a lossy value served them
+    coded_writes: int = 0  # chunks written through the remote codec (not "none")
+    raw_fallback_writes: int = 0  # chunks the remote codec could not take, written raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +108,7 @@ class RemoteLink:
     def __init__(self, core: Core, tier: RemoteTier, *,
                  get_local: Callable[[np.ndarray, str | None, tuple[torch.Tensor, torch.Tensor]],
                                      None],
-                 read_chunk: Callable[[bytes], tuple[object, np.ndarray] | None],
+                 read_chunk: Callable[[bytes], tuple[ChunkRecord, np.ndarray] | None],
                  fill: Callable[[np.ndarray, str | None, np.ndarray, np.ndarray], None],
                  prefetch_get: Callable[[np.ndarray, str | None], None]) -> None:
         self.core = core
@@ -117,6 +122,8 @@ class RemoteLink:
         self.counters = LinkCounters()
         self.prefill_rate: float | None = None
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # chain keys of chunks recently served from lossy values (for lossy_tokens; no IO)
+        self._lossy: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._writes: Worker[tuple[bytes, bytes]] = Worker(
             self._write_batch, name="kvstore-remote-write", batch=16,
             max_items=tier.cfg.max_queued_chunks, key=lambda it: it[0])
@@ -202,14 +209,15 @@ class RemoteLink:
             device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         """KV of all of ``toks`` from the local full-chunk prefix and the remote tier;
         KeyError (a miss) if the remote tier cannot serve the rest."""
-        base, rest = self._rest(toks, namespace, self._local(toks, namespace))
-        exts = self.tier.values([(ch.key, ch.tokens) for ch in rest])
-        pieces = [(np.asarray(e), len(ch.tokens), ch.start, len(ch.tokens))
+        local = self._local(toks, namespace)
+        base, rest = self._rest(toks, namespace, local)
+        exts = self.tier.values_and_headers([(ch.key, ch.tokens) for ch in rest])
+        pieces = [(np.asarray(e[0]), len(ch.tokens), ch.start, len(ch.tokens))
                   for ch, e in zip(rest, exts, strict=True) if e is not None]
         if exts and exts[-1] is None and all(e is not None for e in exts[:-1]):
             kid = self._kid_extent(rest[-1])  # the tail inside a longer stored partial chunk
             if kid is not None:
-                exts[-1] = kid[0]
+                exts[-1] = (kid[0], kid[2])
                 pieces.append((np.asarray(kid[0]), kid[1], rest[-1].start,
                                len(rest[-1].tokens)))
         missing = sum(e is None for e in exts)
@@ -229,7 +237,11 @@ class RemoteLink:
         self._remember([ch.key for ch in rest])
         self._count("gets")
         self._count("served_tokens", len(toks) - base)
-        self._fill_local(toks, namespace, k_out, v_out)
+        lossy = self._served_lossy(local, base, rest, [e[1] for e in exts])  # type: ignore[index]
+        if lossy:  # a local copy would lose the lossy mark (the local tiers store raw KV)
+            self._count("fill_skipped_lossy")
+        else:
+            self._fill_local(toks, namespace, k_out, v_out)
         if out is not None and out[0].device.type != "cpu":
             out[0].copy_(k_out)
             out[1].copy_(v_out)
@@ -245,13 +257,44 @@ class RemoteLink:
             return None
         return kid[0], kid[1]
 
-    def _kid_extent(self, ch: _Chunk) -> tuple[np.ndarray, int] | None:
-        """(verified extent, its tokens) of :meth:`_kid`; two more round trips."""
+    def _kid_extent(self, ch: _Chunk) -> tuple[np.ndarray, int, rv.Header] | None:
+        """(verified extent, its tokens, its header) of :meth:`_kid`; two more round
+        trips."""
         kid = self._kid(ch)
         if kid is None:
             return None
-        ext = self.tier.values([kid])[0]
-        return None if ext is None else (ext, len(kid[1]))
+        got = self.tier.values_and_headers([kid])[0]
+        return None if got is None else (got[0], len(kid[1]), got[1])
+
+    def _served_lossy(self, local: list[Piece], base: int, rest: list[_Chunk],
+                      headers: list[rv.Header]) -> int:
+        """Count a get or load whose remote part was served (partly) by lossy values, in
+        the store's counters as a local lossy read is; the tokens they served."""
+        n = sum(len(ch.tokens) for ch, h in zip(rest, headers, strict=True) if h.lossy)
+        if not n:
+            return 0
+        self._count("lossy_served_tokens", n)
+        with self._lock:
+            for ch, h in zip(rest, headers, strict=True):
+                if h.lossy:
+                    self._lossy[ch.key] = None
+                    self._lossy.move_to_end(ch.key)
+            while len(self._lossy) > RECENT:
+                self._lossy.popitem(last=False)
+        local_lossy = sum(min(p.use, max(0, base - p.start)) for p in local
+                          if codecs.NAMES[p.rec.codec] in codecs.LOSSY)
+        with self.core.mutex:
+            if not local_lossy:  # else the local part counted this get already
+                self.core.counters.lossy_gets += 1
+            self.core.counters.lossy_tokens_served += n
+        return n
+
+    def lossy_tokens(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece]) -> int:
+        """Tokens after the local full-chunk prefix that values of a lossy codec served to a
+        recent get or load of this context (remembered, no IO)."""
+        _, rest = self._rest(toks, namespace, pieces)
+        with self._lock:
+            return sum(len(ch.tokens) for ch in rest if ch.key in self._lossy)
 
     def _fill_local(self, toks: np.ndarray, namespace: str | None, k: torch.Tensor,
                     v: torch.Tensor) -> None:
@@ -295,7 +338,8 @@ class RemoteLink:
         """A layer-wise load of ``toks`` into ``kv`` (CPU [L, H, T, D]): the local prefix at
         once, the remote chunks by ``GETRANGE`` in growing groups of layers
         (:func:`layer_groups`)."""
-        base, rest = self._rest(toks, namespace, self._local(toks, namespace))
+        local = self._local(toks, namespace)
+        base, rest = self._rest(toks, namespace, local)
         headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
         keys = [ch.key for ch in rest]
         if headers and headers[-1] is None and all(h is not None for h in headers[:-1]):
@@ -342,6 +386,7 @@ class RemoteLink:
         def done() -> None:
             self._count("gets")
             self._count("served_tokens", len(toks) - base)
+            self._served_lossy(local, base, rest, headers)  # type: ignore[arg-type]
 
         load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
                          on_close=on_close, on_abandon=on_abandon)
@@ -385,15 +430,28 @@ class RemoteLink:
                 rec, ext = got
                 if rec.n_tokens < c:  # findable by a longer prompt through its parent
                     kids.append((rec.parent, rec.key, rec.tokens))
-                # a chunk stored through a disk codec keeps checksums of its encoded bytes;
-                # ext is decoded, so its checksums are computed afresh
-                sums = rec.checksums if rec.codec == 0 else None
-                send.append((k, rv.encode_bytes(k, rec.tokens, ext, self.core.layout.num_layers,
-                                                checksums=sums, codec=tier.cfg.codec)))
+                send.append((k, self._value(k, rec, ext)))
         if send:
             for ok in tier.put(send, kids):
                 tier._count("written_chunks" if ok else "already_present" if ok is False
                             else "write_failed")
+
+    def _value(self, key: bytes, rec: ChunkRecord, ext: np.ndarray) -> bytes:
+        """The remote value of a local chunk (``ext``: its decoded extent), through the
+        remote codec; raw if a lossy codec cannot take it (non-finite KV)."""
+        lay, codec = self.core.layout, self.tier.cfg.codec
+        if codec != "none":
+            try:
+                val = rv.encode_bytes(key, rec.tokens, ext, lay.num_layers, codec=codec,
+                                      layout=lay)
+                self._count("coded_writes")
+                return val
+            except ValueError:
+                self._count("raw_fallback_writes")
+        # a chunk stored through a disk codec keeps checksums of its encoded bytes; ext is
+        # decoded, so its checksums are computed afresh
+        sums = rec.checksums if rec.codec == 0 else None
+        return rv.encode_bytes(key, rec.tokens, ext, lay.num_layers, checksums=sums)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every chunk queued for write-through so far was sent (or failed, as

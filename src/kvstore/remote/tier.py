@@ -362,7 +362,7 @@ class RemoteTier:
                 r = None
             try:
                 h = rv.parse_header(r, key=k, tokens=t, num_layers=lay.num_layers,
-                                    raw_layer_bytes_per_token=lay.layer_token_bytes)
+                                    raw_layer_bytes_per_token=lay.layer_token_bytes, layout=lay)
                 if n != h.value_bytes:
                     raise rv.BadValue(f"value of {n} bytes, its header says {h.value_bytes}")
             except rv.BadValue:
@@ -374,13 +374,20 @@ class RemoteTier:
         return out, kids
 
     def values(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[np.ndarray | None]:
-        """The verified raw extent of each (key, tokens), None where absent or unusable: one
-        pipelined ``GET`` round trip. Arrays may be read-only views of the received bytes
-        (verified in place: no copy before the gather into the caller's output)."""
+        """The extents of :meth:`values_and_headers` (None where absent or unusable)."""
+        return [None if got is None else got[0] for got in self.values_and_headers(items)]
+
+    def values_and_headers(self, items: Sequence[tuple[bytes, np.ndarray]]
+                           ) -> list[tuple[np.ndarray, rv.Header] | None]:
+        """The verified raw extent of each (key, tokens) with its value's header, None where
+        absent or unusable (a value that fails its checksums or does not decode through its
+        codec is counted as bad, never served): one pipelined ``GET`` round trip. Arrays of
+        values stored uncoded may be read-only views of the received bytes (verified in place:
+        no copy before the gather into the caller's output); coded ones are decoded."""
         lay = self.layout
         replies = self._call([k for k, _ in items],
                              lambda pipe, i: pipe.get(self.redis_key(items[i][0])))
-        out: list[np.ndarray | None] = []
+        out: list[tuple[np.ndarray, rv.Header] | None] = []
         for i, (k, t) in enumerate(items):
             if i not in replies:
                 out.append(None)
@@ -388,8 +395,8 @@ class RemoteTier:
             r = replies[i]
             try:
                 h = rv.parse_header(r, key=k, tokens=t, num_layers=lay.num_layers,
-                                    raw_layer_bytes_per_token=lay.layer_token_bytes)
-                out.append(rv.decode(h, r))
+                                    raw_layer_bytes_per_token=lay.layer_token_bytes, layout=lay)
+                out.append((rv.decode(h, r), h))
             except rv.BadValue:
                 self._bad(r)
                 out.append(None)

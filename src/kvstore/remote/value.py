@@ -4,30 +4,39 @@ A value is a header then the payload of every layer::
 
     magic "KVR1" | version u16 | codec u16 | n_tokens u32 | num_layers u32
     | raw_layer_bytes u64 | chunk key (16 bytes) | token ids (n_tokens x u32)
-    | per layer: payload offset u64, payload length u64, xxh3_64 of the raw layer bytes
+    | per layer: payload offset u64, payload length u64, xxh3_64 of the payload
     | xxh3_64 of everything before it
 
 The raw bytes of layer ``l`` are the layer's part of the chunk's extent (K of every head, then V;
-see :mod:`kvstore.extent`), so the checksums are the ones the disk tier keeps. ``codec`` names
-how each layer's payload encodes them (0 = ``none``: the raw bytes); a later codec (compression)
-only adds an entry to :data:`CODECS`. Offsets in the table let a layer-wise load fetch one
-layer of a chunk with one ``GETRANGE``. The header's size depends only on ``n_tokens`` and
-``num_layers``, so a reader that knows what it asks for can fetch exactly the header.
+see :mod:`kvstore.extent`). ``codec`` names how each layer's payload encodes them: the id of a
+:mod:`kvstore.codecs` codec (0 = ``none``: the payload is the raw bytes, and its checksum the
+one the disk tier keeps for a raw chunk). Checksums cover the payload as stored (the encoded
+bytes), so a reader verifies what it received before decoding it. Offsets in the table let a
+layer-wise load fetch one layer of a chunk with one ``GETRANGE``. The header's size depends only
+on ``n_tokens`` and ``num_layers``, so a reader that knows what it asks for can fetch exactly
+the header.
 
-Nothing read from a server is trusted: :func:`parse_header` checks magic, version, codec, sizes,
-the header checksum, the key and the token ids against what was asked for, and
-:func:`decode_layer` checks each layer's checksum after decoding. Every failure is
-:class:`BadValue` (the tier counts it and treats the chunk as a miss).
+Nothing read from a server is trusted: :func:`parse_header` checks magic, version, codec, sizes
+(each payload's length against what its codec produces for the layout), the header checksum,
+the key and the token ids against what was asked for; :func:`decode_layer` checks each layer's
+checksum, then decodes it (:func:`kvstore.codecs.decode`, whose own checks refuse bytes that do
+not decode). Every failure is :class:`BadValue` (the tier counts it and treats the chunk as a
+miss: a value that does not decode is never served). Values whose codec is lossy say so
+(:attr:`Header.lossy`); the store counts the tokens they serve.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
+from kvstore import codecs
+from kvstore.codecs import LayerShape
+from kvstore.errors import CorruptData
+from kvstore.layout import KVLayout
 
 MAGIC = b"KVR1"
 VERSION = 1
@@ -42,13 +51,13 @@ class BadValue(Exception):
     """A remote value that must not be used (wrong type, truncated, corrupt, foreign)."""
 
 
-# codec id -> (name, encode(raw layer bytes) -> payload, decode(payload, raw length) -> raw)
-Codec = tuple[str, Callable[[memoryview], bytes | memoryview],
-              Callable[[memoryview, int], memoryview]]
-CODECS: dict[int, Codec] = {
-    0: ("none", lambda raw: raw, lambda payload, n: payload),
-}
-CODEC_IDS = {name: cid for cid, (name, _, _) in CODECS.items()}
+# codec name -> the id a value stores: the kvstore.codecs ids, as chunk records use them
+CODEC_IDS = {name: codecs.codec_id(name) for name in codecs.NAMES}
+_ZSTD_SLACK = 1 << 12  # a zstd payload may exceed its raw bytes by a frame's overhead
+
+
+def layer_shape(layout: KVLayout, n_tokens: int) -> LayerShape:
+    return LayerShape(layout.dtype, layout.num_kv_heads, n_tokens, layout.head_dim)
 
 
 def header_size(n_tokens: int, num_layers: int) -> int:
@@ -67,8 +76,18 @@ class Header:
     tokens: np.ndarray  # uint32 [n_tokens]
     offsets: np.ndarray  # uint64 [num_layers], from the start of the value
     lengths: np.ndarray  # uint64 [num_layers]
-    checksums: np.ndarray  # uint64 [num_layers], of the raw (decoded) layer bytes
+    checksums: np.ndarray  # uint64 [num_layers], of each payload (the encoded bytes)
     size: int  # header bytes
+    shape: LayerShape | None = None  # one layer's shape (known when the reader gave a layout)
+
+    @property
+    def codec_name(self) -> str:
+        return codecs.NAMES[self.codec]
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the value went through a lossy codec (its KV is not a recompute's)."""
+        return self.codec_name in codecs.LOSSY
 
     @property
     def value_bytes(self) -> int:
@@ -81,10 +100,13 @@ class Header:
 
 
 def encode(key: bytes, tokens: np.ndarray, extent: np.ndarray, num_layers: int, *,
-           checksums: np.ndarray | None = None, codec: str = "none") -> list[bytes | memoryview]:
+           checksums: np.ndarray | None = None, codec: str = "none",
+           layout: KVLayout | None = None) -> list[bytes | memoryview]:
     """The value of a chunk as pieces to concatenate (header first): ``extent`` is its raw
     bytes (uint8, ``num_layers`` equal layers), ``checksums`` their per-layer xxh3_64 if
-    already known."""
+    already known (used with codec ``none`` only). A codec other than ``none`` needs the
+    ``layout``; a lossy codec raises ``ValueError`` for non-finite KV (the caller then sends
+    the chunk with ``none``)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
     if codec not in CODEC_IDS:
@@ -96,10 +118,19 @@ def encode(key: bytes, tokens: np.ndarray, extent: np.ndarray, num_layers: int, 
         raise ValueError(f"extent of {len(ext)} bytes does not split into {num_layers} layers")
     per = len(ext) // num_layers
     mv = memoryview(ext)
-    payloads = [CODECS[cid][1](mv[i * per:(i + 1) * per]) for i in range(num_layers)]
+    raws = [mv[i * per:(i + 1) * per] for i in range(num_layers)]
+    payloads: list[bytes | memoryview]
+    if cid == 0:
+        payloads = list(raws)
+    else:
+        if layout is None or layout.num_layers != num_layers \
+                or per % layout.layer_token_bytes or len(toks) != per // layout.layer_token_bytes:
+            raise ValueError(f"codec {codec!r} needs the layout of a {len(toks)}-token extent")
+        shape = layer_shape(layout, len(toks))
+        payloads = [codecs.encode(codec, r, shape) for r in raws]
+        checksums = None
     if checksums is None:
-        checksums = np.array([xxhash.xxh3_64_intdigest(mv[i * per:(i + 1) * per])
-                              for i in range(num_layers)], dtype=np.uint64)
+        checksums = np.array([xxhash.xxh3_64_intdigest(p) for p in payloads], dtype=np.uint64)
     hsize = header_size(len(toks), num_layers)
     table = np.zeros(num_layers, dtype=_TABLE)
     lengths = np.array([len(p) for p in payloads], dtype=np.uint64)
@@ -118,12 +149,14 @@ def encode_bytes(*args: object, **kw: object) -> bytes:
 
 
 def parse_header(data: object, *, key: bytes, tokens: np.ndarray | None,
-                 num_layers: int, raw_layer_bytes_per_token: int) -> Header:
+                 num_layers: int, raw_layer_bytes_per_token: int,
+                 layout: KVLayout | None = None) -> Header:
     """Check and parse the header at the start of ``data`` (a value or its first bytes).
 
     ``key`` and ``num_layers`` must be what the value says; ``tokens`` (if given) must equal its
-    token ids; each layer must hold ``n_tokens * raw_layer_bytes_per_token`` raw bytes.
-    Raises :class:`BadValue` otherwise."""
+    token ids; each layer must hold ``n_tokens * raw_layer_bytes_per_token`` raw bytes, and its
+    payload as many bytes as its codec makes of that. A value stored through a codec other than
+    ``none`` can only be read with the ``layout``. Raises :class:`BadValue` otherwise."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise BadValue(f"expected bytes, got {type(data).__name__}")
     mv = memoryview(data)
@@ -134,8 +167,11 @@ def parse_header(data: object, *, key: bytes, tokens: np.ndarray | None,
         raise BadValue("not a kvstore value (bad magic)")
     if version != VERSION:
         raise BadValue(f"value format version {version} is not supported")
-    if codec not in CODECS:
+    if not 0 <= codec < len(codecs.NAMES):
         raise BadValue(f"unknown codec id {codec}")
+    if codec != 0 and layout is None:
+        raise BadValue(f"value stored through codec {codecs.NAMES[codec]!r}: no layout to "
+                       f"decode it with")
     if n_lay != num_layers or not 0 < n_tok <= MAX_TOKENS:
         raise BadValue(f"value has {n_lay} layers and {n_tok} tokens, expected {num_layers} "
                        f"layers")
@@ -158,32 +194,39 @@ def parse_header(data: object, *, key: bytes, tokens: np.ndarray | None,
     ends = np.concatenate(([hsize], (offsets + lengths)[:-1]))
     if not np.array_equal(offsets, ends.astype(np.uint64)):
         raise BadValue("layer table is not contiguous")
-    if codec == 0 and not np.all(lengths == per):
-        raise BadValue("raw layer lengths disagree with the header")
+    shape = None if layout is None else layer_shape(layout, n_tok)
+    if shape is not None and shape.raw_bytes != per:
+        raise BadValue(f"value has {per} bytes per layer; the layout makes {shape.raw_bytes}")
+    fixed = per if codec == 0 else codecs.encoded_size(codecs.NAMES[codec], shape)  # type: ignore
+    if fixed is not None and not np.all(lengths == fixed):
+        raise BadValue(f"{codecs.NAMES[codec]} layer lengths disagree with the header")
+    if fixed is None and not np.all((lengths > 0) & (lengths <= per + _ZSTD_SLACK)):
+        raise BadValue(f"{codecs.NAMES[codec]} layer lengths out of range")
     return Header(key=vkey, codec=codec, n_tokens=n_tok, num_layers=n_lay,
                   raw_layer_bytes=per, tokens=toks, offsets=offsets, lengths=lengths,
-                  checksums=table["checksum"].astype(np.uint64), size=hsize)
+                  checksums=table["checksum"].astype(np.uint64), size=hsize, shape=shape)
 
 
 def decode_layer(h: Header, layer: int, payload: object, out: np.ndarray | None = None
                  ) -> np.ndarray:
     """The verified raw bytes of ``layer`` from its payload (uint8; written into ``out`` if
-    given). :class:`BadValue` if the payload is short or fails its checksum."""
+    given). :class:`BadValue` if the payload is short, fails its checksum or does not
+    decode."""
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise BadValue(f"expected bytes, got {type(payload).__name__}")
     mv = memoryview(payload)
     if len(mv) != int(h.lengths[layer]):
         raise BadValue(f"layer {layer}: {len(mv)} payload bytes, expected {int(h.lengths[layer])}")
-    try:
-        raw = CODECS[h.codec][2](mv, h.raw_layer_bytes)
-    except Exception as e:  # a codec's own error on bad input: the value is unusable
-        raise BadValue(f"layer {layer} does not decode: {e}") from e
-    if len(raw) != h.raw_layer_bytes:
-        raise BadValue(f"layer {layer} decodes to {len(raw)} bytes, expected "
-                       f"{h.raw_layer_bytes}")
-    if xxhash.xxh3_64_intdigest(raw) != int(h.checksums[layer]):
+    if xxhash.xxh3_64_intdigest(mv) != int(h.checksums[layer]):
         raise BadValue(f"layer {layer} failed its checksum")
-    arr = np.frombuffer(raw, dtype=np.uint8)
+    if h.codec != 0:
+        if out is not None and (out.dtype != np.uint8 or out.nbytes != h.raw_layer_bytes):
+            raise ValueError(f"out must be uint8 of {h.raw_layer_bytes} bytes")
+        try:
+            return codecs.decode(h.codec_name, mv, h.shape, out)  # type: ignore[arg-type]
+        except CorruptData as e:
+            raise BadValue(f"layer {layer} does not decode: {e}") from None
+    arr = np.frombuffer(mv, dtype=np.uint8)
     if out is not None:
         np.copyto(out, arr)
         return out
@@ -206,7 +249,20 @@ def decode(h: Header, value: object, out: np.ndarray | None = None) -> np.ndarra
         return np.frombuffer(mv, dtype=np.uint8, offset=h.size)
     if out is None:
         out = np.empty(per * h.num_layers, dtype=np.uint8)
-    for layer in range(h.num_layers):
+    if h.codec == 0:
+        for layer in range(h.num_layers):
+            a, b = h.layer_range(layer)
+            decode_layer(h, layer, mv[a:b + 1], out[layer * per:(layer + 1) * per])
+        return out
+    spans = []
+    for layer in range(h.num_layers):  # every payload verified before any is decoded
         a, b = h.layer_range(layer)
-        decode_layer(h, layer, mv[a:b + 1], out[layer * per:(layer + 1) * per])
+        if xxhash.xxh3_64_intdigest(mv[a:b + 1]) != int(h.checksums[layer]):
+            raise BadValue(f"layer {layer} failed its checksum")
+        spans.append((a, b + 1 - a))
+    try:
+        codecs.decode_layers(h.codec_name, np.frombuffer(mv, dtype=np.uint8), spans,
+                             h.shape, out[: per * h.num_layers])  # type: ignore[arg-type]
+    except CorruptData as e:
+        raise BadValue(f"value does not decode: {e}") from None
     return out

@@ -1,0 +1,212 @@
+"""The native decoders (native/kvcodec.c via kvstore.codec_native) against the numpy/torch
+decoders of kvstore.codecs, which are the oracle: the same bytes for every input, or the same
+refusal (CorruptData). Both the F16C/AVX2 path and the portable C path are checked. Encoded
+bytes are also forged directly (any codes, any scale bits: huge, tiny, subnormal, negative,
+NaN, inf), since stored bytes are untrusted input."""
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from kvstore import codec_native, codecs
+from kvstore.codecs import LayerShape
+from kvstore.errors import CorruptData
+from tests.kvstore.test_codecs import DTYPES, raw_of
+
+pytestmark = pytest.mark.skipif(not codec_native.AVAILABLE,
+                                reason=f"no native codecs: {codec_native.UNAVAILABLE_REASON}")
+LOSSY = ["int8", "fp8", "int4"]
+odd_shapes = st.builds(LayerShape, st.sampled_from(sorted(DTYPES)), st.integers(1, 4),
+                       st.integers(1, 80), st.sampled_from([1, 3, 8, 13, 40, 64, 96, 130]))
+
+
+@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+def simd(request, monkeypatch):  # the same for every hypothesis example of a test (on purpose)
+    monkeypatch.setattr(codec_native, "SIMD", request.param)
+    return request.param
+
+
+def both(name: str, data: bytes, shape: LayerShape) -> tuple[object, object]:
+    """(native result, numpy result): each the decoded bytes or the CorruptData raised."""
+    res = []
+    for native in (True, False):
+        try:
+            res.append(codecs.decode(name, data, shape, native=native))
+        except CorruptData as e:
+            res.append(e)
+    return res[0], res[1]
+
+
+def assert_same(name: str, data: bytes, shape: LayerShape) -> None:
+    a, b = both(name, data, shape)
+    if isinstance(b, CorruptData):
+        assert isinstance(a, CorruptData), f"native decoded what numpy refuses: {b}"
+    else:
+        assert isinstance(a, np.ndarray), f"native refused what numpy decodes: {a}"
+        assert np.array_equal(a, b)
+
+
+def kv(shape: LayerShape, seed: int, spread: float) -> np.ndarray:
+    """Real-ish KV: outlier channels, a sink-like first token, a zero channel."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, shape.num_kv_heads, shape.n_tokens, shape.head_dim, generator=g)
+    x = x * spread * torch.exp(2 * torch.rand(1, 1, 1, shape.head_dim, generator=g))
+    x[:, :, 0] *= 8.0
+    x[:, :, :, 0] = 0.0
+    return raw_of(x.to(DTYPES[shape.dtype]))
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=odd_shapes, seed=st.integers(0, 2**31),
+       spread=st.sampled_from([1e-6, 1e-3, 1.0, 300.0]), name=st.sampled_from(LOSSY))
+def test_native_decode_equals_numpy_on_encoded_kv(simd, shape, seed, spread, name):
+    raw = kv(shape, seed, spread)
+    assert_same(name, codecs.encode(name, raw, shape), shape)
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=odd_shapes, name=st.sampled_from(LOSSY), data=st.data())
+def test_native_decode_equals_numpy_on_forged_bytes(simd, shape, name, data):
+    """Any codes and any scale bits (the scales are the trailing float32s)."""
+    size = codecs.encoded_size(name, shape)
+    n_scales = ((shape.num_kv_heads * shape.head_dim + shape.num_kv_heads * shape.n_tokens)
+                if name != "int4" else None)
+    if n_scales is None:
+        groups, g = codecs._int4_groups(shape)
+        n_scales = shape.num_kv_heads * (groups * shape.head_dim
+                                         + shape.n_tokens * (shape.head_dim // g))
+    codes = data.draw(st.binary(min_size=size - 4 * n_scales, max_size=size - 4 * n_scales))
+    scale = st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True),
+                      st.floats(0, 2.0**-126, width=32), st.floats(2.0**100, 2.0**127, width=32),
+                      st.sampled_from([0.0, -0.0, 1.0, 2.0**-24, 2.0**-149]))
+    bad = data.draw(st.booleans())
+    scales = np.array(data.draw(st.lists(scale if bad else st.floats(0, 2.0**20, width=32),
+                                         min_size=n_scales, max_size=n_scales)),
+                      dtype="<f4")
+    if name == "fp8" and not data.draw(st.booleans()):  # mostly without NaN codes
+        codes = bytes(b if (b & 0x7F) != 0x7F else b ^ 1 for b in codes)
+    assert_same(name, codes + scales.tobytes(), shape)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_every_int8_code_times_hard_scales_rounds_like_torch(simd, dtype):
+    """Every int8 code against scales whose products land on fp16/bf16 subnormals, ties,
+    the largest finite values and overflow."""
+    h, n, d = 1, 2, 256
+    shape = LayerShape(dtype, h, n, d)
+    codes = np.arange(256, dtype=np.uint8)
+    sk = np.array([2.0**-24, 2.0**-20, 3 * 2.0**-26, 1e-8, 65504 / 127, 65520 / 127, 1e37,
+                   3.4e38] * (d // 8), dtype="<f4")
+    sv = np.array([2.0**-25, 1.0 + 2.0**-11], dtype="<f4")
+    data = np.tile(codes, 2 * h * n).tobytes() + sk.tobytes() + sv.tobytes()
+    assert_same("int8", data, shape)
+    a = codecs.decode("int8", data, shape, native=True)
+    assert a.any()
+
+
+def test_every_fp8_code_decodes_like_torch_and_nan_codes_are_refused(simd):
+    shape = LayerShape("float16", 1, 1, 256)
+    ones = np.ones(shape.head_dim + 1, dtype="<f4").tobytes()
+    finite = bytes(b for b in range(256) if (b & 0x7F) != 0x7F)
+    codes = finite + finite[: 256 - len(finite)]
+    assert_same("fp8", codes * 2 + ones, shape)
+    for nan in (0x7F, 0xFF):
+        data = bytearray(codes * 2 + ones)
+        data[300] = nan
+        with pytest.raises(CorruptData, match="NaN"):
+            codecs.decode("fp8", bytes(data), shape, native=True)
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_a_bad_scale_is_corrupt_data_naming_the_layer(simd, name):
+    shape = LayerShape("float16", 2, 33, 64)
+    rng = np.random.default_rng(0)
+    raw = raw_of(torch.from_numpy(rng.standard_normal((2, 2, 33, 64))).half())
+    enc = codecs.encode(name, raw, shape)
+    layers = [bytearray(enc) for _ in range(3)]
+    layers[2][-4:] = np.array([-1.0], dtype="<f4").tobytes()
+    data = np.frombuffer(b"".join(layers), dtype=np.uint8)
+    spans = [(i * len(enc), len(enc)) for i in range(3)]
+    out = np.empty(3 * shape.raw_bytes, dtype=np.uint8)
+    with pytest.raises(CorruptData, match="layer 2"):
+        codecs.decode_layers(name, data, spans, shape, out, native=True)
+    with pytest.raises(CorruptData):
+        codecs.decode_layers(name, data, spans, shape, out, native=False)
+    good = np.frombuffer(enc * 2, dtype=np.uint8)
+    codecs.decode_layers(name, good, spans[:2], shape, out[: 2 * shape.raw_bytes], native=True)
+    ref = codecs.decode(name, enc, shape, native=False)
+    assert np.array_equal(out[: shape.raw_bytes], ref)
+    assert np.array_equal(out[shape.raw_bytes : 2 * shape.raw_bytes], ref)
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_hostile_lengths_never_reach_native_code(name):
+    shape = LayerShape("bfloat16", 3, 20, 8)
+    enc = codecs.encode(name, kv(shape, 1, 1.0), shape)
+    out = np.empty(2 * shape.raw_bytes, dtype=np.uint8)
+    data = np.frombuffer(enc + enc, dtype=np.uint8)
+    for bad in (enc[:-1], enc + b"\0", b"", enc[:7]):
+        with pytest.raises(CorruptData):
+            codecs.decode(name, bad, shape, native=True)
+    n = len(enc)
+    for spans in ([(0, n), (n, n - 1)], [(0, n), (n + 1, n)], [(0, n), (-1, n)],
+                  [(0, n), (2 * n, n)], [(0, n + 1), (n, n)]):
+        with pytest.raises(CorruptData):
+            codecs.decode_layers(name, data, spans, shape, out, native=True)
+    # the binding's own checks, for callers that skip codecs.decode_layers
+    size = codecs.encoded_size(name, shape)
+    groups, g = codecs._int4_groups(shape)
+    kw = dict(table=codecs._FP8_VALUES if name == "fp8" else None,
+              groups=groups if name == "int4" else 0, g=g if name == "int4" else 0)
+    with pytest.raises(ValueError, match="offsets"):
+        codec_native.decode_layers(name, data, [0, n + 1], shape, size, out, **kw)
+    with pytest.raises(ValueError, match="encoded_size"):
+        codec_native.decode_layers(name, data, [0, n], shape, size - 1, out, **kw)
+    with pytest.raises(ValueError, match="out"):
+        codec_native.decode_layers(name, data, [0, n], shape, size, out[:-1], **kw)
+    with pytest.raises(ValueError, match="data"):
+        codec_native.decode_layers(name, data.astype(np.int16), [0], shape, size, out[:1], **kw)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=odd_shapes, seed=st.integers(0, 2**31),
+       spread=st.sampled_from([1e-6, 1e-3, 1.0, 300.0]), special=st.sampled_from(
+           [None, 0.0, -0.0, 65504.0, 1e-7, float("inf"), float("-inf"), float("nan")]))
+def test_native_int8_encode_equals_torch(simd, shape, seed, spread, special):
+    """The same bytes as the torch encoder, or the same refusal of non-finite values."""
+    x = torch.from_numpy(np.frombuffer(kv(shape, seed, spread).tobytes(), dtype={
+        2: np.int16, 4: np.int32}[shape.itemsize]).copy()).view(DTYPES[shape.dtype])
+    if special is not None:
+        x.view(-1)[seed % x.numel()] = special
+    raw = raw_of(x)
+    got = []
+    for native in (True, False):
+        try:
+            got.append(codecs.encode("int8", raw, shape, native=native))
+        except ValueError as e:
+            got.append(type(e))
+    assert got[0] == got[1]
+    if special is not None and not np.isfinite(special):
+        assert got[0] is ValueError
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_int8_encode_rounds_ties_to_even_like_torch(simd, dtype):
+    """Scale 1 (max 127): ties at .5 go to the even integer, in K (per channel) and V (per
+    token)."""
+    col = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5])
+    x = torch.zeros(2, 1, 8, 8)
+    x[0, 0, :, 3] = col  # K channel 3 over 8 tokens
+    x[1, 0, 2, :] = col  # V token 2 over 8 channels
+    shape = LayerShape(dtype, 1, 8, 8)
+    raw = raw_of(x.to(DTYPES[dtype]))
+    enc = codecs.encode("int8", raw, shape, native=True)
+    assert enc == codecs.encode("int8", raw, shape, native=False)
+    q = np.frombuffer(enc, dtype=np.int8, count=2 * 64).reshape(2, 8, 8)
+    want = [127, 0, 2, 2, 0, -2, 126, -126]
+    assert q[0, :, 3].tolist() == want and q[1, 2, :].tolist() == want
