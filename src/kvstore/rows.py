@@ -51,28 +51,35 @@ class RowReader:
         self.stats = {"rows_bytes": 0, "disk_bytes": 0, "dram_chunks": 0, "disk_chunks": 0,
                       "promoted": 0}
 
-    def read(self, layer: int, ids: object, *, keys: bool = True, values: bool = True
-             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Rows ``ids`` [H, r] (int, per kv-head token positions in 0..n_tokens-1) of layer
-        ``layer``: (k, v), each [H, r, D] in the layout dtype (keys pre-RoPE), or None where
-        not asked for."""
+    def read(self, layer: int, ids: object, *, heads: object = None, keys: bool = True,
+             values: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rows ``ids`` [h, r] (int token positions in 0..n_tokens-1; row i for kv-head
+        ``heads[i]``, by default every kv-head in order) of layer ``layer``: (k, v), each
+        [h, r, D] in the layout dtype (keys pre-RoPE), or None where not asked for."""
         core = self._core
         lay = core.layout
         L, H, D = lay.num_layers, lay.num_kv_heads, lay.head_dim
         if isinstance(layer, bool) or not isinstance(layer, int | np.integer) \
                 or not 0 <= layer < L:
             raise ValueError(f"layer must be an int in 0..{L - 1}, got {layer!r}")
+        hsel = np.arange(H) if heads is None else np.asarray(heads)
+        if hsel.dtype.kind not in "iu" or hsel.ndim != 1 or not len(hsel) \
+                or int(hsel.min()) < 0 or int(hsel.max()) >= H:
+            raise ValueError(f"heads must be a non-empty list of kv-heads in 0..{H - 1}, got "
+                             f"{heads!r}")
         ids = np.asarray(ids)
-        if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.shape[0] != H:
-            raise ValueError(f"ids must be an int array [{H}, r], got {ids.dtype} {ids.shape}")
+        if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.shape[0] != len(hsel):
+            raise ValueError(f"ids must be an int array [{len(hsel)}, r], got {ids.dtype} "
+                             f"{ids.shape}")
         ids = ids.astype(np.int64)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.n_tokens):
             raise ValueError(f"ids must be token positions in 0..{self.n_tokens - 1}")
         if not (keys or values):
             raise ValueError("keys and values must not both be False")
         r = ids.shape[1]
-        k_out = np.empty((H, r, D), dtype=extent._NP_INT[lay.itemsize]) if keys else None
-        v_out = np.empty((H, r, D), dtype=extent._NP_INT[lay.itemsize]) if values else None
+        h = len(hsel)
+        k_out = np.empty((h, r, D), dtype=extent._NP_INT[lay.itemsize]) if keys else None
+        v_out = np.empty((h, r, D), dtype=extent._NP_INT[lay.itemsize]) if values else None
         piece = np.searchsorted(self._starts, ids, side="right") - 1  # [H, r] piece of each row
         touched = np.unique(piece).tolist()
         hits, misses = self._pin(touched)
@@ -92,15 +99,15 @@ class RowReader:
                 hh, jj = np.nonzero(piece == i)  # the rows this chunk serves
                 loc = ids[hh, jj] - self._pieces[i].start
                 if k_out is not None:
-                    k_out[hh, jj] = part[0, hh, loc]
+                    k_out[hh, jj] = part[0, hsel[hh], loc]
                 if v_out is not None:
-                    v_out[hh, jj] = part[1, hh, loc]
+                    v_out[hh, jj] = part[1, hsel[hh], loc]
         finally:
             with core.mutex:
                 self._unpin_locked(hits, misses, ok)
         with core.mutex:
             s = self.stats
-            s["rows_bytes"] += (int(keys) + int(values)) * H * r * D * lay.itemsize
+            s["rows_bytes"] += (int(keys) + int(values)) * h * r * D * lay.itemsize
             s["disk_bytes"] += disk
             s["dram_chunks"] += len(hits)
             s["disk_chunks"] += len(misses)

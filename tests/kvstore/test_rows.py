@@ -37,9 +37,11 @@ def test_rows_equal_get(tmp_path, where):
             assert torch.equal(rk, k[layer][heads, ids]) and torch.equal(rv, v[layer][heads, ids])
             only_v = reader.read(layer, ids, keys=False)
             assert only_v[0] is None and torch.equal(only_v[1], rv)
+            one_k, _ = reader.read(layer, ids[1:], heads=[1], values=False)  # [1, 9, D]
+            assert torch.equal(one_k, rk[1:])
         st = reader.stats
-        # hand count: 3 reads of K+V and 3 of V only, 2 heads x 9 rows each
-        assert st["rows_bytes"] == 3 * (2 * 2 * 9 * ROW) + 3 * (2 * 9 * ROW)
+        # hand count: 3 reads of K+V and 3 of V only, 2 heads x 9 rows each; 3 of one head's K
+        assert st["rows_bytes"] == 3 * (2 * 2 * 9 * ROW) + 3 * (2 * 9 * ROW) + 3 * (9 * ROW)
         if where == "dram":
             assert st["disk_bytes"] == 0 and st["disk_chunks"] == 0
         elif where == "disk":  # each chunk read whole once (verified, cached), then DRAM
@@ -49,7 +51,6 @@ def test_rows_equal_get(tmp_path, where):
                                            for r in s.chunk_records())
         else:  # no DRAM: one chunk-layer (K and V of every head, 4 tokens) per chunk and read
             assert st["promoted"] == 0 and st["dram_chunks"] == 0 and st["disk_chunks"] >= 6
-            assert all(r.n_tokens == 4 for r in s.chunk_records())
             assert st["disk_bytes"] == st["disk_chunks"] * 4 * SMALL.layer_token_bytes
 
 
@@ -63,6 +64,8 @@ def test_rows_bad_input_and_a_context_that_left(open_small):
         reader.read(0, np.zeros((3, 1), np.int64))
     with pytest.raises(ValueError, match="ids must be token positions"):
         reader.read(0, np.full((2, 1), len(A)))
+    with pytest.raises(ValueError, match="heads must be"):
+        reader.read(0, np.zeros((1, 1), np.int64), heads=[2])
     with pytest.raises(ValueError, match="must not both be False"):
         reader.read(0, np.zeros((2, 1), np.int64), keys=False, values=False)
     with pytest.raises(KeyError):
