@@ -177,8 +177,8 @@ def test_sparse_attention_error_per_layer(model, ctx):
 
 
 # ------------------------------------------------------------------ offloaded sparse decode
-def _stored(model, ids, keys, values, path, spec=None):
-    store = kvstore.open(path, layout=model.layout)
+def _stored(model, ids, keys, values, path, spec=None, **kw):
+    store = kvstore.open(path, layout=model.layout, **kw)
     store.put(ids, keys, values, index=spec)
     return store
 
@@ -214,9 +214,12 @@ def test_offloaded_with_everything_retrieved_is_full(model, ctx, tmp_path):
     base, base_lg = _greedy_forward(model, lg, past, 3)
     cfg = SparseConfig(index="pq", k=len(ids), full_below=0, flat_layers=(0, 3),
                        spec=IndexSpec(kind="pq", pq_rerank=8))
-    with _stored(model, ids, keys, values, tmp_path / "s") as store:  # PQ built on open
+    # PQ built on open; no DRAM tier: every row read is a verified chunk-layer from disk
+    with _stored(model, ids, keys, values, tmp_path / "s", dram_bytes=0) as store:
         off, _ = open_offloaded(store, model.layout, ids + [5], sparse=cfg, capacity=8)
         toks, got = _greedy_session(model, lg, off, 3)
+        st = off._reader.stats
+        assert st["dram_chunks"] == 0 and st["disk_chunks"] > 0 and st["disk_bytes"] > 0
     assert toks == base
     torch.testing.assert_close(got, base_lg, atol=1e-2, rtol=0)
     assert min(np.mean(v) for v in off.attended.values()) == pytest.approx(1.0)
