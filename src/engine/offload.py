@@ -73,15 +73,22 @@ class _StepKeys:
     def nbytes(self) -> int:
         return self._rows.nbytes + self._ids.nbytes
 
+    def missing(self, ids: np.ndarray) -> np.ndarray:
+        """The ids (ascending, unique) not read yet this step."""
+        return np.setdiff1d(np.asarray(ids, dtype=np.int64), self._ids)
+
+    def add(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Keep positioned rows [r, D] of ids (from :meth:`missing`) for this step."""
+        ids_all = np.concatenate([self._ids, ids])
+        order = np.argsort(ids_all, kind="stable")
+        self._ids = ids_all[order]
+        self._rows = np.concatenate([self._rows, rows])[order]
+
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
-        new = np.setdiff1d(ids, self._ids)  # ascending, unique
+        new = self.missing(ids)
         if len(new):
-            got = self._s._read_keys(self._layer, self._head, new)  # [r, D]
-            ids_all = np.concatenate([self._ids, new])
-            order = np.argsort(ids_all, kind="stable")
-            self._ids = ids_all[order]
-            self._rows = np.concatenate([self._rows, got])[order]
+            self.add(new, self._s._read_keys(self._layer, self._head, new))  # [r, D]
         return self._rows[np.searchsorted(self._ids, ids)]  # [len(ids), D]
 
     def dense(self) -> np.ndarray:
@@ -173,6 +180,25 @@ class OffloadedSession:
         half = x.shape[-1] // 2
         rh = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
         return x * self._cos[ids] + rh * self._sin[ids]
+
+    def _prefetch(self, layer: int, plan: SparsePlan, qg: np.ndarray,
+                  steps: list[_StepKeys | None]) -> None:
+        """Read, in one store read for all kv-heads, the key rows PQ top-k will re-rank for
+        each head's query group (re-ranking then finds them in the step buffer)."""
+        k = self.sparse.k_of(plan)
+        want = [steps[h].missing(self._indexes[layer, h].candidates(qg[h], k,
+                                                                      limit=self.context))
+                for h in range(len(steps))]
+        heads = np.repeat(np.arange(len(want)), [len(w) for w in want])
+        ids = np.concatenate(want)
+        if not len(ids):
+            return
+        k_rows, _ = self._reader.read_rows(layer, heads, ids, values=False)  # [r, D]
+        rows = self._position(self._f32(k_rows), ids)
+        at = 0
+        for h, w in enumerate(want):
+            steps[h].add(w, rows[at:at + len(w)])
+            at += len(w)
 
     def _read_keys(self, layer: int, head: int, ids: np.ndarray) -> np.ndarray:
         """Positioned keys [r, D] of one head's rows ``ids`` read from the store."""
@@ -282,6 +308,8 @@ class OffloadedSession:
             if sk is not None:
                 sk.clear()
         held = self._held.get(layer)
+        if plan.index == "pq" and plan.query == "topk":
+            self._prefetch(layer, plan, qg, steps)
         if plan.index == "flat":
             ids = retrieve(plan, cfg, [None] * Hkv, qg, limit=N, floors=floors,
                            flat_keys=torch.from_numpy(held))
@@ -299,8 +327,10 @@ class OffloadedSession:
             kr = held[np.arange(Hkv)[:, None], idx]  # [Hkv, r, D]
         else:  # PQ re-ranking read every returned token's key this step
             kr = np.stack([steps[h].rows(idx[h]) for h in range(Hkv)])
-        _, v = self._reader.read(layer, idx, keys=False)  # [Hkv, r, D]
-        vr = self._f32(v)
+        # the values of the retrieved tokens, each head its own (no padding read)
+        _, v = self._reader.read_rows(layer, np.nonzero(valid)[0], idx[valid], keys=False)
+        vr = np.zeros((Hkv, r, D), np.float32)
+        vr[valid] = self._f32(v)  # [Hkv, r, D], row-major order of valid = read order
         step = kr.nbytes + vr.nbytes + sum(sk.nbytes for sk in steps if sk is not None)
         self.peak_step_bytes = max(self.peak_step_bytes, step)
         parts = [partial_attention(qg, k_loc, v_loc),  # local

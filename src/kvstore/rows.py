@@ -56,58 +56,79 @@ class RowReader:
         """Rows ``ids`` [h, r] (int token positions in 0..n_tokens-1; row i for kv-head
         ``heads[i]``, by default every kv-head in order) of layer ``layer``: (k, v), each
         [h, r, D] in the layout dtype (keys pre-RoPE), or None where not asked for."""
-        core = self._core
-        lay = core.layout
-        L, H, D = lay.num_layers, lay.num_kv_heads, lay.head_dim
-        if isinstance(layer, bool) or not isinstance(layer, int | np.integer) \
-                or not 0 <= layer < L:
-            raise ValueError(f"layer must be an int in 0..{L - 1}, got {layer!r}")
+        H = self._core.layout.num_kv_heads
         hsel = np.arange(H) if heads is None else np.asarray(heads)
-        if hsel.dtype.kind not in "iu" or hsel.ndim != 1 or not len(hsel) \
-                or int(hsel.min()) < 0 or int(hsel.max()) >= H:
+        if hsel.dtype.kind not in "iu" or hsel.ndim != 1 or not len(hsel):
             raise ValueError(f"heads must be a non-empty list of kv-heads in 0..{H - 1}, got "
                              f"{heads!r}")
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.shape[0] != len(hsel):
             raise ValueError(f"ids must be an int array [{len(hsel)}, r], got {ids.dtype} "
                              f"{ids.shape}")
-        ids = ids.astype(np.int64)
+        h, r = ids.shape
+        k, v = self.read_rows(layer, np.repeat(hsel, r), ids.reshape(-1), keys=keys,
+                              values=values)
+        D = self._core.layout.head_dim
+        return (None if k is None else k.view(h, r, D), None if v is None else v.view(h, r, D))
+
+    def read_rows(self, layer: int, heads: object, ids: object, *, keys: bool = True,
+                  values: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Row j: token ``ids[j]`` of kv-head ``heads[j]`` (1-D int arrays of one length) of
+        layer ``layer``: (k, v), each [r, D] in the layout dtype (keys pre-RoPE), or None
+        where not asked for. Heads may ask for different tokens and counts (no padding)."""
+        core = self._core
+        lay = core.layout
+        L, H, D = lay.num_layers, lay.num_kv_heads, lay.head_dim
+        if isinstance(layer, bool) or not isinstance(layer, int | np.integer) \
+                or not 0 <= layer < L:
+            raise ValueError(f"layer must be an int in 0..{L - 1}, got {layer!r}")
+        hs, ids = np.asarray(heads), np.asarray(ids)
+        if hs.dtype.kind not in "iu" or hs.ndim != 1 or (len(hs) and (
+                int(hs.min()) < 0 or int(hs.max()) >= H)):
+            raise ValueError(f"heads must be kv-heads in 0..{H - 1}, got {heads!r}")
+        if ids.dtype.kind not in "iu" or ids.shape != hs.shape:
+            raise ValueError(f"ids must be an int array of the heads' shape {hs.shape}, got "
+                             f"{ids.dtype} {ids.shape}")
+        hs, ids = hs.astype(np.int64), ids.astype(np.int64)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.n_tokens):
             raise ValueError(f"ids must be token positions in 0..{self.n_tokens - 1}")
         if not (keys or values):
             raise ValueError("keys and values must not both be False")
-        r = ids.shape[1]
-        h = len(hsel)
-        k_out = np.empty((h, r, D), dtype=extent._NP_INT[lay.itemsize]) if keys else None
-        v_out = np.empty((h, r, D), dtype=extent._NP_INT[lay.itemsize]) if values else None
-        piece = np.searchsorted(self._starts, ids, side="right") - 1  # [H, r] piece of each row
-        touched = np.unique(piece).tolist()
-        hits, misses = self._pin(touched)
-        sources: dict[int, tuple[np.ndarray, int]] = {}
+        r = len(ids)
+        k_out = np.empty((r, D), dtype=extent._NP_INT[lay.itemsize]) if keys else None
+        v_out = np.empty((r, D), dtype=extent._NP_INT[lay.itemsize]) if values else None
+        piece = np.searchsorted(self._starts, ids, side="right") - 1  # [r] piece of each row
+        order = np.argsort(piece, kind="stable")  # rows grouped by chunk
+        ps = piece[order]
+        cuts = np.flatnonzero(np.diff(ps)) + 1
+        firsts = np.r_[0, cuts]
+        segments = list(zip(ps[firsts].tolist(), firsts.tolist(), np.r_[cuts, r].tolist(),
+                            strict=True)) if r else []
+        hits, misses = self._pin([i for i, _, _ in segments])
         ok: set[int] = set()  # promoted chunks read and verified: their entries become visible
+        disk = 0
         try:
-            for i, e in hits.items():  # ext view [L, 2, H, n, D] of a verified DRAM copy
-                n = self._pieces[i].rec.n_tokens
-                sources[i] = (extent.view(lay, core.dram.buffer(e), n)[layer], n)
-            disk = 0
-            for i, cache in misses.items():
-                part, nbytes = self._read_disk(self._pieces[i].rec, layer, cache)
-                ok.add(i)
-                sources[i] = (part, self._pieces[i].rec.n_tokens)
-                disk += nbytes
-            for i, (part, _) in sources.items():  # part [2, H, n, D] raw
-                hh, jj = np.nonzero(piece == i)  # the rows this chunk serves
-                loc = ids[hh, jj] - self._pieces[i].start
+            for i, a, b in segments:
+                e = hits.get(i)
+                if e is not None:  # [2, H, n, D] raw of a verified DRAM copy
+                    part = extent.view(lay, core.dram.buffer(e), self._pieces[i].rec.n_tokens)
+                    part = part[layer]
+                else:
+                    part, nbytes = self._read_disk(self._pieces[i].rec, layer, misses[i])
+                    ok.add(i)
+                    disk += nbytes
+                rows = order[a:b]
+                loc = ids[rows] - self._pieces[i].start
                 if k_out is not None:
-                    k_out[hh, jj] = part[0, hsel[hh], loc]
+                    k_out[rows] = part[0, hs[rows], loc]
                 if v_out is not None:
-                    v_out[hh, jj] = part[1, hsel[hh], loc]
+                    v_out[rows] = part[1, hs[rows], loc]
         finally:
             with core.mutex:
                 self._unpin_locked(hits, misses, ok)
         with core.mutex:
             s = self.stats
-            s["rows_bytes"] += (int(keys) + int(values)) * h * r * D * lay.itemsize
+            s["rows_bytes"] += (int(keys) + int(values)) * r * D * lay.itemsize
             s["disk_bytes"] += disk
             s["dram_chunks"] += len(hits)
             s["disk_chunks"] += len(misses)

@@ -68,6 +68,8 @@ def test_rows_bad_input_and_a_context_that_left(open_small):
         reader.read(0, np.zeros((1, 1), np.int64), heads=[2])
     with pytest.raises(ValueError, match="must not both be False"):
         reader.read(0, np.zeros((2, 1), np.int64), keys=False, values=False)
+    k, v = reader.read_rows(0, np.empty(0, np.int64), np.empty(0, np.int64))  # nothing asked
+    assert k.shape == v.shape == (0, SMALL.head_dim)
     with pytest.raises(KeyError):
         s.rows([1, 2, 3])
     assert s.delete(A)
