@@ -123,6 +123,8 @@ def measure_profile(keys: np.ndarray, *, queries: np.ndarray | None = None,
             raise ValueError(f"kinds must be among {KINDS}, got {kind!r}")
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
         raise ValueError(f"ks must be positive ints, got {ks!r}")
+    if isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes < N:
+        raise ValueError(f"probes must be an int in 1..{N - 1}, got {probes!r}")
     q = _probe_queries(keys, probes) if queries is None else np.asarray(queries, np.float32)
     if q.ndim != 4 or q.shape[:2] != (L, H) or q.shape[3] != D or q.shape[2] < 1:
         raise ValueError(f"queries must be [{L}, {H}, P, {D}], got shape {q.shape}")

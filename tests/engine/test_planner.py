@@ -48,6 +48,10 @@ def test_the_profile_is_measured_against_exact_scores(data):
     # the layers differ: a flat layer needs more tokens for the same mass than a peaked one
     m = [next(o.mass for o in p.options if o.kind == "flat" and o.k == 8) for p in prof.layers]
     assert m[0] < m[2] and len(set(m)) == L
+    with pytest.raises(ValueError, match="probes"):
+        measure_profile(keys, spec=SPEC, probes=0)
+    with pytest.raises(ValueError, match="queries must be"):
+        measure_profile(keys, queries=queries[:, :1], spec=SPEC)
     with pytest.raises(ValueError, match="too short"):
         measure_profile(keys[:, :, :40], spec=SPEC, ks=(32,))
 
