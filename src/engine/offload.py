@@ -173,6 +173,10 @@ class OffloadedSession:
 
     # ------------------------------------------------------------------ reads
     def _f32(self, t: torch.Tensor) -> np.ndarray:
+        """Rows in the cache dtype as float32 numpy (numpy's fp16 conversion: torch's costs
+        milliseconds per call on small tensors here, through its thread pool)."""
+        if t.dtype == torch.float16:
+            return t.numpy().astype(np.float32)
         return t.to(torch.float32).numpy()
 
     def _position(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
