@@ -197,8 +197,13 @@ def test_offloaded_step_equals_the_in_memory_sparse_step(model, ctx, tmp_path):
             mem, _ = open_session(store, model.layout, ids + [5], sparse=cfg, capacity=8)
             off, rest = open_offloaded(store, model.layout, ids + [5], sparse=cfg, capacity=8)
             assert rest == [5] and off.context == len(ids)
+            late = []  # key rows read one head at a time, after the prefetch
+            read_keys = off._read_keys
+            off._read_keys = lambda *a, late=late, rk=read_keys: late.append(a) or rk(*a)
             a, lga = _greedy_session(model, lg, mem, 4)
             b, lgb = _greedy_session(model, lg, off, 4)
+            # top-k: PQIndex.candidates named every row re-ranking needs, read in one go
+            assert (not late) if query == "topk" else late
             assert a == b, query
             torch.testing.assert_close(lgb, lga, atol=1e-4, rtol=0)
             assert off.attended == mem.attended  # the same tokens, layer by layer
