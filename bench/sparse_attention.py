@@ -14,6 +14,16 @@ sink + window + what each kv-head's index retrieves):
 
     .venv/bin/python bench/sparse_attention.py --tokens 8192 --steps 64 \\
         --out bench/results/sparse_attention_8k.json
+
+``--offload`` (issue 15, item 5) stores the context in a store (its DRAM tier, or with
+``--offload-tier disk`` no DRAM tier: every row read goes to disk, verified per chunk-layer)
+with its PQ indexes, and decodes each ``--configs`` entry through
+:class:`engine.offload.OffloadedSession`, which holds only the window, the indexes' compact
+parts and a per-step buffer and reads the retrieved rows from the store. It reports bytes
+moved per step (against the context's KV), the session's execution-tier bytes (against a
+full-attention session's), agreement, held-out perplexity and step time against full
+attention in the same run. ``--planner BUDGET_MB`` decodes with the measured optimizer's
+per-layer plan (:mod:`engine.planner`) under that index memory budget.
 """
 
 from __future__ import annotations
@@ -53,8 +63,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="PQ top-k re-scores the best k * this estimates exactly")
     p.add_argument("--fallback", action="store_true",
                    help="use the numpy fallbacks instead of the native kernels")
+    p.add_argument("--offload", action="store_true",
+                   help="decode through OffloadedSession: the context's KV stays in a store")
+    p.add_argument("--offload-tier", choices=("dram", "disk"), default="dram",
+                   help="where the store keeps the context (disk: no DRAM tier)")
+    p.add_argument("--planner", type=float, default=None, metavar="BUDGET_MB",
+                   help="with --offload: also decode with the measured planner's plan under "
+                        "this index memory budget (MB)")
+    p.add_argument("--planner-kinds", default="flat,pq,graph",
+                   help="index kinds the planner profiles")
     p.add_argument("--out", default="bench/results/sparse_attention.json")
     args = p.parse_args(argv)
+    if args.offload:
+        return offload_main(args)
     if args.fallback:
         os.environ["KVSTORE_NATIVE"] = "0"
 
@@ -184,6 +205,163 @@ def main(argv: list[str] | None = None) -> int:
         em = f"{np.mean(e):8.3f} {np.max(e):7.3f}" if e else f"{'-':>8} {'-':>7}"
         print(f"{r['config']:>22} {r['agreement']:6.2f} {r['identical_prefix']:6d} "
               f"{r['ppl']:7.3f} {100 * r['attended']:7.1f}% {em} {r['step_ms_p50']:7.1f}")
+    return 0
+
+
+def offload_main(args: argparse.Namespace) -> int:
+    """--offload: full attention in memory against offloaded sparse decode, one run."""
+    import torch
+
+    import kvstore
+    from engine.model import load_model, stack_kv
+    from engine.offload import OffloadedSession
+    from engine.session import Session
+    from engine.sharegpt import chat_ids
+    from engine.sparse import SparseConfig
+    from kvstore.index import IndexSpec
+    from kvstore.index import native as native_kernels
+
+    model = load_model()
+    lay = model.layout
+    ids = chat_ids(model, args.tokens + args.steps)
+    ctx, held = ids[: args.tokens], ids[args.tokens: args.tokens + args.steps]
+    probes = []  # the last 4 context tokens' queries per layer: the planner's probes
+
+    def capture(layer, q, k, v, mask, causal):
+        from engine.model import full_attention
+
+        probes.append(q[:, -4:].numpy().copy())  # [H, 4, D] post-RoPE
+        return full_attention(layer, q, k, v, mask, causal)
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        logits, past = model.forward(ctx, last_only=True, attend=capture)
+    prefill_s = time.perf_counter() - t0
+    keys, values = stack_kv(past)  # [L, Hkv, N, D] pre-RoPE, cache dtype
+    kv_bytes = len(ctx) * lay.token_bytes  # the context's KV as stored (fp16)
+    cap = 2 * args.steps + 2
+    flat = tuple(int(x) for x in args.flat_layers.split(",") if x)
+    spec = IndexSpec(kind="pq", graph_ef_search=args.ef, pq_rerank=args.pq_rerank)
+    d = tempfile.mkdtemp(prefix="kv-offload-bench-")
+    dram = 0 if args.offload_tier == "disk" else 2 * kv_bytes + (64 << 20)
+    store = kvstore.open(os.path.join(d, "st"), layout=lay, dram_bytes=dram,
+                         disk_bytes=2 * kv_bytes + (256 << 20))
+    try:
+        t0 = time.perf_counter()
+        store.put(ctx, keys, values, index=spec)
+        put_index_s = time.perf_counter() - t0
+        print({"put_and_pq_build_s": put_index_s}, flush=True)
+
+        def decode(make):
+            """(greedy tokens, step s, bytes moved per step, held-out NLLs, session)."""
+            out, times, moved, nll = [], [], [], []
+            s, lg = make(), logits
+            with torch.no_grad():
+                for _ in range(args.steps):
+                    tok = int(torch.argmax(lg[-1]))
+                    out.append(tok)
+                    b0 = getattr(s, "bytes_moved", 0)
+                    t0 = time.perf_counter()
+                    lg = model.step([tok], s)
+                    times.append(time.perf_counter() - t0)
+                    moved.append(getattr(s, "bytes_moved", 0) - b0)
+                first = s
+                s, lg = make(), logits
+                for tok in held:
+                    nll.append(float(-torch.log_softmax(lg[-1], -1)[tok]))
+                    lg = model.step([tok], s)
+            return out, times, moved, nll, first
+
+        def summary(times):
+            ms = 1e3 * np.asarray(times[1:])  # the first step warms up
+            return {"step_ms_p50": float(np.percentile(ms, 50)),
+                    "step_ms_p90": float(np.percentile(ms, 90)), "step_ms": ms.tolist()}
+
+        base, base_t, _, base_nll, full_s = decode(
+            lambda: Session(lay, keys, values, capacity=cap))
+        full_bytes = 2 * full_s._k.nbytes  # K and V float32, context + capacity
+        rows = [{"config": "full (in memory)", "agreement": 1.0, "identical_prefix": args.steps,
+                 "ppl": math.exp(np.mean(base_nll)), "exec_bytes": full_bytes,
+                 "exec_vs_full": 1.0, "moved_per_step": 0, **summary(base_t)}]
+        print({k: v for k, v in rows[0].items() if k != "step_ms"}, flush=True)
+        configs = []
+        for c in args.configs.split(","):
+            index, query = c.split(":")
+            configs.append((f"offloaded {index} {query}", SparseConfig(
+                index=index, query=query, k=args.k, beta=args.beta, full_below=0,
+                window=args.window, flat_layers=flat, dipr_cap=args.dipr_cap, spec=spec)))
+        plan_report = None
+        if args.planner is not None:
+            from engine.planner import measure_profile, plan_layers
+            from kvstore.index.context import positioned_keys
+
+            Hkv, D = lay.num_kv_heads, lay.head_dim
+            qs = np.stack(probes).reshape(lay.num_layers, Hkv, -1, D)  # [L, Hkv, g*4, D]
+            t0 = time.perf_counter()
+            prof = measure_profile(positioned_keys(keys, lay), queries=qs,
+                                   kinds=args.planner_kinds.split(","), spec=spec,
+                                   indexes={"pq": store.indexes(ctx)},
+                                   ks=(args.k // 2, args.k, 2 * args.k), beta=args.beta,
+                                   dipr_cap=args.dipr_cap, window=args.window, offload=True)
+            prof_s = time.perf_counter() - t0
+            chosen = plan_layers(prof, budget_bytes=int(args.planner * 2**20))
+            print(chosen.explain(), flush=True)
+            plan_report = {"profile_s": prof_s, "budget_mb": args.planner,
+                           "explain": chosen.explain(), "profile": prof.to_dict()}
+            configs.append((f"offloaded planner ({args.planner:g} MB)",
+                            chosen.config(SparseConfig(k=args.k, beta=args.beta, full_below=0,
+                                                       window=args.window, spec=spec,
+                                                       dipr_cap=args.dipr_cap))))
+        for label, cfg in configs:
+            opened = []
+
+            def make(cfg=cfg, opened=opened):
+                if args.offload_tier == "disk":
+                    store.drop_caches()
+                t0 = time.perf_counter()
+                s = OffloadedSession(lay, store.rows(ctx), sparse=cfg,
+                                     indexes=store.indexes(ctx), capacity=cap)
+                opened.append(time.perf_counter() - t0)
+                return s
+
+            toks, times, moved, nll, s = decode(make)
+            same = [a == b for a, b in zip(toks, base, strict=True)]
+            prefix = same.index(False) if False in same else len(same)
+            ex = s.exec_bytes()
+            mv = np.asarray(moved[1:], dtype=np.float64)
+            rows.append({"config": label, "agreement": float(np.mean(same)),
+                         "identical_prefix": prefix, "ppl": math.exp(np.mean(nll)),
+                         "attended": float(np.mean([np.mean(v) for v in s.attended.values()])),
+                         "exec_bytes": ex["total"], "exec_parts": ex,
+                         "exec_vs_full": ex["total"] / full_bytes,
+                         "moved_per_step": float(mv.mean()),
+                         "moved_per_step_max": float(mv.max()),
+                         "moved_vs_kv": float(mv.mean() / kv_bytes),
+                         "moved_vs_kv_max": float(mv.max() / kv_bytes),
+                         "moved_samples": moved, "open_s": opened[0],
+                         "open_bytes": s.open_bytes, "reader": dict(s._reader.stats),
+                         **summary(times)})
+            print({k: v for k, v in rows[-1].items()
+                   if k not in ("step_ms", "moved_samples")}, flush=True)
+    finally:
+        store.close()
+        shutil.rmtree(d)
+    report = {"mode": "offload", "tier": args.offload_tier, "tokens": len(ctx),
+              "steps": args.steps, "k": args.k, "window": args.window, "beta": args.beta,
+              "dipr_cap": args.dipr_cap, "pq_rerank": args.pq_rerank, "flat_layers": list(flat),
+              "native": bool(native_kernels.AVAILABLE), "torch_threads": torch.get_num_threads(),
+              "prefill_s": prefill_s, "put_and_pq_build_s": put_index_s,
+              "context_kv_bytes": kv_bytes, "full_exec_bytes": full_bytes,
+              "planner": plan_report, "rows": rows}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"{'config':>34} {'agree':>6} {'prefix':>6} {'ppl':>7} {'moved/step':>10} "
+          f"{'exec vs full':>12} {'p50 ms':>7}")
+    for r in rows:
+        print(f"{r['config']:>34} {r['agreement']:6.2f} {r['identical_prefix']:6d} "
+              f"{r['ppl']:7.3f} {100 * r.get('moved_vs_kv', 0):9.2f}% "
+              f"{100 * r['exec_vs_full']:11.2f}% {r['step_ms_p50']:7.1f}")
     return 0
 
 

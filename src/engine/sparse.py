@@ -94,6 +94,8 @@ class SparsePlan:
 
     index: str  # "full", "flat", "pq" or "graph"
     query: str = "topk"  # "topk" or "dipr"
+    k: int | None = None  # top-k per query head (None: the config's)
+    beta: float | None = None  # DIPR's range (None: the config's)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +115,8 @@ class SparseConfig:
     flat_layers: tuple[int, ...] = (0,)  # layers that need many tokens: exact scan (§6.2)
     dipr_cap: int | None = None
     spec: IndexSpec = field(default_factory=IndexSpec)
+    # per-layer plans chosen from measurements (engine.planner); None: the rules below
+    layers: tuple[SparsePlan, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.index not in ("flat", "pq", "graph"):
@@ -129,11 +133,25 @@ class SparseConfig:
         cap = self.dipr_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"dipr_cap must be a positive int or None, got {cap!r}")
+        if self.layers is not None and (not isinstance(self.layers, tuple) or not all(
+                isinstance(p, SparsePlan) for p in self.layers)):
+            raise TypeError("layers must be a tuple of SparsePlan or None")
+
+    def k_of(self, plan: SparsePlan) -> int:
+        return self.k if plan.k is None else plan.k
+
+    def beta_of(self, plan: SparsePlan) -> float:
+        return self.beta if plan.beta is None else plan.beta
 
     def plan(self, layer: int, n_tokens: int) -> SparsePlan:
-        """The rule-based optimizer (AlayaDB §6.2, Fig. 8)."""
+        """The rule-based optimizer (AlayaDB §6.2, Fig. 8), or the measured per-layer plans
+        (``layers``, from :mod:`engine.planner`) for contexts of at least ``full_below``."""
         if n_tokens < self.full_below:
             return SparsePlan(index="full")
+        if self.layers is not None:
+            if not 0 <= layer < len(self.layers):
+                raise ValueError(f"layer {layer} has no plan (plans for {len(self.layers)})")
+            return self.layers[layer]
         if layer in self.flat_layers:
             return SparsePlan(index="flat", query=self.query)
         return SparsePlan(index=self.index, query=self.query)
@@ -151,16 +169,17 @@ def retrieve(plan: SparsePlan, cfg: SparseConfig, indexes: Sequence[object],
     its queries' results, ascending."""
     Hkv, g, _ = queries.shape
     assert len(indexes) == Hkv and (floors is None or floors.shape == (Hkv, g))
+    k, beta = cfg.k_of(plan), cfg.beta_of(plan)
     if plan.index == "flat" and flat_keys is not None:
         assert flat_keys.shape[:2] == (Hkv, limit), (flat_keys.shape, limit)
         s = torch.bmm(torch.from_numpy(queries), flat_keys.transpose(1, 2))  # [Hkv, g, limit]
         if plan.query == "topk":
-            sel = torch.topk(s, min(cfg.k, limit), dim=-1).indices  # [Hkv, g, k]
+            sel = torch.topk(s, min(k, limit), dim=-1).indices  # [Hkv, g, k]
             return [np.unique(sel[h].numpy()) for h in range(Hkv)]
         best = s.amax(-1)  # [Hkv, g]
         if floors is not None:
             best = torch.maximum(best, torch.from_numpy(floors))
-        keep = s >= (best - cfg.beta)[..., None]  # [Hkv, g, limit]
+        keep = s >= (best - beta)[..., None]  # [Hkv, g, limit]
         if cfg.dipr_cap is not None and cfg.dipr_cap < limit:  # the budget: the best cap
             top = torch.topk(s, cfg.dipr_cap, dim=-1).indices  # [Hkv, g, cap]
             keep &= torch.zeros_like(keep).scatter_(-1, top, True)
@@ -169,15 +188,15 @@ def retrieve(plan: SparsePlan, cfg: SparseConfig, indexes: Sequence[object],
     for h in range(Hkv):
         ix = indexes[h]
         if plan.query == "topk" and hasattr(ix, "topk_batch"):  # one call per query group
-            out.append(np.unique(ix.topk_batch(queries[h], cfg.k, limit=limit)))
+            out.append(np.unique(ix.topk_batch(queries[h], k, limit=limit)))
             continue
         ids = []
         for j in range(g):
             if plan.query == "topk":
-                ids.append(ix.topk(queries[h, j], cfg.k, limit=limit))
+                ids.append(ix.topk(queries[h, j], k, limit=limit))
             else:
                 floor = None if floors is None else float(floors[h, j])
-                got = ix.dipr(queries[h, j], cfg.beta, floor=floor, limit=limit)
+                got = ix.dipr(queries[h, j], beta, floor=floor, limit=limit)
                 if cfg.dipr_cap is not None and len(got) > cfg.dipr_cap:
                     score = ix.exact(queries[h, j], got)  # the budget: the best by exact score
                     got = got[top_ids(score, cfg.dipr_cap)]

@@ -32,6 +32,7 @@ from kvstore.read import Loads, Reader, is_current
 from kvstore.records import ChunkRecord, ContextRecord
 from kvstore.remote.link import RemoteLink
 from kvstore.remote.tier import RemoteTier
+from kvstore.rows import RowReader
 from kvstore.saving import SaveHandle, Saver
 from kvstore.schedule import as_jobs
 from kvstore.tree import served
@@ -385,6 +386,16 @@ class Store:
         return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
                                         kv=(kv[0], kv[1]), on_close=lambda: hbm.release(buf),
                                         on_abandon=lambda: hbm.forget(nbytes))
+
+    def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:
+        """A :class:`~kvstore.rows.RowReader` over the stored context of ``tokens``: reads the
+        K/V rows of chosen token positions one layer at a time (offloaded sparse decode),
+        verified per chunk-layer like every read. KeyError unless every token is stored in
+        this machine's tiers (row reads do not go to the remote tier). Thread-safe."""
+        toks = as_tokens(tokens)
+        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
+            raise KeyError("row reads serve contexts stored in this machine's tiers only")
+        return RowReader(self._core, self._files, toks, namespace, self._hints.chunk_queued)
 
     def residency(self, tokens: object, *, namespace: str | None = None) -> dict[str, int]:
         """Where the KV of ``tokens`` is: tokens served from this process's DRAM, from disk

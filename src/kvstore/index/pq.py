@@ -187,6 +187,19 @@ class PQIndex:
         cands = native.pq_topk_batch(luts, self.codes, lim, k * self.rerank)  # [G, k*rerank]
         return np.stack([self._rerank(x, c, k, lim) for x, c in zip(qa, cands, strict=True)])
 
+    def candidates(self, qs: object, k: int, *, limit: int | None = None) -> np.ndarray:
+        """The ids :meth:`topk_batch` re-scores exactly for queries qs [G, D]: the union of
+        each query's best ``k * rerank`` estimates and the side list, ascending. A caller
+        whose keys are far away reads these rows once for the whole group, before asking."""
+        k = check_k(k)
+        lim = check_limit(limit, self.n)
+        qa = np.ascontiguousarray(np.asarray(qs, dtype=np.float32))
+        if qa.ndim != 2 or qa.shape[0] < 1:
+            raise ValueError(f"queries must have shape (G, {self.dim}), got {qa.shape}")
+        luts = np.stack([self._lut(check_query(x, self.dim)) for x in qa])  # [G, m, K]
+        cands = native.pq_topk_batch(luts, self.codes, lim, k * self.rerank)  # [G, k*rerank]
+        return self._with_side(np.unique(cands), lim)
+
     def dipr(self, q: object, beta: float, *, limit: int | None = None,
              floor: float | None = None) -> np.ndarray:
         """DIPR on estimates: keys whose estimate is within ``beta * (1 + DIPR_MARGIN)`` of
