@@ -144,8 +144,9 @@ def bench_replay(args: argparse.Namespace, work: str, srv: Server) -> dict[str, 
     from engine.replay.server import Method
     from engine.replay.workload import WorkloadConfig
 
-    wl = WorkloadConfig(conversations=args.conversations, min_turns=3, max_turns=8,
-                        max_message_tokens=512, arrival_rate=0.05, think_s=30.0,
+    wl = WorkloadConfig(conversations=args.conversations, min_turns=3,
+                        max_turns=args.max_turns, max_message_tokens=args.max_message_tokens,
+                        arrival_rate=0.05, think_s=30.0,
                         context_window=4096, warmup_fraction=0.0, seed=args.seed)
     cfg = ReplayConfig(mode="real", methods=(Method("re"), Method("as")), workload=wl,
                        store_dir=os.path.join(work, "stores"),
@@ -153,7 +154,7 @@ def bench_replay(args: argparse.Namespace, work: str, srv: Server) -> dict[str, 
                                       seed=args.seed))
     model = load_model()
     summary = replay(cfg, os.path.join(work, "out"), model=model,
-                     table=load_table(model, cfg, None), progress=False)
+                     table=load_table(model, cfg, None), progress=True)
     import pyarrow.parquet as pq
 
     rows = pq.read_table(os.path.join(work, "out", "turns.parquet")).to_pylist()
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", type=int, default=4, help="replay: servers")
     p.add_argument("--conversations", type=int, default=8, help="replay: conversations")
     p.add_argument("--seed", type=int, default=0, help="replay: workload and routing seed")
+    p.add_argument("--max-turns", type=int, default=5, help="replay: turns per conversation")
+    p.add_argument("--max-message-tokens", type=int, default=256,
+                   help="replay: conversations end before a longer message")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--new", type=int, default=100, help="ttft: new tokens after the history")
     p.add_argument("--reps", type=int, default=10)

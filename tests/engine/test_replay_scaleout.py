@@ -118,7 +118,7 @@ def test_split_fetches_part_of_a_prefix_where_fetching_all_does_not_pay(trace):
 # --------------------------------------------------------------------------- real mode
 def test_real_replay_on_servers_sharing_redis(model, tmp_path):
     """Real SmolLM2, two servers with their own store directories, turns routed without
-    affinity. Alone, a turn whose previous turn ran on the other server finds nothing there;
+    affinity. Alone, a turn whose previous turn ran on the other server finds little there;
     with the shared tier (a real redis-server) every later turn reuses its history, some of it
     fetched from Redis, and the first tokens equal recompute's."""
     import pyarrow.parquet as pq
@@ -141,8 +141,10 @@ def test_real_replay_on_servers_sharing_redis(model, tmp_path):
     alone = summary["methods"]["AS-scheduler-loadall x2"]
     shared = summary["methods"]["AS-scheduler-loadall x2+shared"]
     assert shared["hit_rate"] == 1.0
-    assert alone["hit_rate"] < 1.0  # some turns land where the previous one did not run
-    assert shared["remote_hit_rate"] > 0
+    # some turns land where the previous one did not run: that server holds at most the
+    # chat template's prefix, which every conversation shares
+    assert alone["reused_tokens"] < shared["reused_tokens"]
+    assert alone["remote_hit_rate"] == 0 < shared["remote_hit_rate"]
     rows = pq.read_table(tmp_path / "out" / "turns.parquet").to_pylist()
     by = {(r["method"], r["conv"], r["turn"]): r for r in rows}
     for r in rows:

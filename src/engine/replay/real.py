@@ -55,6 +55,7 @@ class RealExecutor:
         self.gen = Generator(model, store, rates=self.rates) if store is not None else None
         self._convs: dict[int, _ConvState] = {} if convs is None else convs
         self._decode_per_step: dict[int, float] = {}  # job seq -> measured seconds per step
+        self._has_remote = store is not None and store.stats().get("remote") is not None
 
     max_batch = 1
     max_prefill_tokens = 1 << 30
@@ -133,7 +134,7 @@ class RealExecutor:
             job.recomputed = where["dram"] + where["disk"]
         elif job.reused == 0:
             job.hit = "miss"
-        elif job.reused > where["dram"] + where["disk"]:
+        elif self._has_remote and job.reused > where["dram"] + where["disk"]:
             job.hit = "remote"  # more than this server held: the shared tier served it
         else:
             job.hit = "disk" if where["disk"] > 0 else "dram"

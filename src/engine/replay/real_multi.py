@@ -6,9 +6,9 @@ Every turn is routed as in simulated mode (:meth:`ScaleOut.server_of`). Each ser
 :class:`~engine.generate.Generator` (own load/compute rates); they share the model's weights and
 the conversations' histories, which a router would send with each request. With the shared
 tier every server's store opens the same Redis (``ScaleOut.url``) under a key prefix of its
-own per run, so a run never reuses an earlier run's values; a turn's KV is written through in
-the background, and its write-through is waited for when the turn finishes (the think time
-before the conversation's next turn, seconds in the trace, covers it in a deployment).
+own per run, so a run never reuses an earlier run's values. When a turn finishes, its save is
+waited for (locally, and with the shared tier its write-through to Redis): the think time before
+the conversation's next turn, seconds in the trace, covers both in a deployment.
 
 The servers run on this one machine, one job at a time, so TTFT measures each turn's own
 prefill and loads (queueing is that of one machine doing N servers' work); hit rates and reuse
@@ -62,9 +62,9 @@ class RealMultiServerExecutor:
     def finish(self, job: Job, next_arrival: float | None) -> None:
         ex = self.servers[self.scale.server_of(job)]
         ex.finish(job, next_arrival)
-        if self.scale.shared:
-            ex.flush()  # the turn's save is durable locally, then
-            ex.store.flush(remote=True)  # in Redis before the conversation's next turn
+        ex.flush()  # the turn's save is durable before the conversation's next turn, and
+        if self.scale.shared:  # in Redis (the think time covers both in a deployment)
+            ex.store.flush(remote=True)
 
     def flush(self) -> None:
         for ex in self.servers:
