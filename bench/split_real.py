@@ -3,14 +3,17 @@ slow disk, for load-all, recompute-all and the Cake-style split.
 
 The store's DRAM tier is 0 bytes, so every hit is a disk hit, and the page cache of the segment
 files is dropped before each request; segment reads go through ``Store.throttle_disk_reads``
-(a token bucket on the real reads) at each ``--rates`` bytes/s. For each rate, per repetition
-in rotating order:
+(a token bucket on the real reads). The bandwidths are set against recompute measured in the
+same run (``--load-over-recompute K``: the history loads in K times the median recompute TTFT
+of ``--warmup`` requests, so the settings mean the same on a quiet or a busy machine), or given
+in bytes/s (``--rates``). For each bandwidth, per repetition in rotating order:
   recompute : prefill history + new tokens from scratch (``reuse=False``)
   load_all  : load the stored history layer-wise behind the new tokens' prefill (no rates)
   split     : ``Generator(rates=LoadRates())``: compute the front of the history while the
               store loads the back (``load_layers(start=m)``), ``m`` from the rates that
-              generator measured online (its warmup requests measured them; it starts from
-              nothing at each rate)
+              generator measured online: it starts from nothing at each bandwidth, its first
+              request recomputes (as a conversation's first turn would), and its warmup
+              requests measure the load
 TTFT = request start -> first token. The greedy first token must be the same for all three.
 JSON with raw samples, percentiles, the split's chosen ``m`` and its predicted times, to --out.
 """
@@ -48,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--history", type=int, default=1024, help="stored history tokens")
     p.add_argument("--new", type=int, default=64, help="new tokens of the follow-up turn")
-    p.add_argument("--rates", default="4e6,16e6", help="disk read bandwidths, bytes/s")
+    p.add_argument("--load-over-recompute", default="2,0.5",
+                   help="bandwidths making load-all K times recompute's TTFT (comma list)")
+    p.add_argument("--rates", default=None,
+                   help="disk read bandwidths in bytes/s instead (comma list)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dir", default=None, help="parent dir of the temporary store")
@@ -57,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.history < 1 or args.new < 1 or args.reps < 1 or args.warmup < 1:
         p.error("--history, --new, --reps and --warmup must be >= 1 (the split's rates are "
                 "measured by its warmup requests)")
-    rates_bps = [float(x) for x in args.rates.split(",")]
 
     model = engine.load_model()
     ids = chat_ids(model, args.history + args.new)
@@ -74,11 +79,22 @@ def main(argv: list[str] | None = None) -> int:
             _, kv = model.forward(hist)  # the stored history, as turn 1 left it
             store.put(hist, *stack_kv(kv))
             del kv
-            for bps in rates_bps:
+            if args.rates is not None:
+                settings = [(None, float(x)) for x in args.rates.split(",")]
+            else:  # the ceiling of the compute side, measured now
+                base = Generator(model, store)
+                t_re = float(np.median([base.generate(ids, 1, store=False, reuse=False).ttft_s
+                                        for _ in range(args.warmup)]))
+                out["recompute_calibration_s"] = t_re
+                nbytes = args.history * model.layout.token_bytes
+                settings = [(float(k), nbytes / (float(k) * t_re))
+                            for k in args.load_over_recompute.split(",")]
+            for k, bps in settings:
                 store.throttle_disk_reads(kvstore.ReadThrottle(bytes_per_s=bps))
                 gens = {"recompute": Generator(model, store),
                         "load_all": Generator(model, store),
                         "split": Generator(model, store, rates=LoadRates())}
+                gens["split"].generate(ids, 1, store=False, reuse=False)  # measures prefill
                 samples: dict[str, list[float]] = {m: [] for m in MODES}
                 chosen: list[dict[str, float]] = []
                 firsts: set[int] = set()
@@ -106,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                 res = {m: _summary(samples[m]) for m in MODES}
                 best_pure = min(res["recompute"]["p50_s"], res["load_all"]["p50_s"])
                 rates = gens["split"].rates
-                out["rates"][str(bps)] = {
-                    "bytes_per_s": bps, **res, "split_choices": chosen,
+                out["rates"][str(round(bps))] = {
+                    "bytes_per_s": bps, "load_over_recompute": k, **res,
+                    "split_choices": chosen,
                     "split_over_best_pure_p50": res["split"]["p50_s"] / best_pure,
                     "measured_load_s_per_token": rates.load_s_per_token.get("disk"),
                     "measured_prefill_scale": rates.prefill_scale,

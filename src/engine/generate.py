@@ -19,7 +19,7 @@ import torch
 
 import kvstore
 from engine.loadcompute import LoadRates, Split
-from engine.model import KV, Model, split_kv, stack_kv
+from engine.model import KV, Model, full_attention, split_kv, stack_kv
 from kvstore.layerwise import LayerLoad
 from kvstore.truncation import Truncation
 
@@ -115,22 +115,39 @@ class LayerwisePast(Sequence[KV]):
         return kv
 
 
-class SplitPast(Sequence[KV]):
-    """The past of a split prefix: per layer, the KV computed for its front [0, m) followed by
-    the KV loaded for its back [m, n) (keys pre-RoPE; concatenated, they sit at their true
-    positions 0..n-1)."""
+def split_forward(model: Model, ids: list[int], m: int, back: Sequence[KV], *,
+                  on_layer=None) -> tuple[torch.Tensor, list[KV]]:
+    """One forward for a prefix split at ``m`` (Cake): the front ``ids[:m]`` is computed from
+    scratch and the new tokens ``ids[n:]`` over everything, while ``back`` (per layer the KV of
+    positions [m, n), pre-RoPE, e.g. a :class:`LayerwisePast` still loading) is attended to
+    from the new tokens only. One forward, so layer l computes while the back's later layers
+    load, and no second pass pays the per-operation overheads again.
 
-    def __init__(self, front: Sequence[KV], back: LayerwisePast) -> None:
-        self.front = front
-        self.back = back
+    The computed tokens run in position order (front, then new) after the back: the mask lets
+    the front see only itself (causally) and the new tokens everything before them. Returns
+    (logits [1, vocab] of the last token, KV per layer [H, len(ids), D] in position order);
+    ``on_layer`` sees each layer's KV in position order too."""
+    P = int(back[0][0].shape[1])  # n - m tokens loaded
+    n = m + P
+    N = len(ids)
+    T = m + N - n  # computed: front + new
+    positions = torch.cat([torch.arange(m), torch.arange(n, N)])  # [T]
+    mask = torch.zeros(T, P + T, dtype=torch.bool)  # [T, P+T] True = attend
+    mask[:, P:] = torch.ones(T, T, dtype=torch.bool).tril()  # causal among front + new
+    mask[m:, :P] = True  # the new tokens see the loaded back
+    # [back, front, new] -> [front, back, new]
+    order = torch.cat([torch.arange(P, P + m), torch.arange(P), torch.arange(P + m, P + T)])
 
-    def __len__(self) -> int:
-        return len(self.front)
+    def attend(i, q, k, v, _mask, _causal):  # q [H, T, D], k/v [Hkv, P+T, D]
+        return full_attention(i, q, k, v, mask, False)
 
-    def __getitem__(self, layer: int) -> KV:  # type: ignore[override]
-        fk, fv = self.front[layer]  # [H, m, D]
-        bk, bv = self.back[layer]  # [H, n - m, D]
-        return torch.cat([fk, bk.to(fk.dtype)], dim=1), torch.cat([fv, bv.to(fv.dtype)], dim=1)
+    def ordered(i, k, v):  # k/v [Hkv, P+T, D] -> position order
+        on_layer(i, k.index_select(1, order), v.index_select(1, order))
+
+    logits, kv = model.forward(ids[:m] + ids[n:], positions, past=back,
+                               past_positions=torch.arange(m, n), last_only=True,
+                               on_layer=None if on_layer is None else ordered, attend=attend)
+    return logits, [(k.index_select(1, order), v.index_select(1, order)) for k, v in kv]
 
 
 class Generator:
@@ -144,11 +161,11 @@ class Generator:
     shares the pending context's prefix waits for that save first. With ``rates``
     (:class:`engine.loadcompute.LoadRates`) each request splits its stored prefix between
     compute and load (Cake): the first ``m`` tokens are computed from scratch while the store
-    loads the rest in the background (``load_layers(start=m)``), then the new tokens are
-    prefilled over both; ``m`` is what the rates measured so far (per tier the prefix sits in)
-    predict fastest, 0 (load all) while they are unmeasured. Every request's timings feed the
-    rates. Thread-safety: one request at a time per Generator (the store itself is
-    thread-safe).
+    loads the rest in the background (``load_layers(start=m)``), in one forward with the new
+    tokens (:func:`split_forward`); ``m`` is what the rates measured so far (per tier the
+    prefix sits in) predict fastest, 0 (load all) while they are unmeasured. Every request's
+    timings feed the rates. Thread-safety: one request at a time per Generator (the store
+    itself is thread-safe).
     """
 
     def __init__(self, model: Model, store: kvstore.Store, *, layerwise: bool = True,
@@ -293,16 +310,18 @@ class Generator:
         tier = "disk" if r.get("disk", 0) > 0 else "dram"
         return self.rates.plan(tier, n, len(ids) - n, layers=self.model.config.num_layers)
 
-    def _forward(self, ids: list[int], past: Sequence[KV] | None, context: int,
+    def _forward(self, ids: list[int], past: Sequence[KV] | None,
                  on_layer=None) -> tuple[torch.Tensor, list[KV]]:
-        """One prefill forward over ``past`` (``context`` tokens); its compute time (less what
-        it waited for loaded layers) feeds the rates."""
+        """One prefill forward over ``past``. A forward from scratch (a prompt recomputed)
+        feeds the rates' prefill estimate: it is the compute the split trades against loading.
+        A short forward over a long past is not counted: on a busy CPU its time is mostly
+        per-operation overhead that the cost shape does not scale with (measured 18-45x the
+        shape's prediction under a load average of 8, against 5-10x for a 1000-token
+        prompt)."""
         t = time.perf_counter()
         logits, kv = self.model.forward(ids, past=past, last_only=True, on_layer=on_layer)
-        secs = time.perf_counter() - t
-        if self.rates is not None:
-            blocked = self._last_past.blocked_s if self._last_past is not None else 0.0
-            self.rates.observe_prefill(len(ids), secs - blocked, context=context)
+        if self.rates is not None and past is None:
+            self.rates.observe_prefill(len(ids), time.perf_counter() - t)
         return logits, kv
 
     def _prefill(self, ids: list[int], namespace: str | None, reuse: bool,
@@ -336,13 +355,13 @@ class Generator:
             if n_reused > 0:
                 n_lossy = self.store.lossy_tokens(ids[:n_stored], namespace=namespace)
             load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
-            if m and n_reused:  # the split: compute the front while the back loads
-                _, front = self._forward(ids[:m], None, 0)
-                past = SplitPast(front, past)
-            elif m:  # recompute all of the stored prefix, in the prompt's forward
-                n_stored = 0
             t1 = time.perf_counter()
-            logits, kv = self._forward(ids[n_stored:], past, n_stored, on_layer)
+            if m and n_reused:  # the split: compute the front while the back loads
+                logits, kv = split_forward(self.model, ids, m, past, on_layer=on_layer)
+            else:
+                if m:  # recompute all of the stored prefix, in the prompt's forward
+                    n_stored = 0
+                logits, kv = self._forward(ids[n_stored:], past, on_layer)
             if n_stored == 0:  # a pure prefill: this machine's recompute speed
                 self._measured_prefill(len(ids), time.perf_counter() - t1)
             if load is not None and self.rates is not None:

@@ -3,8 +3,9 @@ measured online (LMCache #914: a tier slower than recompute; "Compute or Load KV
 both?", Cake 2024).
 
 Of a stored prefix of ``n`` tokens, the runtime computes the first ``m`` from scratch while the
-store loads positions ``[m, n)`` in the background (``Store.load_layers(start=m)``); then the
-request's new tokens are prefilled over all ``n``, layer by layer behind the load. ``m = 0`` is
+store loads positions ``[m, n)`` in the background (``Store.load_layers(start=m)``), and the
+request's new tokens are prefilled over all ``n`` in the same forward, layer by layer behind
+the load (``engine.generate.split_forward``). ``m = 0`` is
 load-all, ``m = n`` recompute-all; :func:`split_point` picks the ``m`` that minimizes the
 predicted time to the first token, the same rule as the simulator's ``CostModel.split``
 (tests/engine/test_loadcompute.py checks the two agree), so the split is never predicted slower
@@ -17,7 +18,8 @@ The predictions come from :class:`LoadRates`:
 - **prefill**: ``scale * (per_token * new + per_pair * pairs + per_call)`` with ``pairs`` the
   (new token, context token) pairs of causal attention, as in the cost model. The shape
   (:class:`PrefillShape`) is SmolLM2 on 2 cores as fitted by bench/replay_calibration.py; the
-  ``scale`` is measured online (EWMA of measured / shape), so a slower or busier machine is
+  ``scale`` is measured online (EWMA of measured / shape) on forwards from scratch (prompts
+  recomputed: the compute the split trades against loading), so a slower or busier machine is
   followed without refitting.
 
 With either rate unmeasured, a stored prefix is loaded whole (the store's default).

@@ -150,3 +150,27 @@ def test_generator_recomputes_or_loads_all_when_the_rates_say_so(model, tmp_path
         assert b.reused_tokens == len(ids) - 1 and b.recomputed_tokens == 0
         assert b.tokens == first.tokens
         assert fast.load_s_per_token["dram"] != 1e-7  # it measured the load
+
+
+def test_split_forward_against_a_full_forward(model):
+    """The one-forward split (front computed, back given as past, new tokens over all) against
+    the full forward of the same ids: the same last logits and the same KV in position order."""
+    import torch
+
+    from engine.generate import split_forward
+
+    ids = model.tokenizer.encode("Compute the front, load the back, meet in the middle. " * 3)
+    n, m = len(ids) - 5, 9
+    full_logits, full_kv = model.forward(ids, last_only=True)
+    _, prefix_kv = model.forward(ids[:n])
+    back = [(k[:, m:n], v[:, m:n]) for k, v in prefix_kv]  # [H, n - m, D] per layer
+    seen = []
+    logits, kv = split_forward(model, ids, m, back, on_layer=lambda i, k, v: seen.append(k))
+    assert torch.allclose(logits, full_logits, atol=2e-3, rtol=0)
+    assert int(logits.argmax()) == int(full_logits.argmax())
+    for (k, v), (fk, fv), sk, (bk, _) in zip(kv, full_kv, seen, back, strict=True):
+        assert k.shape == fk.shape == (model.config.num_kv_heads, len(ids), model.config.head_dim)
+        assert torch.allclose(k.float(), fk.float(), atol=1e-2, rtol=0)
+        assert torch.allclose(v.float(), fv.float(), atol=1e-2, rtol=0)
+        assert torch.equal(sk, k)  # on_layer sees position order too
+        assert torch.equal(k[:, m:n], bk)  # the loaded back, unchanged, at [m, n)
