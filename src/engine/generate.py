@@ -308,7 +308,8 @@ class Generator:
         n = max(min(self.store.match(ids, namespace=namespace), len(ids) - 1), 0)
         r = self.store.residency(ids[:n], namespace=namespace) if n else {"disk": 0}
         tier = "disk" if r.get("disk", 0) > 0 else "dram"
-        return self.rates.plan(tier, n, len(ids) - n, layers=self.model.config.num_layers)
+        return self.rates.plan(tier, n, len(ids) - n, layers=self.model.config.num_layers,
+                               chunk_tokens=self.store.config.chunk_tokens)
 
     def _forward(self, ids: list[int], past: Sequence[KV] | None,
                  on_layer=None) -> tuple[torch.Tensor, list[KV]]:
@@ -365,8 +366,9 @@ class Generator:
             if n_stored == 0:  # a pure prefill: this machine's recompute speed
                 self._measured_prefill(len(ids), time.perf_counter() - t1)
             if load is not None and self.rates is not None:
-                self.rates.observe_load(plan.tier if plan is not None else "dram", n_reused,
-                                        self._load_time(load))
+                c = self.store.config.chunk_tokens  # the load read whole chunks from m's
+                self.rates.observe_load(plan.tier if plan is not None else "dram",
+                                        n_stored - m // c * c, self._load_time(load))
             return n_reused, load_s, logits, kv, n_lossy
         finally:
             if load is not None:

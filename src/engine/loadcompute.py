@@ -99,14 +99,16 @@ class Split:
 
 
 def split_time(m: int, reused: int, new: int, *, a: float, b: float, call: float,
-               beta: float, layers: int) -> float:
+               beta: float, layers: int, granule: int = 1) -> float:
     """Predicted seconds to the first token when the first ``m`` of ``reused`` stored tokens are
     computed (``a`` s/token, ``b`` s/pair; ``call`` per forward) while the other ``reused - m``
     load at ``beta`` s/token, then ``new`` tokens are prefilled over all of them, layer by layer
-    behind the load (the last layer's share of that prefill follows the load's end)."""
+    behind the load (the last layer's share of that prefill follows the load's end). The store
+    reads whole chunks of ``granule`` tokens (a layer's checksum covers the chunk's layer), so
+    the load reads from the chunk boundary at or before ``m``."""
     cn = a * new + b * (new * reused + new * (new + 1) / 2) + call
     front = a * m + b * m * (m + 1) / 2 + (call if m else 0.0)
-    load = beta * (reused - m)
+    load = beta * (reused - m // granule * granule) if m < reused else 0.0
     return max(front + cn, load + cn / layers)
 
 
@@ -121,16 +123,21 @@ def meeting_point(reused: int, *, a: float, b: float, beta: float,
 
 
 def split_point(reused: int, new: int, *, a: float, b: float, call: float, beta: float,
-                layers: int) -> tuple[int, float]:
+                layers: int, granule: int = 1) -> tuple[int, float]:
     """``(m, predicted seconds)`` minimizing :func:`split_time` over load-all (0),
-    recompute-all (``reused``) and the integers around the meeting point (the time is the max
-    of a rising and a falling function of ``m``: its minimum is where they cross, or an end)."""
+    recompute-all (``reused``) and the multiples of ``granule`` around the meeting point (the
+    time is the max of a rising and a falling function of ``m``: its minimum is where they
+    cross, or an end; with chunked loads, computing past a chunk boundary saves no load until
+    the next one, so the best ``m`` inside is a boundary)."""
+    if isinstance(granule, bool) or not isinstance(granule, int) or granule < 1:
+        raise ValueError(f"granule must be an int >= 1, got {granule!r}")
     cn = a * new + b * (new * reused + new * (new + 1) / 2) + call
     m_star = meeting_point(reused, a=a, b=b, beta=beta, budget_s=cn / layers - cn - call)
-    cands = sorted({0, reused, *(x for x in (math.floor(m_star), math.ceil(m_star))
-                                 if 0 <= x <= reused)})
-    cost = {m: split_time(m, reused, new, a=a, b=b, call=call, beta=beta, layers=layers)
-            for m in cands}
+    g = granule
+    around = (math.floor(m_star / g) * g, math.ceil(m_star / g) * g)
+    cands = sorted({0, reused, *(x for x in around if 0 <= x <= reused)})
+    cost = {m: split_time(m, reused, new, a=a, b=b, call=call, beta=beta, layers=layers,
+                          granule=g) for m in cands}
     best = min(cands, key=cost.__getitem__)
     return best, cost[best]
 
@@ -150,8 +157,8 @@ class LoadRates:
         return new if old is None else (1 - w) * old + w * new
 
     def observe_load(self, tier: str, tokens: int, seconds: float) -> None:
-        """A load of ``tokens`` stored tokens from ``tier`` took the loader ``seconds`` of its
-        own (``LayerLoad.load_s``)."""
+        """A load that read ``tokens`` stored tokens (whole chunks) from ``tier`` took the
+        loader ``seconds`` of its own (``LayerLoad.load_s``)."""
         if tokens > 0 and seconds >= 0:
             self.load_s_per_token[tier] = self._ewma(self.load_s_per_token.get(tier),
                                                      seconds / tokens)
@@ -169,16 +176,18 @@ class LoadRates:
             return None
         return self.prefill_scale * self.config.shape.seconds(new, context)
 
-    def plan(self, tier: str, reused: int, new: int, *, layers: int) -> Split:
+    def plan(self, tier: str, reused: int, new: int, *, layers: int,
+             chunk_tokens: int = 1) -> Split:
         """How to use a stored prefix of ``reused`` tokens read from ``tier`` (the slowest tier
-        it touches) before prefilling ``new`` tokens on a model of ``layers`` layers: load all
-        of it while either rate is unmeasured, else the fastest predicted split."""
+        it touches) before prefilling ``new`` tokens on a model of ``layers`` layers, from a
+        store that reads chunks of ``chunk_tokens``: load all of it while either rate is
+        unmeasured, else the fastest predicted split."""
         beta = self.load_s_per_token.get(tier)
         if reused <= 0 or beta is None or self.prefill_scale is None:
             return Split(tier=tier, computed=0, loaded=max(reused, 0))
         s, shp = self.prefill_scale, self.config.shape
         kw = {"a": s * shp.per_token, "b": s * shp.per_pair, "call": s * shp.per_call,
-              "beta": beta, "layers": layers}
+              "beta": beta, "layers": layers, "granule": chunk_tokens}
         m, t = split_point(reused, new, **kw)
         return Split(tier=tier, computed=m, loaded=reused - m, predicted_s=t,
                      load_all_s=split_time(0, reused, new, **kw),

@@ -52,12 +52,19 @@ def test_split_point_equals_the_cost_models(reused, new, a, b, beta, layers):
 
 @pytest.mark.parametrize(("reused", "new", "a", "b", "beta", "layers"), CASES)
 @pytest.mark.parametrize("call", [0.0, 5e-3, 0.5])
-def test_split_point_is_the_brute_force_minimum(reused, new, a, b, beta, layers, call):
-    kw = {"a": a, "b": b, "call": call, "beta": beta, "layers": layers}
+@pytest.mark.parametrize("granule", [1, 2, 64, 256])
+def test_split_point_is_the_brute_force_minimum(reused, new, a, b, beta, layers, call,
+                                                granule):
+    kw = {"a": a, "b": b, "call": call, "beta": beta, "layers": layers, "granule": granule}
     m, t = split_point(reused, new, **kw)
     best = min(split_time(x, reused, new, **kw) for x in range(reused + 1))
     assert t == pytest.approx(best, rel=1e-12)
     assert t <= min(split_time(0, reused, new, **kw), split_time(reused, reused, new, **kw))
+    # the ends, by hand: recompute all loads nothing; load all computes only the new tokens
+    cn = a * new + b * (new * reused + new * (new + 1) / 2) + call
+    front = a * reused + b * reused * (reused + 1) / 2 + call
+    assert split_time(reused, reused, new, **kw) == pytest.approx(front + cn)
+    assert split_time(0, reused, new, **kw) == pytest.approx(max(cn, beta * reused + cn / layers))
 
 
 def test_meeting_point_by_hand():
@@ -84,6 +91,9 @@ def test_rates_plan():
                           math.ceil((0.9 - 0.998 * 2e-3) / 3e-3))
     assert p.loaded == 900 - p.computed
     assert p.predicted_s < min(p.load_all_s, p.compute_all_s)
+    # chunks of 256: 900 tokens split at the meeting point ~300 -> the boundary 256 or 512
+    p = r.plan("disk", 900, 1, layers=1000, chunk_tokens=256)
+    assert p.computed in (256, 512)
     r.observe_load("disk", 1000, 0.0)  # EWMA: 0.5 ms/token
     assert r.load_s_per_token["disk"] == pytest.approx(5e-4)
     assert r.plan("dram", 900, 1, layers=30).computed == 0  # dram unmeasured: load all
@@ -93,6 +103,8 @@ def test_rates_plan():
         PrefillShape(per_pair=-1.0)
     with pytest.raises(ValueError, match="min_prefill_tokens"):
         LoadRatesConfig(min_prefill_tokens=0)
+    with pytest.raises(ValueError, match="granule"):
+        split_point(10, 1, a=1.0, b=0.0, call=0.0, beta=1.0, layers=1, granule=0)
 
 
 def _rates(model, beta: float, tier: str) -> LoadRates:
@@ -119,8 +131,9 @@ def test_split_prefix_gives_the_tokens_of_a_full_recompute(model, tmp_path, tier
         n = store.match(ids)
         assert n == len(ids) - 9  # the first turn's prompt
         rates = _rates(model, 2e-3, tier)  # load slower than compute: most of it computed
-        split = rates.plan(tier, n, len(ids) - n, layers=model.config.num_layers)
-        assert 0 < split.computed < n and split.computed % 48  # inside a chunk
+        split = rates.plan(tier, n, len(ids) - n, layers=model.config.num_layers,
+                           chunk_tokens=48)
+        assert 0 < split.computed < n and split.computed % 48 == 0  # a chunk boundary
         r = Generator(model, store, rates=rates).generate(ids, max_new_tokens=6, store=False)
         assert (r.recomputed_tokens, r.reused_tokens) == (split.computed, split.loaded)
         assert r.prefilled_tokens == len(ids) - split.loaded
