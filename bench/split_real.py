@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="bandwidths making load-all K times recompute's TTFT (comma list)")
     p.add_argument("--rates", default=None,
                    help="disk read bandwidths in bytes/s instead (comma list)")
+    p.add_argument("--chunk-tokens", type=int, default=256,
+                   help="the store's chunk size (the split falls on chunk boundaries)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dir", default=None, help="parent dir of the temporary store")
@@ -70,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, object] = {
         "command": "python bench/split_real.py " + " ".join(argv or []),
         "machine": machine_info(), "history_tokens": args.history, "new_tokens": args.new,
+        "chunk_tokens": args.chunk_tokens,
         "kv_bytes_per_token": model.layout.token_bytes, "rates": {},
     }
     tmp = tempfile.mkdtemp(prefix="split-real-", dir=args.dir)
     try:
         with kvstore.open(os.path.join(tmp, "store"), layout=model.layout, dram_bytes=0,
-                          disk_bytes=1 << 30) as store:
+                          disk_bytes=1 << 30, chunk_tokens=args.chunk_tokens) as store:
             _, kv = model.forward(hist)  # the stored history, as turn 1 left it
             store.put(hist, *stack_kv(kv))
             del kv
