@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import kvstore
-from engine.loadcompute import LoadRates
-from engine.model import KV, Model, split_kv, stack_kv
+from engine.loadcompute import LoadRates, Split
+from engine.model import KV, Model, full_attention, split_kv, stack_kv
 from kvstore.layerwise import LayerLoad
 from kvstore.truncation import Truncation
 
@@ -54,6 +54,10 @@ class GenerationResult:
     # reused tokens served from chunks stored through a lossy codec: when > 0 the result is not
     # bit-identical to a recompute (see docs/store.md, "Codecs")
     lossy_reused_tokens: int = 0
+    # stored-prefix tokens computed instead of loaded (load or compute, engine.loadcompute):
+    # the front of a split (then reused_tokens were loaded behind it), or all of a stored
+    # prefix recomputed by choice
+    recomputed_tokens: int = 0
 
     @property
     def lossy(self) -> bool:
@@ -111,6 +115,41 @@ class LayerwisePast(Sequence[KV]):
         return kv
 
 
+def split_forward(model: Model, ids: list[int], m: int, back: Sequence[KV], *,
+                  on_layer=None) -> tuple[torch.Tensor, list[KV]]:
+    """One forward for a prefix split at ``m`` (Cake): the front ``ids[:m]`` is computed from
+    scratch and the new tokens ``ids[n:]`` over everything, while ``back`` (per layer the KV of
+    positions [m, n), pre-RoPE, e.g. a :class:`LayerwisePast` still loading) is attended to
+    from the new tokens only. One forward, so layer l computes while the back's later layers
+    load, and no second pass pays the per-operation overheads again.
+
+    The computed tokens run in position order (front, then new) after the back: the mask lets
+    the front see only itself (causally) and the new tokens everything before them. Returns
+    (logits [1, vocab] of the last token, KV per layer [H, len(ids), D] in position order);
+    ``on_layer`` sees each layer's KV in position order too."""
+    P = int(back[0][0].shape[1])  # n - m tokens loaded
+    n = m + P
+    N = len(ids)
+    T = m + N - n  # computed: front + new
+    positions = torch.cat([torch.arange(m), torch.arange(n, N)])  # [T]
+    mask = torch.zeros(T, P + T, dtype=torch.bool)  # [T, P+T] True = attend
+    mask[:, P:] = torch.ones(T, T, dtype=torch.bool).tril()  # causal among front + new
+    mask[m:, :P] = True  # the new tokens see the loaded back
+    # [back, front, new] -> [front, back, new]
+    order = torch.cat([torch.arange(P, P + m), torch.arange(P), torch.arange(P + m, P + T)])
+
+    def attend(i, q, k, v, _mask, _causal):  # q [H, T, D], k/v [Hkv, P+T, D]
+        return full_attention(i, q, k, v, mask, False)
+
+    def ordered(i, k, v):  # k/v [Hkv, P+T, D] -> position order
+        on_layer(i, k.index_select(1, order), v.index_select(1, order))
+
+    logits, kv = model.forward(ids[:m] + ids[n:], positions, past=back,
+                               past_positions=torch.arange(m, n), last_only=True,
+                               on_layer=None if on_layer is None else ordered, attend=attend)
+    return logits, [(k.index_select(1, order), v.index_select(1, order)) for k, v in kv]
+
+
 class Generator:
     """Runs requests for ``model`` with KV reuse through ``store``.
 
@@ -120,10 +159,13 @@ class Generator:
     as the prefill produces it, decode KV follows in one batch, and a writer thread makes it
     durable (``GenerationResult.saved``; :meth:`flush` waits for all); a later request that
     shares the pending context's prefix waits for that save first. With ``rates``
-    (:class:`engine.loadcompute.LoadRates`) each request decides load or compute: a stored
-    prefix is recomputed instead when the rates measured so far (per tier it sits in) say
-    loading it is slower, and every request's timings feed the rates. Thread-safety: one
-    request at a time per Generator (the store itself is thread-safe).
+    (:class:`engine.loadcompute.LoadRates`) each request splits its stored prefix between
+    compute and load (Cake): the first ``m`` tokens are computed from scratch while the store
+    loads the rest in the background (``load_layers(start=m)``), in one forward with the new
+    tokens (:func:`split_forward`); ``m`` is what the rates measured so far (per tier the
+    prefix sits in) predict fastest, 0 (load all) while they are unmeasured. Every request's
+    timings feed the rates. Thread-safety: one request at a time per Generator (the store
+    itself is thread-safe).
     """
 
     def __init__(self, model: Model, store: kvstore.Store, *, layerwise: bool = True,
@@ -233,15 +275,13 @@ class Generator:
         if store and self.async_save:  # before loading: it may wait for write-buffer room
             save = self.store.begin_save(ids, namespace=namespace,
                                          max_new_tokens=max_new_tokens - 1)
-        tier = None
+        plan = None
         if reuse and self.rates is not None:
-            tier, reuse = self._load_or_compute(ids, namespace)
+            plan = self._plan(ids, namespace)
         try:
             try:
                 n_reused, load_s, logits, kv, n_lossy = self._prefill(ids, namespace, reuse,
-                                                                      save, t0)
-                if self.rates is not None:
-                    self._observe(tier, len(ids), n_reused, t0)
+                                                                      save, t0, plan)
             except KeyError:
                 # The stored prefix left the store after it was matched (another process
                 # evicted it while it loaded): a miss. Recompute it; the save starts over, as
@@ -250,66 +290,95 @@ class Generator:
                     save.abort()
                     save = self.store.begin_save(ids, namespace=namespace,
                                                  max_new_tokens=max_new_tokens - 1)
+                plan = None
                 n_reused, load_s, logits, kv, n_lossy = self._prefill(ids, namespace, False,
-                                                                      save, t0)
+                                                                      save, t0, None)
             res = self._decode(ids, logits, kv, save, cfg, gen, t0, n_reused, load_s,
                                max_new_tokens, namespace, store, forced)
-            return replace(res, lossy_reused_tokens=n_lossy)
+            return replace(res, lossy_reused_tokens=n_lossy,
+                           recomputed_tokens=0 if plan is None else plan.computed)
         except BaseException:
             if save is not None:
                 save.abort()  # no-op once finished
             raise
 
-    def _load_or_compute(self, ids: list[int], namespace: str | None) -> tuple[str, bool]:
-        """The tier the stored prefix of ``ids`` is read from (the slowest it touches), and
-        whether to load it (else recompute it)."""
-        r = self.store.residency(ids[:-1], namespace=namespace)
+    def _plan(self, ids: list[int], namespace: str | None) -> Split:
+        """How this request uses its stored prefix: the tier it is read from (the slowest it
+        touches) and the split the rates predict fastest."""
+        n = max(min(self.store.match(ids, namespace=namespace), len(ids) - 1), 0)
+        r = self.store.residency(ids[:n], namespace=namespace) if n else {"disk": 0}
         tier = "disk" if r.get("disk", 0) > 0 else "dram"
-        return tier, self.rates.should_load(tier, int(r["dram"]) + int(r["disk"]))
+        return self.rates.plan(tier, n, len(ids) - n, layers=self.model.config.num_layers,
+                               chunk_tokens=self.store.config.chunk_tokens)
 
-    def _observe(self, tier: str | None, tokens: int, n_reused: int, t0: float) -> None:
-        """Feed the rates: the load's exposed time (what the forward waited for it) when a
-        prefix was loaded, else the prefill. Loading wins while waiting for a token's KV costs
-        less than computing it."""
-        past = self._last_past
-        if n_reused > 0 and tier is not None and past is not None:
-            self.rates.observe_load(tier, n_reused, past.blocked_s)
-        elif n_reused == 0:
-            self.rates.observe_prefill(tokens, time.perf_counter() - t0)
+    def _forward(self, ids: list[int], past: Sequence[KV] | None,
+                 on_layer=None) -> tuple[torch.Tensor, list[KV]]:
+        """One prefill forward over ``past``. A forward from scratch (a prompt recomputed)
+        feeds the rates' prefill estimate: it is the compute the split trades against loading.
+        A short forward over a long past is not counted: on a busy CPU its time is mostly
+        per-operation overhead that the cost shape does not scale with (measured 18-45x the
+        shape's prediction under a load average of 8, against 5-10x for a 1000-token
+        prompt)."""
+        t = time.perf_counter()
+        logits, kv = self.model.forward(ids, past=past, last_only=True, on_layer=on_layer)
+        if self.rates is not None and past is None:
+            self.rates.observe_prefill(len(ids), time.perf_counter() - t)
+        return logits, kv
 
     def _prefill(self, ids: list[int], namespace: str | None, reuse: bool,
-                 save: kvstore.SaveHandle | None, t0: float
+                 save: kvstore.SaveHandle | None, t0: float, plan: Split | None = None
                  ) -> tuple[int, float, torch.Tensor, list[KV], int]:
-        """The prompt's forward pass over its stored prefix (if ``reuse``): (tokens reused,
-        seconds before compute started, logits, KV per layer, reused tokens a lossy codec
-        served). KeyError if the stored prefix leaves the store before it is loaded."""
+        """The prompt's forward pass over its stored prefix (if ``reuse``; split between
+        compute and load as ``plan`` says): (tokens loaded, seconds before compute started,
+        logits, KV per layer, loaded tokens a lossy codec served). KeyError if the stored
+        prefix leaves the store before it is loaded."""
         load = None
         self._last_past = None
         n_lossy = 0
+        on_layer = None if save is None else save.layer
         try:
             if not reuse:
-                n_reused, past = 0, None
+                n_stored, m, past = 0, 0, None
             elif self.layerwise:
-                n_reused = min(self.store.match(ids, namespace=namespace), len(ids) - 1)
+                n_stored = min(self.store.match(ids, namespace=namespace), len(ids) - 1)
+                m = 0 if plan is None or n_stored != plan.reused else plan.computed
                 past = None
-                if n_reused > 0:
-                    load = self.store.load_layers(ids[:n_reused], namespace=namespace,
-                                                  buffer_layers=self.buffer_layers)
+                if 0 < n_stored and m < n_stored:
+                    load = self.store.load_layers(
+                        ids[:n_stored], namespace=namespace, start=m,
+                        buffer_layers=None if m else self.buffer_layers)
                     past = self._last_past = LayerwisePast(load)
+                else:
+                    m = n_stored  # all of it recomputed (by choice), or nothing stored
             else:
-                n_reused, past = self.load_prefix(ids, namespace=namespace)
+                (n_stored, past), m = self.load_prefix(ids, namespace=namespace), 0
+            n_reused = n_stored - m
             if n_reused > 0:
-                n_lossy = self.store.lossy_tokens(ids[:n_reused], namespace=namespace)
+                n_lossy = self.store.lossy_tokens(ids[:n_stored], namespace=namespace)
             load_s = time.perf_counter() - t0  # time before compute starts (layer-wise: ~0)
             t1 = time.perf_counter()
-            logits, kv = self.model.forward(ids[n_reused:], past=past, last_only=True,
-                                            on_layer=None if save is None else save.layer)
-            if n_reused == 0:  # a pure prefill: this machine's recompute speed
+            if m and n_reused:  # the split: compute the front while the back loads
+                logits, kv = split_forward(self.model, ids, m, past, on_layer=on_layer)
+            else:
+                if m:  # recompute all of the stored prefix, in the prompt's forward
+                    n_stored = 0
+                logits, kv = self._forward(ids[n_stored:], past, on_layer)
+            if n_stored == 0:  # a pure prefill: this machine's recompute speed
                 self._measured_prefill(len(ids), time.perf_counter() - t1)
+            if load is not None and self.rates is not None:
+                c = self.store.config.chunk_tokens  # the load read whole chunks from m's
+                self.rates.observe_load(plan.tier if plan is not None else "dram",
+                                        n_stored - m // c * c, self._load_time(load))
             return n_reused, load_s, logits, kv, n_lossy
         finally:
             if load is not None:
                 load.close()  # the execution buffer goes back before decoding
+
+    @staticmethod
+    def _load_time(load: LayerLoad) -> float:
+        """The loader's own time for the whole load (all layers were waited for)."""
+        load.wait(load.num_layers - 1)
+        return load.load_s
 
     def _decode(self, ids: list[int], logits: torch.Tensor, kv: list[KV],
                 save: kvstore.SaveHandle | None, cfg: SamplingConfig,

@@ -12,6 +12,7 @@ itself (``CorruptData``), never as a hang or wrong data.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -65,6 +66,13 @@ class LayerLoad:
     def done(self) -> bool:
         return self._loader.done()
 
+    @property
+    def load_s(self) -> float:
+        """Seconds the loader thread has spent loading layers so far (reads, checks and copies;
+        not its waits for the read-buffer bound): once :meth:`done`, the time this load took
+        on its own, which is what a load-or-compute estimate needs."""
+        return self._loader.busy_s
+
     def close(self) -> None:
         """Stop loading (pending layers are abandoned), wait for the loader thread, and give
         the execution buffer back. Idempotent."""
@@ -107,6 +115,7 @@ class _Loader:
         self._cancelled = False
         self._error: BaseException | None = None
         self._n_loaded = 0  # layers 0.._n_loaded-1 are complete
+        self.busy_s = 0.0  # written by the loader thread only
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -135,7 +144,9 @@ class _Loader:
                     self._loader_waiting = False
                     if self._cancelled:
                         return
+                t = time.perf_counter()
                 self._copied[layer] = self._load_layer(layer)
+                self.busy_s += time.perf_counter() - t
                 self._n_loaded = layer + 1
                 self._ready[layer].set()
         except BaseException as e:  # handed to the waiting compute thread in wait()

@@ -376,14 +376,18 @@ class Loads:
             return list(self._loads)
 
     def start(self, toks: np.ndarray, namespace: str | None, *, buffer_layers: int | None,
-              out: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> LayerLoad:
+              out: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device,
+              start: int = 0) -> LayerLoad:
+        """Load positions [start, len(toks)) of the stored ``toks`` (``start`` checked by the
+        caller): only the chunks covering them are pinned and read."""
         core = self.core
-        n_tok = len(toks)
+        n_tok = len(toks) - start
         with core.mutex:
             core.check_open()
             if core.closing:
                 raise StoreClosed(f"store {core.path!r} is closing")
-            pieces = resolve_all(core, toks, namespace)
+            all_pieces = resolve_all(core, toks, namespace)
+            pieces = covering(all_pieces, start)
             hbm = self.hbm(device) if out is None else None
             for p in pieces:
                 core.slots.pin(p.rec.slot)
@@ -393,10 +397,10 @@ class Loads:
                 else:
                     core.counters.disk_hits += 1
             if not core.readonly:
-                core.mirror.touch(pieces[-1].rec.key)
+                core.mirror.touch(all_pieces[-1].rec.key)
             core.counters.gets += 1
             core.counters.served_tokens += n_tok
-            count_lossy(core, pieces)
+            count_lossy(core, [Piece(p.rec, p.dst, p.count) for p in pieces])
         slots = [p.rec.slot for p in pieces]
 
         def unpin() -> None:
@@ -446,13 +450,14 @@ class Loads:
             load.close()
             raise
 
-    def _load_layer(self, pieces: list[Piece], kr: np.ndarray, vr: np.ndarray,
+    def _load_layer(self, pieces: list[Part], kr: np.ndarray, vr: np.ndarray,
                     layer: int) -> None:
         """Fill layer ``layer`` of the raw outputs kr/vr [L, H, T, D] (loader thread)."""
         core = self.core
         lay = core.layout
         for p in pieces:
-            rec, n, a, b = p.rec, p.rec.n_tokens, p.start, p.start + p.use
+            rec, n, a, b = p.rec, p.rec.n_tokens, p.dst, p.dst + p.count
+            s, e_ = p.src, p.src + p.count  # the tokens of the chunk it serves
             with core.mutex:
                 core.check_open()
                 e = core.dram.peek(rec.key, rec.gen)
@@ -461,17 +466,18 @@ class Loads:
                     ext = extent.view(lay, core.dram.buffer(e), n)  # [L, 2, H, n, D]
                     # numpy, not torch: torch's copy would run on the intra-op thread pool
                     # that the compute thread's matmuls use (measured 2x slower prefill)
-                    np.copyto(kr[layer, :, a:b], ext[layer, 0, :, : p.use])  # [H, use, D]
-                    np.copyto(vr[layer, :, a:b], ext[layer, 1, :, : p.use])
+                    np.copyto(kr[layer, :, a:b], ext[layer, 0, :, s:e_])  # [H, count, D]
+                    np.copyto(vr[layer, :, a:b], ext[layer, 1, :, s:e_])
                 finally:
                     with core.mutex:
                         core.dram.unpin(e)
                 continue
             lbytes = n * lay.layer_token_bytes
             off, nbytes = rec.layer_span(layer, lbytes)
-            if p.use == n and rec.codec == 0:  # straight into the output: K of each head, then V
+            whole = p.src == 0 and p.count == n and rec.codec == 0
+            if whole:  # straight into the output: K of each head, then V
                 bufs = extent.pieces(kr, vr, a, n, range(layer, layer + 1))
-            else:
+            else:  # the whole layer of the chunk (its checksum covers all of it), then a part
                 bufs = [np.empty(nbytes, dtype=np.uint8)]
             try:
                 if rec.codec != 0:
@@ -486,7 +492,30 @@ class Loads:
                                    f"during this layer-wise load: a miss") from None
                 quarantine(core, rec, err, self._files)
                 raise
-            if p.use != n or rec.codec != 0:
+            if not whole:
                 part = bufs[0].view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
-                np.copyto(kr[layer, :, a:b], part[0, :, : p.use])
-                np.copyto(vr[layer, :, a:b], part[1, :, : p.use])
+                np.copyto(kr[layer, :, a:b], part[0, :, s:e_])
+                np.copyto(vr[layer, :, a:b], part[1, :, s:e_])
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Tokens [src, src + count) of chunk ``rec`` placed at offset ``dst`` of a load's output."""
+
+    rec: ChunkRecord
+    dst: int
+    src: int
+    count: int
+
+
+def covering(pieces: list[Piece], start: int) -> list[Part]:
+    """The parts of ``pieces`` (serving tokens 0..n of a request) that serve [start, n), placed
+    at offsets from ``start``: chunks wholly before ``start`` are left out, and the chunk that
+    ``start`` falls inside contributes its tokens from there on."""
+    parts = []
+    for p in pieces:
+        if p.start + p.use <= start:
+            continue
+        src = max(start - p.start, 0)
+        parts.append(Part(p.rec, p.start + src - start, src, p.use - src))
+    return parts

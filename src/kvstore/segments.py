@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvstore.confined import Dir
 from kvstore.errors import CapacityError, CorruptData
+from kvstore.throttle import TokenBucket
 
 PAGE = 4096
 SEGMENTS = "segments"
@@ -103,6 +104,7 @@ class SegmentFiles:
         self._ready: set[int] = set()  # segments known to exist at full size, durably
         self._fd_lock = threading.Lock()  # IO workers may open a segment concurrently
         self._prepare_lock = threading.Lock()  # puts of several threads may need one segment
+        self.throttle: TokenBucket | None = None  # a slow disk for tests and benchmarks
         self.dir: Dir | None = None
         try:
             self.dir = root.sub(SEGMENTS, create=not readonly)
@@ -240,7 +242,11 @@ class SegmentFiles:
         seg, base = self.geo.locate(slot)
         fd = self._fd(seg)
         total = sum(len(v) for v in _views(buffers))
+        throttle = self.throttle
+        due = None if throttle is None else throttle.reserve(total)
         n = _vector_io(os.preadv, fd, buffers, base + offset)
+        if due is not None:
+            throttle.wait(due)
         if n != total:
             raise CorruptData(
                 f"segment file {self.path(seg)!r} is truncated: slot {slot} needs {total} bytes "

@@ -35,6 +35,7 @@ from kvstore.remote.tier import RemoteTier
 from kvstore.rows import RowReader
 from kvstore.saving import SaveHandle, Saver
 from kvstore.schedule import as_jobs
+from kvstore.throttle import ReadThrottle, TokenBucket
 from kvstore.tree import served
 from kvstore.write import Writer
 
@@ -336,7 +337,7 @@ class Store:
     def load_layers(self, tokens: object, *, namespace: str | None = None,
                     buffer_layers: int | None = None,
                     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    device: str | torch.device | None = None) -> LayerLoad:
+                    device: str | torch.device | None = None, start: int = 0) -> LayerLoad:
         """Start loading the KV of ``tokens`` layer by layer; returns a :class:`LayerLoad`.
 
         A loader thread fills layer 0, 1, ... of (keys, values) [L, H, T, D] (pre-RoPE) in an
@@ -350,11 +351,23 @@ class Store:
         KeyError: a miss). :meth:`LayerLoad.close` gives the execution buffer back. Raises
         KeyError if not every token is stored, CapacityError if the execution buffer does not
         fit ``hbm_bytes``. Thread-safe.
+
+        ``start``: load only positions [start, len(tokens)) of the stored ``tokens`` (T =
+        len(tokens) - start; the back of a prefix whose front is recomputed, the Cake-style
+        split). Only the chunks covering them are read, each layer verified against its
+        checksum as always; the keys stay pre-RoPE (their true positions are start.. on use).
+        Tokens served by the remote tier are fetched whole first, then sliced.
         """
         toks = as_tokens(tokens)
+        if isinstance(start, bool) or not isinstance(start, int | np.integer):
+            raise TypeError(f"start must be an int, got {type(start).__name__}")
+        if not 0 <= start < len(toks):
+            raise ValueError(f"start must be in [0, {len(toks)}) for {len(toks)} tokens, "
+                             f"got {start}")
+        start = int(start)
         dev = self._device(device) if device is not None else torch.device("cpu")
         if out is not None:
-            out = self._check_out(out, len(toks))
+            out = self._check_out(out, len(toks) - start)
             k_out, v_out = out
             if k_out.device.type != "cpu" or not (k_out.is_contiguous()
                                                   and v_out.is_contiguous()):
@@ -362,30 +375,27 @@ class Store:
             if device is not None and dev != k_out.device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
         if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
+            if start:
+                return self._remote_tail(toks, namespace, start, buffer_layers, out, dev)
             return self._remote_load(toks, namespace, buffer_layers, out, dev)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
-                                 device=dev)
+                                 device=dev, start=start)
 
-    def _remote_load(self, toks: np.ndarray, namespace: str | None, buffer_layers: int | None,
-                     out: tuple[torch.Tensor, torch.Tensor] | None,
+    def _remote_tail(self, toks: np.ndarray, namespace: str | None, start: int,
+                     buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
                      dev: torch.device) -> LayerLoad:
-        """A layer-wise load whose tokens extend past the local tiers into the remote one."""
-        core = self._core
+        """``load_layers(start=)`` of tokens that extend into the remote tier: all of them
+        fetched at once, then the [start, n) part handed out as an already loaded load."""
+        k, v = self._remote.get(toks, namespace, None, None)  # [L, H, n, D] each
+        k, v = k[:, :, start:], v[:, :, start:]  # [L, H, n - start, D]
         if out is not None:
-            return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
-                                            kv=out, on_close=None)
-        if dev.type != "cpu":  # through host memory, then to the device at once
-            k, v = self._remote.get(toks, namespace, None, None)
-            k, v = k.to(dev), v.to(dev)
-            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
-                             on_done=lambda: None).start()
-        hbm = self._loads.hbm(dev)
-        nbytes = core.extent_bytes(len(toks))
-        buf = hbm.acquire(nbytes)
-        kv = buf.view(self.layout.torch_dtype).view(2, *self.layout.kv_shape(len(toks)))
-        return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
-                                        kv=(kv[0], kv[1]), on_close=lambda: hbm.release(buf),
-                                        on_abandon=lambda: hbm.forget(nbytes))
+            out[0].copy_(k)
+            out[1].copy_(v)
+            k, v = out
+        else:
+            k, v = k.to(dev).contiguous(), v.to(dev).contiguous()
+        return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
+                         on_done=lambda: None).start()
 
     def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:
         """A :class:`~kvstore.rows.RowReader` over the stored context of ``tokens``: reads the
@@ -647,6 +657,17 @@ class Store:
             return extent.stored_checksums(rec, extent_bytes,
                                            rec.n_tokens * self.layout.layer_token_bytes)
         return extent.checksums(extent_bytes, self.layout.num_layers)
+
+    def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
+        """Make this process's disk tier slow, for tests and benchmarks: every segment read
+        from now on is held to ``throttle.bytes_per_s`` (:mod:`kvstore.throttle`; the bytes
+        are still read from the file and verified). None removes the limit. Not persisted.
+        Thread-safe (reads in flight keep the bucket they started with)."""
+        if throttle is not None and not isinstance(throttle, ReadThrottle):
+            raise TypeError(f"throttle must be a kvstore.ReadThrottle or None, "
+                            f"got {type(throttle).__name__}")
+        self._core.check_open()
+        self._core.segments.throttle = None if throttle is None else TokenBucket(throttle)
 
     def drop_caches(self) -> None:
         """Empty this process's DRAM tier and the OS page cache of the segment files (for

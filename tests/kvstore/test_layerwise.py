@@ -164,3 +164,71 @@ def test_load_layers_bad_input(store):
         store.load_layers([1, 2, 3], buffer_layers=-1)
     with store.load_layers([1, 2, 3]) as load, pytest.raises(ValueError, match="layer must be"):
         load.wait(LAYOUT.num_layers)
+
+
+# ---- load_layers(start=): the back of a stored prefix (the Cake-style split) -------------------
+@pytest.mark.parametrize("source", ["dram", "disk", "disk-zstd"])
+@pytest.mark.parametrize("start", [0, 1, 3, 4, 6, 8, 10])  # chunk boundaries (4, 8) and inside
+def test_load_from_start_equals_get_sliced(tmp_path, source, start):
+    codecs = {"disk": "zstd"} if source == "disk-zstd" else None
+    with kvstore.open(tmp_path / "st", layout=LAYOUT, chunk_tokens=4, dram_bytes=1 << 20,
+                      disk_bytes=1 << 20, codecs=codecs) as s:
+        toks = list(range(30, 41))  # 2 full chunks + a partial one
+        put_causal(s, toks + [7, 7, 7])  # the last chunk is used partially
+        k, v = s.get(toks)  # the oracle: [L, H, 11, D]
+        if source != "dram":
+            s.drop_caches()
+        before = s.stats()["hits"]
+        with s.load_layers(toks, start=start, buffer_layers=1) as load:
+            for layer in range(LAYOUT.num_layers):
+                lk, lv = load.wait(layer)  # [H, 11 - start, D]
+                assert torch.equal(lk, k[layer, :, start:])
+                assert torch.equal(lv, v[layer, :, start:])
+        after = s.stats()["hits"]
+        # only the chunks covering [start, 11) were read
+        covering = 3 - start // 4
+        tier = "dram" if source == "dram" else "disk"
+        assert after[tier] - before[tier] == covering
+
+
+def test_load_from_start_into_out(store):
+    toks = list(range(10))
+    put_causal(store, toks)
+    k, v = causal_kv(LAYOUT, toks)
+    shape = (LAYOUT.num_layers, LAYOUT.num_kv_heads, 5, LAYOUT.head_dim)
+    out = (torch.empty(shape, dtype=torch.float16), torch.empty(shape, dtype=torch.float16))
+    with store.load_layers(toks, start=5, out=out) as load:
+        load.wait(LAYOUT.num_layers - 1)
+    assert torch.equal(out[0], k[:, :, 5:]) and torch.equal(out[1], v[:, :, 5:])
+    bad = (torch.empty(LAYOUT.kv_shape(10), dtype=torch.float16),) * 2
+    with pytest.raises(ValueError, match="out|shape"):
+        store.load_layers(toks, start=5, out=bad)  # out must hold the 5 loaded tokens
+
+
+def test_load_from_start_checks_the_slice_checksum(store, tmp_path):
+    """A corrupt layer of a chunk that is used only in part still fails its checksum."""
+    toks = list(range(12))
+    put_causal(store, toks)
+    rec = next(r for r in store.chunk_records() if r.tokens[0] == 4)  # tokens 4..7
+    store.drop_caches()
+    at = rec.slot * 4096 + 2 * rec.n_tokens * LAYOUT.layer_token_bytes + 5  # inside layer 2
+    with open(tmp_path / "st" / "segments" / "seg-000000.kv", "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+    k, _ = causal_kv(LAYOUT, toks)
+    with store.load_layers(toks, start=6) as load:
+        assert torch.equal(load.wait(1)[0], k[1, :, 6:])
+        with pytest.raises(kvstore.CorruptData, match="at layer 2"):
+            load.wait(2)
+    assert store.stats()["corrupt"]["chunks"] == 1
+
+
+@pytest.mark.parametrize("start", [-1, 10, 11, 2.0, True, "3"])
+def test_load_from_start_rejects_bad_start(store, start):
+    toks = list(range(10))
+    put_causal(store, toks)
+    err = TypeError if not isinstance(start, int) or isinstance(start, bool) else ValueError
+    with pytest.raises(err, match="start"):
+        store.load_layers(toks, start=start)

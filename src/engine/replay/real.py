@@ -48,9 +48,9 @@ class RealExecutor:
         self.store = store
         self.truncation = truncation
         self.window = window
-        # load=split: each request loads or recomputes its stored prefix, whichever the rates
-        # measured so far say is faster (engine.loadcompute; the real runtime decides per
-        # prefix, the simulator splits one).
+        # load=split: each request splits its stored prefix between compute (the front) and
+        # load (the back) as the rates measured so far predict fastest (engine.loadcompute,
+        # the same rule as the simulator's CostModel.split): all load, all compute, or both.
         self.rates = LoadRates() if method.load == "split" else None
         self.gen = Generator(model, store, rates=self.rates) if store is not None else None
         self._convs: dict[int, _ConvState] = {} if convs is None else convs
@@ -126,12 +126,13 @@ class RealExecutor:
             where = {"dram": 0, "disk": 0}
         # Tokens whose KV came from the store (after a truncation: the kept ones it served).
         job.reused = r.reused_tokens if from_store is None else min(r.reused_tokens, from_store)
+        # Stored tokens computed instead of loaded: the front of a split, or all by choice.
+        job.recomputed = r.recomputed_tokens if from_store is None else 0
         job.token = r.first_token
         if job.turn == 0:
             job.hit = "none"
-        elif job.reused == 0 and from_store is None and where["dram"] + where["disk"] > 0:
+        elif job.reused == 0 and job.recomputed > 0:
             job.hit = "disk" if where["disk"] > 0 else "dram"  # stored, recomputed by choice
-            job.recomputed = where["dram"] + where["disk"]
         elif job.reused == 0:
             job.hit = "miss"
         elif self._has_remote and job.reused > where["dram"] + where["disk"]:
