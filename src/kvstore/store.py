@@ -381,6 +381,27 @@ class Store:
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
                                  device=dev, start=start)
 
+    def _remote_load(self, toks: np.ndarray, namespace: str | None, buffer_layers: int | None,
+                     out: tuple[torch.Tensor, torch.Tensor] | None,
+                     dev: torch.device) -> LayerLoad:
+        """A layer-wise load whose tokens extend past the local tiers into the remote one."""
+        core = self._core
+        if out is not None:
+            return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
+                                            kv=out, on_close=None)
+        if dev.type != "cpu":  # through host memory, then to the device at once
+            k, v = self._remote.get(toks, namespace, None, None)
+            k, v = k.to(dev), v.to(dev)
+            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
+                             on_done=lambda: None).start()
+        hbm = self._loads.hbm(dev)
+        nbytes = core.extent_bytes(len(toks))
+        buf = hbm.acquire(nbytes)
+        kv = buf.view(self.layout.torch_dtype).view(2, *self.layout.kv_shape(len(toks)))
+        return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
+                                        kv=(kv[0], kv[1]), on_close=lambda: hbm.release(buf),
+                                        on_abandon=lambda: hbm.forget(nbytes))
+
     def _remote_tail(self, toks: np.ndarray, namespace: str | None, start: int,
                      buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
                      dev: torch.device) -> LayerLoad:
