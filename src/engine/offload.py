@@ -32,7 +32,14 @@ import torch
 import torch.nn.functional as F
 
 import kvstore
-from engine.sparse import SparseConfig, SparsePlan, merge, partial_attention, retrieve
+from engine.sparse import (
+    SparseConfig,
+    SparsePlan,
+    merge,
+    pad_heads,
+    partial_attention,
+    retrieve,
+)
 from kvstore.index import ArrayKeys, build_index
 from kvstore.layout import KVLayout
 from kvstore.rope import cos_sin
@@ -320,20 +327,14 @@ class OffloadedSession:
         else:
             ids = retrieve(plan, cfg, [self._indexes[layer, h] for h in range(Hkv)], qg,
                            limit=N, floors=floors)
-        sel = [x[(x >= s) & (x < lo)] for x in ids]  # not in the local set
-        r = max(len(x) for x in sel)
-        idx = np.zeros((Hkv, r), dtype=np.int64)  # padded to the longest head's list
-        valid = np.zeros((Hkv, r), dtype=bool)
-        for h, x in enumerate(sel):
-            idx[h, : len(x)] = x
-            valid[h, : len(x)] = True
+        idx, valid = pad_heads(ids, s, lo)  # [Hkv, r]: not in the local set, padded
         if held is not None:
             kr = held[np.arange(Hkv)[:, None], idx]  # [Hkv, r, D]
         else:  # PQ re-ranking read every returned token's key this step
             kr = np.stack([steps[h].rows(idx[h]) for h in range(Hkv)])
         # the values of the retrieved tokens, each head its own (no padding read)
         _, v = self._reader.read_rows(layer, np.nonzero(valid)[0], idx[valid], keys=False)
-        vr = np.zeros((Hkv, r, D), np.float32)
+        vr = np.zeros((Hkv, idx.shape[1], D), np.float32)
         vr[valid] = self._f32(v)  # [Hkv, r, D], row-major order of valid = read order
         step = kr.nbytes + vr.nbytes + sum(sk.nbytes for sk in steps if sk is not None)
         self.peak_step_bytes = max(self.peak_step_bytes, step)

@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 
 import kvstore
-from engine.sparse import SparseConfig, SparsePlan, merge, partial_attention, retrieve
+from engine.sparse import (
+    SparseConfig,
+    SparsePlan,
+    merge,
+    pad_heads,
+    partial_attention,
+    retrieve,
+)
 from kvstore.index import ArrayKeys, ContextIndexes, build_index
 from kvstore.layout import KVLayout
 from kvstore.rope import apply_rope
@@ -175,13 +182,7 @@ class Session:
         else:
             keys, indexes = None, [self._index(layer, h, plan.index) for h in range(Hkv)]
         ids = retrieve(plan, cfg, indexes, qg, limit=N, floors=floors, flat_keys=keys)
-        sel = [x[(x >= s) & (x < lo)] for x in ids]  # not in the local set
-        m = max(len(x) for x in sel)
-        idx = np.zeros((Hkv, m), dtype=np.int64)  # padded to the longest head's list
-        valid = np.zeros((Hkv, m), dtype=bool)
-        for h, x in enumerate(sel):
-            idx[h, : len(x)] = x
-            valid[h, : len(x)] = True
+        idx, valid = pad_heads(ids, s, lo)  # [Hkv, r]: not in the local set, padded
         heads = np.arange(Hkv)[:, None]  # [Hkv, 1]
         parts = [partial_attention(qg, k_loc, v_loc),  # local
                  partial_attention(qg, K[heads, idx], V[heads, idx], valid)]  # retrieved

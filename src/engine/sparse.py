@@ -59,6 +59,19 @@ def merge(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     return out  # [..., G, D]
 
 
+def pad_heads(ids: Sequence[np.ndarray], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each kv-head's retrieved token ids that lie in ``[lo, hi)`` (outside the local set),
+    padded to the longest head's list: ``(idx [Hkv, r] int64, valid [Hkv, r] bool)``."""
+    sel = [x[(x >= lo) & (x < hi)] for x in ids]
+    r = max(len(x) for x in sel)
+    idx = np.zeros((len(sel), r), dtype=np.int64)
+    valid = np.zeros((len(sel), r), dtype=bool)
+    for h, x in enumerate(sel):
+        idx[h, : len(x)] = x
+        valid[h, : len(x)] = True
+    return idx, valid
+
+
 def local_tokens(n: int, sink: int, window: int) -> np.ndarray:
     """The always-attended tokens of ``n``: the first ``sink`` and the last ``window``."""
     s = min(sink, n)

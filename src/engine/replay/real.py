@@ -33,7 +33,20 @@ class _ConvState:
     truncations: int = 0
 
 
-class RealExecutor:
+class OneJobAtATime:
+    """The server limits of the CPU runtime, which does not batch: one job at a time."""
+
+    max_batch = 1
+    max_prefill_tokens = 1 << 30
+
+    def fits(self, running: list[Job], job: Job) -> bool:
+        return not running
+
+    def arrive(self, job: Job) -> None:
+        pass
+
+
+class RealExecutor(OneJobAtATime):
     """Runs one job at a time (the CPU runtime does not batch). Thread-safety: none."""
 
     def __init__(self, method: Method, model: Model, store: kvstore.Store | None, *,
@@ -56,15 +69,6 @@ class RealExecutor:
         self._convs: dict[int, _ConvState] = {} if convs is None else convs
         self._decode_per_step: dict[int, float] = {}  # job seq -> measured seconds per step
         self._has_remote = store is not None and store.stats().get("remote") is not None
-
-    max_batch = 1
-    max_prefill_tokens = 1 << 30
-
-    def fits(self, running: list[Job], job: Job) -> bool:
-        return not running
-
-    def arrive(self, job: Job) -> None:
-        pass
 
     def _kept(self, job: Job) -> torch.Tensor:
         """Indices of the history tokens ``job`` keeps: the truncation plan the server used

@@ -22,12 +22,12 @@ from collections import deque
 import kvstore
 from engine.model import Model
 from engine.replay.multi import ScaleOut
-from engine.replay.real import RealExecutor, _ConvState
+from engine.replay.real import OneJobAtATime, RealExecutor, _ConvState
 from engine.replay.server import Job, Method
 from kvstore.truncation import Truncation
 
 
-class RealMultiServerExecutor:
+class RealMultiServerExecutor(OneJobAtATime):
     def __init__(self, method: Method, model: Model, stores: list[kvstore.Store], *,
                  scale: ScaleOut, truncation: Truncation, window: int) -> None:
         if not method.caches:
@@ -40,15 +40,6 @@ class RealMultiServerExecutor:
         convs: dict[int, _ConvState] = {}
         self.servers = [RealExecutor(method, model, st, truncation=truncation, window=window,
                                      convs=convs) for st in stores]
-
-    max_batch = 1
-    max_prefill_tokens = 1 << 30
-
-    def fits(self, running: list[Job], job: Job) -> bool:
-        return not running
-
-    def arrive(self, job: Job) -> None:
-        pass
 
     def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
         s = self.scale.server_of(job)
