@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvstore import codecs, extent
+from kvstore.arguments import check_device, check_kv, check_out
 from kvstore.context_indexes import ContextIndexStore, IndexFiles, check_keys, check_spec
 from kvstore.core import Core
 from kvstore.errors import StoreClosed
@@ -24,7 +25,6 @@ from kvstore.hints import Hints
 from kvstore.index.context import ContextIndexes
 from kvstore.index.spec import IndexSpec
 from kvstore.layerwise import LayerLoad
-from kvstore.layout import KVLayout
 from kvstore.lock import DirLock
 from kvstore.mirror import writing
 from kvstore.policy import EvictionPolicy
@@ -35,18 +35,10 @@ from kvstore.remote.tier import RemoteTier
 from kvstore.rows import RowReader
 from kvstore.saving import SaveHandle, Saver
 from kvstore.schedule import as_jobs
+from kvstore.store_stats import assemble_stats
 from kvstore.throttle import ReadThrottle, TokenBucket
 from kvstore.tree import served
 from kvstore.write import Writer
-
-
-def check_kv(layout: KVLayout, name: str, t: object, n_tokens: int) -> torch.Tensor:
-    t = layout.check_tensor(name, t)
-    want = layout.kv_shape(n_tokens)
-    if tuple(t.shape) != want:
-        raise ValueError(f"{name} must have shape [num_layers, num_kv_heads, T, head_dim] = "
-                         f"{list(want)} for {n_tokens} tokens, got {list(t.shape)}")
-    return t
 
 
 class Store:
@@ -324,9 +316,9 @@ class Store:
         (a get never waits for a put's fsync).
         """
         toks = as_tokens(tokens)
-        dev = None if device is None else self._device(device)
+        dev = None if device is None else check_device(device)
         if out is not None:
-            out = self._check_out(out, len(toks))
+            out = check_out(self.layout, out, len(toks))
             if dev is not None and dev != out[0].device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on "
                                  f"{out[0].device}")
@@ -365,9 +357,9 @@ class Store:
             raise ValueError(f"start must be in [0, {len(toks)}) for {len(toks)} tokens, "
                              f"got {start}")
         start = int(start)
-        dev = self._device(device) if device is not None else torch.device("cpu")
+        dev = check_device(device) if device is not None else torch.device("cpu")
         if out is not None:
-            out = self._check_out(out, len(toks) - start)
+            out = check_out(self.layout, out, len(toks) - start)
             k_out, v_out = out
             if k_out.device.type != "cpu" or not (k_out.is_contiguous()
                                                   and v_out.is_contiguous()):
@@ -375,48 +367,11 @@ class Store:
             if device is not None and dev != k_out.device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
         if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
-            if start:
-                return self._remote_tail(toks, namespace, start, buffer_layers, out, dev)
-            return self._remote_load(toks, namespace, buffer_layers, out, dev)
+            return self._remote.layer_load(toks, namespace, start=start,
+                                           buffer_layers=buffer_layers, out=out, device=dev,
+                                           hbm=self._loads.hbm)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
                                  device=dev, start=start)
-
-    def _remote_load(self, toks: np.ndarray, namespace: str | None, buffer_layers: int | None,
-                     out: tuple[torch.Tensor, torch.Tensor] | None,
-                     dev: torch.device) -> LayerLoad:
-        """A layer-wise load whose tokens extend past the local tiers into the remote one."""
-        core = self._core
-        if out is not None:
-            return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
-                                            kv=out, on_close=None)
-        if dev.type != "cpu":  # through host memory, then to the device at once
-            k, v = self._remote.get(toks, namespace, None, None)
-            k, v = k.to(dev), v.to(dev)
-            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
-                             on_done=lambda: None).start()
-        hbm = self._loads.hbm(dev)
-        nbytes = core.extent_bytes(len(toks))
-        buf = hbm.acquire(nbytes)
-        kv = buf.view(self.layout.torch_dtype).view(2, *self.layout.kv_shape(len(toks)))
-        return self._remote.load_layers(toks, namespace, buffer_layers=buffer_layers,
-                                        kv=(kv[0], kv[1]), on_close=lambda: hbm.release(buf),
-                                        on_abandon=lambda: hbm.forget(nbytes))
-
-    def _remote_tail(self, toks: np.ndarray, namespace: str | None, start: int,
-                     buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
-                     dev: torch.device) -> LayerLoad:
-        """``load_layers(start=)`` of tokens that extend into the remote tier: all of them
-        fetched at once, then the [start, n) part handed out as an already loaded load."""
-        k, v = self._remote.get(toks, namespace, None, None)  # [L, H, n, D] each
-        k, v = k[:, :, start:], v[:, :, start:]  # [L, H, n - start, D]
-        if out is not None:
-            out[0].copy_(k)
-            out[1].copy_(v)
-            k, v = out
-        else:
-            k, v = k.to(dev).contiguous(), v.to(dev).contiguous()
-        return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
-                         on_done=lambda: None).start()
 
     def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:
         """A :class:`~kvstore.rows.RowReader` over the stored context of ``tokens``: reads the
@@ -441,34 +396,6 @@ class Store:
                 out["dram" if p.rec.key in core.dram else "disk"] += p.use
                 out["missing"] -= p.use
             return out
-
-    def _device(self, device: object) -> torch.device:
-        try:
-            dev = torch.device(device)  # type: ignore[arg-type]
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device must name a torch device, got {device!r} ({e})") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available")
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be a CPU or CUDA device, got {device!r}")
-        return dev
-
-    def _check_out(self, out: object, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate an ``out=(keys, values)`` pair for ``n_tokens`` tokens."""
-        if not isinstance(out, tuple | list) or len(out) != 2:
-            raise TypeError("out must be a (keys, values) pair of tensors")
-        k_out = check_kv(self.layout, "out[0]", out[0], n_tokens)
-        v_out = check_kv(self.layout, "out[1]", out[1], n_tokens)
-        if k_out.device != v_out.device:
-            raise ValueError(f"out tensors must be on one device, got {k_out.device} and "
-                             f"{v_out.device}")
-        if k_out.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"out tensors must be on a CPU or CUDA device, got {k_out.device}")
-        if k_out.untyped_storage().data_ptr() == v_out.untyped_storage().data_ptr() or (
-                k_out.device.type == "cpu"
-                and np.shares_memory(extent.raw(k_out), extent.raw(v_out))):
-            raise ValueError("out[0] and out[1] must not share memory")
-        return k_out, v_out
 
     # ------------------------------------------------------------------ per-head indexes
     def build_indexes(self, tokens: object, spec: IndexSpec, *,
@@ -550,89 +477,9 @@ class Store:
         with core.mutex:
             core.check_open()
             core.mirror.catch_up()
-            cnt, tree, hints = core.counters, core.tree, self._hints
-            tiers = self._loads.tiers()
-            return {
-                "hbm": {
-                    "capacity_bytes": self.config.hbm_bytes,
-                    "bytes": sum(t.used_bytes for t in tiers),
-                    "idle_bytes": sum(t.idle_bytes for t in tiers),
-                    "devices": sorted(str(t.device) for t in tiers),
-                },
-                "dram": {
-                    "capacity_bytes": self.config.dram_bytes,
-                    "bytes": core.dram.bytes_used,
-                    "chunks": len(core.dram),
-                    "slots": core.dram.num_slots,
-                },
-                "disk": {
-                    "capacity_bytes": self.config.disk_bytes,
-                    "bytes": sum(core.extent_bytes(r.n_tokens) for r in tree.chunks.values()),
-                    "stored_bytes": sum(r.stored_bytes(r.n_tokens * self.layout.layer_token_bytes)
-                                        for r in tree.chunks.values()),
-                    "slot_bytes": len(tree.chunks) * core.geo.slot_stride,
-                    "chunks": len(tree.chunks),
-                    "slots": core.geo.total_slots,
-                    "contexts": len(tree.contexts),
-                    "tokens": sum(s.n_tokens for s in tree.contexts.values()),
-                },
-                "hits": {"dram": cnt.dram_hits, "disk": cnt.disk_hits},
-                "codecs": {
-                    "config": dict(self.config.codecs),
-                    "chunks": {name: sum(1 for r in tree.chunks.values()
-                                         if codecs.NAMES[r.codec] == name)
-                               for name in codecs.NAMES},
-                    "coded_chunks_written": cnt.coded_chunks_written,
-                    "raw_fallback_chunks": cnt.raw_fallback_chunks,
-                    "lossy_gets": cnt.lossy_gets,
-                    "lossy_tokens_served": cnt.lossy_tokens_served,
-                },
-                "misses": cnt.get_misses,
-                "evictions": {
-                    "dram_chunks": core.dram.evictions,
-                    "disk_contexts": cnt.evicted_contexts,
-                    "disk_chunks": cnt.evicted_chunks,
-                },
-                "queue": {
-                    "jobs": len(hints.jobs),
-                    "running": len(hints.running),
-                    "prefetch_window": hints.windows.prefetch,
-                    "eviction_window": hints.windows.eviction,
-                    "prefetched_chunks": cnt.prefetched_chunks,
-                    "evicted_in_window": cnt.evicted_in_window,
-                },
-                "saves": {
-                    "write_buffer_bytes": self.config.write_buffer_bytes,
-                    "write_buffer_used": self._saver.used_bytes,
-                    "saved": self._saver.saved,
-                    "failed": self._saver.failed,
-                },
-                "indexes": self._indexes.stats(),
-                "remote": None if self._remote is None else self._remote.stats(),
-                "corrupt": {
-                    "chunks": cnt.corrupt_chunks,
-                    "dropped_contexts": cnt.dropped_contexts,
-                    "malformed_records": cnt.malformed_records,
-                    "collected_orphans": cnt.collected_orphans,
-                },
-                "sharing": {
-                    "exclusive": self._lock.exclusive,
-                    "generation": core.mirror.seen_gen,
-                    "catch_ups": cnt.catch_ups,
-                    "full_reloads": cnt.full_reloads,
-                    "read_races": cnt.read_races,
-                    "reclaimed_reservations": cnt.reclaimed_reservations,
-                    "deduplicated_chunks": cnt.put_chunks_deduplicated,
-                },
-                "requests": {
-                    "puts_tokens": cnt.put_tokens,
-                    "chunks_written": cnt.put_chunks_written,
-                    "gets": cnt.gets,
-                    "served_tokens": cnt.served_tokens,
-                    "matches": cnt.match_calls,
-                    "matched_tokens": cnt.matched_tokens,
-                },
-            }
+            return assemble_stats(core, tiers=self._loads.tiers(), hints=self._hints,
+                                  saver=self._saver, indexes=self._indexes,
+                                  remote=self._remote, exclusive=self._lock.exclusive)
 
     def contexts(self) -> list[ContextRecord]:
         """Snapshot of the stored contexts (copies). Thread-safe."""

@@ -37,6 +37,7 @@ from kvstore.copying import gather
 from kvstore.core import Core
 from kvstore.errors import StoreClosed
 from kvstore.hashing import chunk_hash, common_prefix_len
+from kvstore.hbm import HbmTier
 from kvstore.layerwise import LayerLoad
 from kvstore.records import ChunkRecord
 from kvstore.remote import value as rv
@@ -331,6 +332,42 @@ class RemoteLink:
                 self._recent.popitem(last=False)
 
     # ------------------------------------------------------------------ layer-wise
+    def layer_load(self, toks: np.ndarray, namespace: str | None, *, start: int,
+                   buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
+                   device: torch.device, hbm: Callable[[torch.device], HbmTier]) -> LayerLoad:
+        """``Store.load_layers`` of tokens that extend past the local tiers into the remote
+        one: into ``out``, or an execution buffer of ``hbm(device)`` on the CPU, layer by layer
+        (:meth:`load_layers`); to a CUDA device through host memory at once. With ``start``
+        (positions [start, n) only) all of them are fetched at once and the tail handed out as
+        an already loaded load."""
+        if start:
+            k, v = self.get(toks, namespace, None, None)  # [L, H, n, D] each
+            k, v = k[:, :, start:], v[:, :, start:]  # [L, H, n - start, D]
+            if out is not None:
+                out[0].copy_(k)
+                out[1].copy_(v)
+                k, v = out
+            else:
+                k, v = k.to(device).contiguous(), v.to(device).contiguous()
+            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
+                             on_done=lambda: None).start()
+        if out is not None:
+            return self.load_layers(toks, namespace, buffer_layers=buffer_layers, kv=out,
+                                    on_close=None)
+        if device.type != "cpu":  # through host memory, then to the device at once
+            k, v = self.get(toks, namespace, None, None)
+            k, v = k.to(device), v.to(device)
+            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
+                             on_done=lambda: None).start()
+        tier = hbm(device)
+        nbytes = self.core.extent_bytes(len(toks))
+        buf = tier.acquire(nbytes)
+        lay = self.core.layout
+        kv = buf.view(lay.torch_dtype).view(2, *lay.kv_shape(len(toks)))
+        return self.load_layers(toks, namespace, buffer_layers=buffer_layers,
+                                kv=(kv[0], kv[1]), on_close=lambda: tier.release(buf),
+                                on_abandon=lambda: tier.forget(nbytes))
+
     def load_layers(self, toks: np.ndarray, namespace: str | None, *,
                     buffer_layers: int | None, kv: tuple[torch.Tensor, torch.Tensor],
                     on_close: Callable[[], None] | None,
