@@ -359,6 +359,8 @@ class Generator:
             t1 = time.perf_counter()
             if m and n_reused:  # the split: compute the front while the back loads
                 logits, kv = split_forward(self.model, ids, m, past, on_layer=on_layer)
+                if self.rates is not None and plan is not None:
+                    self.rates.observe_split(plan, time.perf_counter() - t0)
             else:
                 if m:  # recompute all of the stored prefix, in the prompt's forward
                     n_stored = 0

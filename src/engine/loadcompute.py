@@ -84,7 +84,9 @@ class Split:
     """How one request uses its stored prefix of ``computed + loaded`` tokens: the first
     ``computed`` are computed from scratch while the other ``loaded`` load from ``tier``. The
     ``*_s`` are the predicted seconds from the request's start to its first token for this
-    split, for loading all and for recomputing all (NaN while a rate is unmeasured)."""
+    split, for loading all and for recomputing all (NaN while a rate is unmeasured);
+    ``model_s``: this split's prediction from the rates alone, before the measured overlap
+    factor (:meth:`LoadRates.observe_split`)."""
 
     tier: str
     computed: int
@@ -92,6 +94,7 @@ class Split:
     predicted_s: float = math.nan
     load_all_s: float = math.nan
     compute_all_s: float = math.nan
+    model_s: float = math.nan  # predicted_s before the measured overlap factor
 
     @property
     def reused(self) -> int:
@@ -123,12 +126,14 @@ def meeting_point(reused: int, *, a: float, b: float, beta: float,
 
 
 def split_point(reused: int, new: int, *, a: float, b: float, call: float, beta: float,
-                layers: int, granule: int = 1) -> tuple[int, float]:
+                layers: int, granule: int = 1, overlap: float = 1.0) -> tuple[int, float]:
     """``(m, predicted seconds)`` minimizing :func:`split_time` over load-all (0),
     recompute-all (``reused``) and the multiples of ``granule`` around the meeting point (the
     time is the max of a rising and a falling function of ``m``: its minimum is where they
     cross, or an end; with chunked loads, computing past a chunk boundary saves no load until
-    the next one, so the best ``m`` inside is a boundary)."""
+    the next one, so the best ``m`` inside is a boundary). ``overlap`` scales the predicted
+    time of a strict split (``0 < m < reused``): how much slower than predicted compute and
+    load have run side by side on this machine (1: as predicted)."""
     if isinstance(granule, bool) or not isinstance(granule, int) or granule < 1:
         raise ValueError(f"granule must be an int >= 1, got {granule!r}")
     cn = a * new + b * (new * reused + new * (new + 1) / 2) + call
@@ -137,7 +142,7 @@ def split_point(reused: int, new: int, *, a: float, b: float, call: float, beta:
     around = (math.floor(m_star / g) * g, math.ceil(m_star / g) * g)
     cands = sorted({0, reused, *(x for x in around if 0 <= x <= reused)})
     cost = {m: split_time(m, reused, new, a=a, b=b, call=call, beta=beta, layers=layers,
-                          granule=g) for m in cands}
+                          granule=g) * (overlap if 0 < m < reused else 1.0) for m in cands}
     best = min(cands, key=cost.__getitem__)
     return best, cost[best]
 
@@ -151,6 +156,7 @@ class LoadRates:
         self.config = config or LoadRatesConfig()
         self.load_s_per_token: dict[str, float] = {}
         self.prefill_scale: float | None = None  # measured / shape
+        self.overlap: float = 1.0  # measured / predicted time of strict splits
 
     def _ewma(self, old: float | None, new: float) -> float:
         w = self.config.weight
@@ -170,6 +176,14 @@ class LoadRates:
             self.prefill_scale = self._ewma(
                 self.prefill_scale, seconds / self.config.shape.seconds(tokens, context))
 
+    def observe_split(self, split: Split, seconds: float) -> None:
+        """A strict split (some computed, some loaded) took ``seconds`` to its first-token
+        logits: its ratio to what the rates alone predicted (``split.model_s``) is how well
+        compute and load overlap here (two streams on a shared CPU run slower side by side
+        than apart), and scales the prediction of later strict splits."""
+        if split.computed > 0 and split.loaded > 0 and split.model_s > 0 and seconds > 0:
+            self.overlap = self._ewma(self.overlap, seconds / split.model_s)
+
     def prefill_s(self, new: int, context: int = 0) -> float | None:
         """Predicted seconds of one forward (None while unmeasured)."""
         if self.prefill_scale is None:
@@ -188,7 +202,8 @@ class LoadRates:
         s, shp = self.prefill_scale, self.config.shape
         kw = {"a": s * shp.per_token, "b": s * shp.per_pair, "call": s * shp.per_call,
               "beta": beta, "layers": layers, "granule": chunk_tokens}
-        m, t = split_point(reused, new, **kw)
+        m, t = split_point(reused, new, overlap=self.overlap, **kw)
         return Split(tier=tier, computed=m, loaded=reused - m, predicted_s=t,
                      load_all_s=split_time(0, reused, new, **kw),
-                     compute_all_s=split_time(reused, reused, new, **kw))
+                     compute_all_s=split_time(reused, reused, new, **kw),
+                     model_s=split_time(m, reused, new, **kw))

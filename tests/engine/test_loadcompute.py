@@ -107,6 +107,30 @@ def test_rates_plan():
         split_point(10, 1, a=1.0, b=0.0, call=0.0, beta=1.0, layers=1, granule=0)
 
 
+def test_measured_overlap_scales_strict_splits():
+    """A strict split that ran slower than the rates predicted (compute and load side by side
+    on a shared CPU) makes later strict splits look that much slower; the pure strategies'
+    predictions stay as they were. By hand: 1 ms/token to load and 2 ms/token to compute, a
+    900-token prefix, chunks of 300: split at 300 (0.6 s, and 0.6 s of load), load-all 0.9 s,
+    recompute-all 1.8 s."""
+    r = LoadRates(LoadRatesConfig(weight=1.0, shape=PrefillShape(per_token=1e-3, per_pair=0.0,
+                                                                 per_call=0.0)))
+    r.observe_prefill(1000, 2.0)
+    r.observe_load("disk", 1000, 1.0)
+    p = r.plan("disk", 900, 1, layers=1000, chunk_tokens=300)
+    assert (p.computed, p.loaded) == (300, 600)
+    assert p.predicted_s == pytest.approx(p.model_s) == pytest.approx(0.602, abs=1e-3)
+    r.observe_split(p, 2 * p.model_s)  # it took twice the prediction
+    assert r.overlap == pytest.approx(2.0)
+    q = r.plan("disk", 900, 1, layers=1000, chunk_tokens=300)
+    assert (q.computed, q.loaded) == (0, 900)  # 1.2 s split against 0.9 s load-all
+    assert q.load_all_s == pytest.approx(p.load_all_s)
+    r.observe_split(q, 5.0)  # not a strict split: nothing learned
+    assert r.overlap == pytest.approx(2.0)
+    r.observe_split(p, 0.5 * p.model_s)  # overlapped as predicted (and better): split again
+    assert r.plan("disk", 900, 1, layers=1000, chunk_tokens=300).computed == 300
+
+
 def _rates(model, beta: float, tier: str) -> LoadRates:
     """Rates measured as if prefill followed the default shape exactly and ``tier`` loaded at
     ``beta`` s/token."""
