@@ -162,3 +162,13 @@ def test_real_shared_tier_needs_its_url():
 
     with pytest.raises(ValueError, match="URL"):
         ReplayConfig(mode="real", scale=ScaleOut(servers=2, shared=True))
+
+
+def test_disk_read_bps_is_a_real_mode_setting_named_in_errors():
+    from engine.replay.run import ReplayConfig
+
+    assert ReplayConfig(mode="real", disk_read_bps=12e6).disk_read_bps == 12e6
+    with pytest.raises(ValueError, match="disk_read_bps"):
+        ReplayConfig(mode="real", disk_read_bps=-1.0)
+    with pytest.raises(ValueError, match="disk_read_bps"):
+        ReplayConfig(mode="simulated", disk_read_bps=12e6)

