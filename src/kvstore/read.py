@@ -129,6 +129,20 @@ def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
         _SCRATCH.give(scratch)
 
 
+def read_layer(core: Core, rec: ChunkRecord, layer: int, bufs: list[np.ndarray],
+               off: int) -> list[np.ndarray]:
+    """Read layer ``layer`` of ``rec`` from disk into ``bufs`` (from byte ``off`` of its slot:
+    ``rec.layer_span``) and verify it against the layer's checksum; a coded chunk's layer is
+    then decoded. Returns the raw layer's buffers; :class:`CorruptData` if the bytes fail."""
+    if rec.codec != 0:
+        extent.check_stored(rec, core.layout, core.geo.slot_stride)
+    core.segments.read(rec.slot, bufs, off)
+    extent.verify(rec, extent.piece_checksums(bufs, 1), layer)
+    if rec.codec != 0:
+        return [extent.decode_layer(core.layout, rec, bufs[0])]
+    return bufs
+
+
 def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles) -> None:
     """Drop every context holding a corrupt chunk (durably), so no process claims it again.
     The chunk is never served by this process again either way."""
@@ -480,12 +494,7 @@ class Loads:
             else:  # the whole layer of the chunk (its checksum covers all of it), then a part
                 bufs = [np.empty(nbytes, dtype=np.uint8)]
             try:
-                if rec.codec != 0:
-                    extent.check_stored(rec, lay, core.geo.slot_stride)
-                core.segments.read(rec.slot, bufs, off)
-                extent.verify(rec, extent.piece_checksums(bufs, 1), layer)
-                if rec.codec != 0:
-                    bufs = [extent.decode_layer(lay, rec, bufs[0])]
+                bufs = read_layer(core, rec, layer, bufs, off)
             except CorruptData as err:
                 if not is_current(core, rec):
                     raise KeyError(f"chunk {rec.key.hex()} was evicted by another process "

@@ -27,7 +27,7 @@ import torch
 from kvstore import extent
 from kvstore.core import Core
 from kvstore.errors import CorruptData
-from kvstore.read import Raced, is_current, quarantine, read_verified, resolve_all
+from kvstore.read import Raced, is_current, quarantine, read_layer, read_verified, resolve_all
 
 
 class RowReader:
@@ -195,15 +195,8 @@ class RowReader:
                 read_verified(core, rec, buf)
                 nbytes = rec.stored_bytes(n * lay.layer_token_bytes)
                 return extent.view(lay, buf, n)[layer], nbytes
-            lbytes = n * lay.layer_token_bytes
-            if rec.codec != 0:
-                extent.check_stored(rec, lay, core.geo.slot_stride)
-            off, nbytes = rec.layer_span(layer, lbytes)
-            data = np.empty(nbytes, dtype=np.uint8)
-            core.segments.read(rec.slot, [data], off)
-            extent.verify(rec, extent.piece_checksums([data], 1), layer)
-            if rec.codec != 0:
-                data = extent.decode_layer(lay, rec, data)
+            off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
+            data = read_layer(core, rec, layer, [np.empty(nbytes, dtype=np.uint8)], off)[0]
             return data.view(extent._NP_INT[lay.itemsize]).reshape(shape[1:]), nbytes
         except Raced:
             raise KeyError(f"chunk {rec.key.hex()} was evicted by another process during "
