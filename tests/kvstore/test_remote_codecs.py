@@ -28,10 +28,15 @@ L = SMALL.num_layers
 def through(name: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal KV of ``tokens`` as a store serves it from values of codec ``name``: each
     (chunk, layer) encoded and decoded by kvstore.codecs."""
-    k, v = causal_kv(SMALL, tokens)  # [L, H, T, D]
+    return round_trip(name, *causal_kv(SMALL, tokens))
+
+
+def round_trip(name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV [L, H, T, D] with each (chunk, layer) encoded and decoded through codec ``name``."""
     k, v = k.clone(), v.clone()
-    for a in range(0, len(tokens), C):
-        b = min(a + C, len(tokens))
+    n = k.shape[2]
+    for a in range(0, n, C):
+        b = min(a + C, n)
         shape = rv.layer_shape(SMALL, b - a)
         for layer in range(L):
             x = torch.stack([k[layer, :, a:b], v[layer, :, a:b]]).contiguous()
@@ -186,6 +191,31 @@ def test_a_remote_codec_serves_its_values_and_reports_lossy(open_small, redis_se
             lk, lv = load.wait(layer)
             assert torch.equal(lk, ek[layer]) and torch.equal(lv, ev[layer])
     assert c.stats()["codecs"]["lossy_tokens_served"] == (len(t) if lossy else 0)
+
+
+@pytest.mark.parametrize("remote", ["none", "zstd", "int4"])
+def test_a_chunk_stored_lossily_arrives_marked_lossy(open_small, redis_server, remote):
+    """A chunk stored through a lossy disk codec is written through its own codec unless the
+    remote codec is lossy too, so that a reader counts it as lossy whatever the remote codec."""
+    a = open_small("a", remote=redis_server.url, codecs={"disk": "int8", "remote": remote})
+    b = open_small("b", remote=redis_server.url)
+    t = np.random.default_rng(5).integers(0, 500, 2 * C + 1).tolist()
+    put_causal(a, t)
+    a.flush(remote=True)
+    ak, av = a.get(t)
+    assert a.lossy_tokens(t) == len(t)
+    sent = "int8" if remote != "int4" else "int4"  # the lossier of the two when both are lossy
+    assert a.stats()["remote"]["lossy_source_writes"] == (3 if sent == "int8" else 0)
+    k, v = b.get(t)
+    ek, ev = round_trip(sent, ak, av)  # what the writer held, through the codec it was sent by
+    assert torch.equal(k, ek) and torch.equal(v, ev)
+    b.flush(remote=True)
+    assert b.lossy_tokens(t) == len(t)
+    assert b.stats()["remote"]["lossy_served_tokens"] == len(t)
+    if sent == "int8":  # re-encoding int8-decoded KV keeps it within the codec's bound
+        ck, _ = causal_kv(SMALL, t)
+        assert float((k.float() - ck.float()).abs().max()) <= 2 * float(
+            (ak.float() - ck.float()).abs().max()) + 1e-3
 
 
 def test_a_corrupt_remote_value_is_a_counted_miss_never_data(open_small, redis_server):

@@ -68,6 +68,7 @@ class LinkCounters:
     fill_skipped_lossy: int = 0  # fetched contexts not saved locally: a lossy value served them
     coded_writes: int = 0  # chunks written through the remote codec (not "none")
     raw_fallback_writes: int = 0  # chunks the remote codec could not take, written raw
+    lossy_source_writes: int = 0  # chunks stored lossily here, sent through their own codec
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,8 +476,15 @@ class RemoteLink:
 
     def _value(self, key: bytes, rec: ChunkRecord, ext: np.ndarray) -> bytes:
         """The remote value of a local chunk (``ext``: its decoded extent), through the
-        remote codec; raw if a lossy codec cannot take it (non-finite KV)."""
+        remote codec; raw if a lossy codec cannot take it (non-finite KV). A chunk stored here
+        through a lossy disk codec is no recompute's KV: unless the remote codec is lossy too,
+        it goes through its own disk codec, so that the value says it is lossy (a lossless
+        remote codec would carry the lossy KV unmarked)."""
         lay, codec = self.core.layout, self.tier.cfg.codec
+        local = codecs.NAMES[rec.codec]
+        if codecs.is_lossy(local) and not codecs.is_lossy(codec):
+            codec = local  # re-encoding decoded values: within the codec's bound of them
+            self._count("lossy_source_writes")
         if codec != "none":
             try:
                 val = rv.encode_bytes(key, rec.tokens, ext, lay.num_layers, codec=codec,
