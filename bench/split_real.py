@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                     "bytes_per_s": bps, "load_over_recompute": k, **res,
                     "split_choices": chosen,
                     "split_over_best_pure_p50": res["split"]["p50_s"] / best_pure,
-                    "measured_load_s_per_token": rates.load_s_per_token.get("disk"),
+                    "measured_load_s_per_token": rates.load_s_per_token("disk"),
+                    "measured_load_latency_s": (rates.loads["disk"].latency_s
+                                                if "disk" in rates.loads else None),
                     "measured_prefill_scale": rates.prefill_scale,
                 }
                 print(f"{bps / 1e6:6.1f} MB/s: recompute {res['recompute']['p50_s']:.3f} s, "

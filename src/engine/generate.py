@@ -131,15 +131,19 @@ def split_forward(model: Model, ids: list[int], m: int, back: Sequence[KV], *,
     n = m + P
     N = len(ids)
     T = m + N - n  # computed: front + new
+    assert 0 < m < n < N, (m, n, N)  # a front, a loaded back and at least one new token
     positions = torch.cat([torch.arange(m), torch.arange(n, N)])  # [T]
-    mask = torch.zeros(T, P + T, dtype=torch.bool)  # [T, P+T] True = attend
-    mask[:, P:] = torch.ones(T, T, dtype=torch.bool).tril()  # causal among front + new
-    mask[m:, :P] = True  # the new tokens see the loaded back
+    # The new tokens see the loaded back, the front and, causally, each other: [N-n, P+T]
+    new_mask = torch.ones(T - m, P + T, dtype=torch.bool).tril(diagonal=P + m)
     # [back, front, new] -> [front, back, new]
     order = torch.cat([torch.arange(P, P + m), torch.arange(P), torch.arange(P + m, P + T)])
 
     def attend(i, q, k, v, _mask, _causal):  # q [H, T, D], k/v [Hkv, P+T, D]
-        return full_attention(i, q, k, v, mask, False)
+        # The front sees only itself, causally: the fast causal kernel over its own keys, as a
+        # recompute from scratch runs it (not a masked pass over the back it cannot see).
+        front = full_attention(i, q[:, :m], k[:, P:P + m], v[:, P:P + m], None, m > 1)
+        rest = full_attention(i, q[:, m:], k, v, new_mask, False)  # [H, N-n, D]
+        return torch.cat([front, rest], dim=1)  # [H, T, D]
 
     def ordered(i, k, v):  # k/v [Hkv, P+T, D] -> position order
         on_layer(i, k.index_select(1, order), v.index_select(1, order))

@@ -13,8 +13,10 @@ than the better pure strategy.
 
 The predictions come from :class:`LoadRates`:
 
-- **load**: seconds per token per tier, from the loader's own time of every layer-wise load
-  (``LayerLoad.load_s``: reads, checksums and copies, not its waits for compute);
+- **load**: per tier, a fixed latency plus seconds per token (:class:`LoadFit`, a least-squares
+  line with forgetting over the loader's own time of every layer-wise load, ``LayerLoad.load_s``:
+  reads, checksums and copies, not its waits for compute), so a short load's fixed costs do not
+  pass for a slow disk;
 - **prefill**: ``scale * (per_token * new + per_pair * pairs + per_call)`` with ``pairs`` the
   (new token, context token) pairs of causal attention, as in the cost model. The shape
   (:class:`PrefillShape`) is SmolLM2 on 2 cores as fitted by bench/replay_calibration.py; the
@@ -63,20 +65,90 @@ class PrefillShape:
 class LoadRatesConfig:
     """``weight``: how much one new measurement moves an estimate (EWMA). ``shape``: the
     prefill cost's form (its scale is measured). ``min_prefill_tokens``: shorter forwards do not
-    feed the prefill estimate (their time is mostly per-call overhead and noise)."""
+    feed the prefill estimate (their time is mostly per-call overhead and noise).
+    ``load_forget``: how fast the load fit (:class:`LoadFit`) forgets (0: never)."""
 
     weight: float = 0.3
     shape: PrefillShape = field(default_factory=PrefillShape)
     min_prefill_tokens: int = 32
+    load_forget: float = 0.15  # each load observation discounts the earlier ones by this
 
     def __post_init__(self) -> None:
         if not 0.0 < self.weight <= 1.0:
             raise ValueError(f"weight must be in (0, 1], got {self.weight!r}")
+        if not 0.0 <= self.load_forget < 1.0:
+            raise ValueError(f"load_forget must be in [0, 1), got {self.load_forget!r}")
         if not isinstance(self.shape, PrefillShape):
             raise TypeError(f"shape must be a PrefillShape, got {type(self.shape).__name__}")
         m = self.min_prefill_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"min_prefill_tokens must be an int >= 1, got {m!r}")
+
+
+class LoadFit:
+    """``seconds = latency_s + s_per_token * tokens`` for loads from one tier: least squares
+    over the observed loads, each earlier one discounted by ``1 - forget`` per new one. With
+    too little spread in the sizes seen to tell the two apart (or a fit that says a load has a
+    negative cost), the latency is 0 and the rate is the ratio of the (discounted) sums, which
+    weighs long loads more than the mean of per-load ratios would.
+
+    Thread-safety: none (owned by one :class:`LoadRates`)."""
+
+    MIN_SPREAD = 0.1  # the sizes' standard deviation / mean needed to fit a latency
+
+    def __init__(self, forget: float) -> None:
+        self.forget = forget
+        self._w = self._x = self._xx = self._y = self._xy = 0.0  # discounted sums
+
+    @classmethod
+    def exactly(cls, s_per_token: float, latency_s: float = 0.0, *, forget: float = 0.15
+                ) -> LoadFit:
+        """A fit that has seen exactly this line (two loads on it, far apart)."""
+        fit = cls(forget)
+        for x in (1.0, 1e6):
+            fit._add(x, latency_s + s_per_token * x)
+        return fit
+
+    def _add(self, x: float, y: float) -> None:
+        self._w += 1.0
+        self._x += x
+        self._xx += x * x
+        self._y += y
+        self._xy += x * y
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or not seconds >= 0:
+            return
+        keep = 1.0 - self.forget
+        self._w, self._x, self._xx = keep * self._w, keep * self._x, keep * self._xx
+        self._y, self._xy = keep * self._y, keep * self._xy
+        self._add(float(tokens), float(seconds))
+
+    @property
+    def line(self) -> tuple[float, float]:
+        """``(latency_s, s_per_token)`` (NaN before any observation)."""
+        if self._w == 0.0:
+            return math.nan, math.nan
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var > (self.MIN_SPREAD * mx) ** 2:
+            slope = (self._xy / self._w - mx * my) / var
+            latency = my - slope * mx
+            if slope > 0 and latency >= 0:
+                return latency, slope
+        return 0.0, self._y / self._x
+
+    @property
+    def s_per_token(self) -> float:
+        return self.line[1]
+
+    @property
+    def latency_s(self) -> float:
+        return self.line[0]
+
+    def seconds(self, tokens: int) -> float:
+        lat, beta = self.line
+        return lat + beta * tokens if tokens > 0 else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,16 +174,16 @@ class Split:
 
 
 def split_time(m: int, reused: int, new: int, *, a: float, b: float, call: float,
-               beta: float, layers: int, granule: int = 1) -> float:
+               beta: float, layers: int, granule: int = 1, latency: float = 0.0) -> float:
     """Predicted seconds to the first token when the first ``m`` of ``reused`` stored tokens are
     computed (``a`` s/token, ``b`` s/pair; ``call`` per forward) while the other ``reused - m``
-    load at ``beta`` s/token, then ``new`` tokens are prefilled over all of them, layer by layer
-    behind the load (the last layer's share of that prefill follows the load's end). The store
-    reads whole chunks of ``granule`` tokens (a layer's checksum covers the chunk's layer), so
-    the load reads from the chunk boundary at or before ``m``."""
+    load at ``latency`` + ``beta`` s/token, then ``new`` tokens are prefilled over all of them,
+    layer by layer behind the load (the last layer's share of that prefill follows the load's
+    end). The store reads whole chunks of ``granule`` tokens (a layer's checksum covers the
+    chunk's layer), so the load reads from the chunk boundary at or before ``m``."""
     cn = a * new + b * (new * reused + new * (new + 1) / 2) + call
     front = a * m + b * m * (m + 1) / 2 + (call if m else 0.0)
-    load = beta * (reused - m // granule * granule) if m < reused else 0.0
+    load = latency + beta * (reused - m // granule * granule) if m < reused else 0.0
     return max(front + cn, load + cn / layers)
 
 
@@ -126,7 +198,8 @@ def meeting_point(reused: int, *, a: float, b: float, beta: float,
 
 
 def split_point(reused: int, new: int, *, a: float, b: float, call: float, beta: float,
-                layers: int, granule: int = 1, overlap: float = 1.0) -> tuple[int, float]:
+                layers: int, granule: int = 1, latency: float = 0.0, overlap: float = 1.0
+                ) -> tuple[int, float]:
     """``(m, predicted seconds)`` minimizing :func:`split_time` over load-all (0),
     recompute-all (``reused``) and the multiples of ``granule`` around the meeting point (the
     time is the max of a rising and a falling function of ``m``: its minimum is where they
@@ -137,24 +210,26 @@ def split_point(reused: int, new: int, *, a: float, b: float, call: float, beta:
     if isinstance(granule, bool) or not isinstance(granule, int) or granule < 1:
         raise ValueError(f"granule must be an int >= 1, got {granule!r}")
     cn = a * new + b * (new * reused + new * (new + 1) / 2) + call
-    m_star = meeting_point(reused, a=a, b=b, beta=beta, budget_s=cn / layers - cn - call)
+    m_star = meeting_point(reused, a=a, b=b, beta=beta,
+                           budget_s=latency + cn / layers - cn - call)
     g = granule
     around = (math.floor(m_star / g) * g, math.ceil(m_star / g) * g)
     cands = sorted({0, reused, *(x for x in around if 0 <= x <= reused)})
     cost = {m: split_time(m, reused, new, a=a, b=b, call=call, beta=beta, layers=layers,
-                          granule=g) * (overlap if 0 < m < reused else 1.0) for m in cands}
+                          granule=g, latency=latency) * (overlap if 0 < m < reused else 1.0)
+            for m in cands}
     best = min(cands, key=cost.__getitem__)
     return best, cost[best]
 
 
 class LoadRates:
-    """Online estimates: seconds per token of loading, per tier, and the prefill scale.
+    """Online estimates: the load time per tier (:class:`LoadFit`) and the prefill scale.
 
     Thread-safety: none; one Generator (one request at a time) feeds and reads it."""
 
     def __init__(self, config: LoadRatesConfig | None = None) -> None:
         self.config = config or LoadRatesConfig()
-        self.load_s_per_token: dict[str, float] = {}
+        self.loads: dict[str, LoadFit] = {}
         self.prefill_scale: float | None = None  # measured / shape
         self.overlap: float = 1.0  # measured / predicted time of strict splits
 
@@ -166,8 +241,18 @@ class LoadRates:
         """A load that read ``tokens`` stored tokens (whole chunks) from ``tier`` took the
         loader ``seconds`` of its own (``LayerLoad.load_s``)."""
         if tokens > 0 and seconds >= 0:
-            self.load_s_per_token[tier] = self._ewma(self.load_s_per_token.get(tier),
-                                                     seconds / tokens)
+            self.loads.setdefault(tier, LoadFit(self.config.load_forget)).observe(tokens,
+                                                                                  seconds)
+
+    def assume_load(self, tier: str, s_per_token: float, latency_s: float = 0.0) -> None:
+        """Start ``tier``'s load fit from a known line (a calibration, or a test's rates)."""
+        self.loads[tier] = LoadFit.exactly(s_per_token, latency_s,
+                                           forget=self.config.load_forget)
+
+    def load_s_per_token(self, tier: str) -> float | None:
+        """The fitted seconds per token of ``tier`` (None while unmeasured)."""
+        fit = self.loads.get(tier)
+        return None if fit is None else fit.s_per_token
 
     def observe_prefill(self, tokens: int, seconds: float, *, context: int = 0) -> None:
         """One forward of ``tokens`` new tokens over ``context`` cached ones computed for
@@ -196,12 +281,13 @@ class LoadRates:
         it touches) before prefilling ``new`` tokens on a model of ``layers`` layers, from a
         store that reads chunks of ``chunk_tokens``: load all of it while either rate is
         unmeasured, else the fastest predicted split."""
-        beta = self.load_s_per_token.get(tier)
-        if reused <= 0 or beta is None or self.prefill_scale is None:
+        fit = self.loads.get(tier)
+        if reused <= 0 or fit is None or self.prefill_scale is None:
             return Split(tier=tier, computed=0, loaded=max(reused, 0))
+        latency, beta = fit.line
         s, shp = self.prefill_scale, self.config.shape
         kw = {"a": s * shp.per_token, "b": s * shp.per_pair, "call": s * shp.per_call,
-              "beta": beta, "layers": layers, "granule": chunk_tokens}
+              "beta": beta, "latency": latency, "layers": layers, "granule": chunk_tokens}
         m, t = split_point(reused, new, overlap=self.overlap, **kw)
         return Split(tier=tier, computed=m, loaded=reused - m, predicted_s=t,
                      load_all_s=split_time(0, reused, new, **kw),

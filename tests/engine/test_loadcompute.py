@@ -9,6 +9,7 @@ import pytest
 import kvstore
 from engine.generate import Generator
 from engine.loadcompute import (
+    LoadFit,
     LoadRates,
     LoadRatesConfig,
     PrefillShape,
@@ -48,6 +49,24 @@ def test_split_point_equals_the_cost_models(reused, new, a, b, beta, layers):
                                    layers=layers) == pytest.approx(t, rel=1e-12)
     assert meeting_point(reused, a=a, b=b, beta=beta) == pytest.approx(
         cm.meeting_point(reused, "disk"), rel=1e-9)
+
+
+@pytest.mark.parametrize(("reused", "new", "a", "b", "beta", "layers"), CASES)
+@pytest.mark.parametrize("latency", [1e-3, 0.2])
+def test_split_point_with_a_load_latency_equals_the_cost_models(reused, new, a, b, beta,
+                                                                layers, latency):
+    """A fixed cost per load (the fitted latency) against the cost model's remote tier, which
+    has one (``remote_latency_s``)."""
+    from dataclasses import replace
+
+    cm = replace(_cost_model(a, b, beta, layers), remote_bps=1 / beta, remote_latency_s=latency)
+    m, t = split_point(reused, new, a=a, b=b, call=0.0, beta=beta, layers=layers,
+                       latency=latency)
+    m_cm, t_cm = cm.split(reused, new, "remote")
+    assert t == pytest.approx(t_cm, rel=1e-9)
+    kw = {"a": a, "b": b, "call": 0.0, "beta": beta, "layers": layers, "latency": latency}
+    assert t == pytest.approx(min(split_time(x, reused, new, **kw) for x in range(reused + 1)),
+                              rel=1e-12)
 
 
 @pytest.mark.parametrize(("reused", "new", "a", "b", "beta", "layers"), CASES)
@@ -94,8 +113,8 @@ def test_rates_plan():
     # chunks of 256: 900 tokens split at the meeting point ~300 -> the boundary 256 or 512
     p = r.plan("disk", 900, 1, layers=1000, chunk_tokens=256)
     assert p.computed in (256, 512)
-    r.observe_load("disk", 1000, 0.0)  # EWMA: 0.5 ms/token
-    assert r.load_s_per_token["disk"] == pytest.approx(5e-4)
+    r.observe_load("disk", 1000, 0.0)  # same size: the ratio of the discounted sums
+    assert r.load_s_per_token("disk") == pytest.approx(0.85 * 1.0 / (0.85 * 1000 + 1000))
     assert r.plan("dram", 900, 1, layers=30).computed == 0  # dram unmeasured: load all
     with pytest.raises(ValueError, match="weight"):
         LoadRatesConfig(weight=0.0)
@@ -105,6 +124,52 @@ def test_rates_plan():
         LoadRatesConfig(min_prefill_tokens=0)
     with pytest.raises(ValueError, match="granule"):
         split_point(10, 1, a=1.0, b=0.0, call=0.0, beta=1.0, layers=1, granule=0)
+
+
+def test_load_fit_recovers_a_line_and_forgets():
+    """Loads on a known line (a latency and a rate) give that line back; a short load's fixed
+    cost is a latency, not a slow disk; with one size only the latency is 0 and the rate is the
+    ratio of sums; a fit that would give a negative latency falls back to the same; forgetting
+    follows a disk that changed speed."""
+    fit = LoadFit(0.15)
+    assert math.isnan(fit.s_per_token)
+    for x in (24, 300, 60, 1000, 500):
+        fit.observe(x, 0.2 + 1e-3 * x)
+    assert fit.line == pytest.approx((0.2, 1e-3), rel=1e-9)
+    assert fit.seconds(100) == pytest.approx(0.3) and fit.seconds(0) == 0.0
+    one = LoadFit(0.15)
+    for y in (1.0, 3.0):
+        one.observe(1000, y)  # (0.85 * 1 + 3) / (0.85 * 1000 + 1000)
+    assert one.line == pytest.approx((0.0, 3.85 / 1850), rel=1e-12)
+    neg = LoadFit(0.0)
+    neg.observe(100, 0.01)
+    neg.observe(1000, 2.0)  # the line through both would start below 0
+    assert neg.line == pytest.approx((0.0, 2.01 / 1100), rel=1e-12)
+    drift = LoadFit(0.15)
+    for i in range(60):  # 1 ms/token, then the disk slows to 3 ms/token
+        x = 200 + 100 * (i % 7)
+        drift.observe(x, (1e-3 if i < 30 else 3e-3) * x)
+    assert drift.s_per_token == pytest.approx(3e-3, rel=0.02)
+    drift.observe(0, 5.0)  # nothing loaded: nothing learned
+    assert drift.s_per_token == pytest.approx(3e-3, rel=0.02)
+    exact = LoadFit.exactly(2e-3, 0.05)
+    assert exact.line == pytest.approx((0.05, 2e-3), rel=1e-9)
+
+
+def test_a_fitted_latency_moves_the_split():
+    """The same per-token rate with a fixed latency per load: the split computes more of the
+    prefix (a load of anything pays the latency), and a small prefix is recomputed whole."""
+    shape = PrefillShape(per_token=1e-3, per_pair=0.0, per_call=0.0)
+    plain, slow = LoadRates(LoadRatesConfig(shape=shape)), LoadRates(LoadRatesConfig(shape=shape))
+    for r in (plain, slow):
+        r.observe_prefill(1000, 1.0)  # 1 ms/token
+    plain.assume_load("disk", 1e-3)
+    slow.assume_load("disk", 1e-3, latency_s=0.2)
+    p, q = (r.plan("disk", 900, 1, layers=1000) for r in (plain, slow))
+    # a m = beta (900 - m) + latency: m = 450 without, 550 with a 0.2 s latency
+    assert abs(p.computed - 450) <= 1 and abs(q.computed - 550) <= 1
+    assert q.load_all_s == pytest.approx(p.load_all_s + 0.2)
+    assert slow.plan("disk", 100, 1, layers=1000).computed == 100  # 0.1 s < 0.2 s + load
 
 
 def test_measured_overlap_scales_strict_splits():
@@ -136,7 +201,7 @@ def _rates(model, beta: float, tier: str) -> LoadRates:
     ``beta`` s/token."""
     r = LoadRates()
     r.prefill_scale = 1.0
-    r.load_s_per_token[tier] = beta
+    r.assume_load(tier, beta)
     return r
 
 
@@ -162,7 +227,7 @@ def test_split_prefix_gives_the_tokens_of_a_full_recompute(model, tmp_path, tier
         assert (r.recomputed_tokens, r.reused_tokens) == (split.computed, split.loaded)
         assert r.prefilled_tokens == len(ids) - split.loaded
         assert r.tokens == full.tokens and r.first_token == full.first_token
-        assert rates.load_s_per_token[tier] != 2e-3  # it measured the load
+        assert rates.load_s_per_token(tier) != pytest.approx(2e-3)  # it measured the load
         # the split result is stored for the next turn like any other
         g = Generator(model, store, rates=_rates(model, 2e-3, tier))
         again = g.generate(ids, max_new_tokens=6)
@@ -186,10 +251,11 @@ def test_generator_recomputes_or_loads_all_when_the_rates_say_so(model, tmp_path
         b = Generator(model, store, rates=fast).generate(ids, max_new_tokens=4, store=False)
         assert b.reused_tokens == len(ids) - 1 and b.recomputed_tokens == 0
         assert b.tokens == first.tokens
-        assert fast.load_s_per_token["dram"] != 1e-7  # it measured the load
+        assert fast.load_s_per_token("dram") != pytest.approx(1e-7)  # it measured the load
 
 
-def test_split_forward_against_a_full_forward(model):
+@pytest.mark.parametrize("m,new", [(9, 5), (1, 5), (9, 1), (20, 12)])
+def test_split_forward_against_a_full_forward(model, m, new):
     """The one-forward split (front computed, back given as past, new tokens over all) against
     the full forward of the same ids: the same last logits and the same KV in position order."""
     import torch
@@ -197,7 +263,7 @@ def test_split_forward_against_a_full_forward(model):
     from engine.generate import split_forward
 
     ids = model.tokenizer.encode("Compute the front, load the back, meet in the middle. " * 3)
-    n, m = len(ids) - 5, 9
+    n = len(ids) - new
     full_logits, full_kv = model.forward(ids, last_only=True)
     _, prefix_kv = model.forward(ids[:n])
     back = [(k[:, m:n], v[:, m:n]) for k, v in prefix_kv]  # [H, n - m, D] per layer
@@ -207,7 +273,8 @@ def test_split_forward_against_a_full_forward(model):
     assert int(logits.argmax()) == int(full_logits.argmax())
     for (k, v), (fk, fv), sk, (bk, _) in zip(kv, full_kv, seen, back, strict=True):
         assert k.shape == fk.shape == (model.config.num_kv_heads, len(ids), model.config.head_dim)
-        assert torch.allclose(k.float(), fk.float(), atol=1e-2, rtol=0)
-        assert torch.allclose(v.float(), fv.float(), atol=1e-2, rtol=0)
+        # fp16 KV: a different summation order moves an element by an ulp (1/64 at |k| = 16)
+        assert torch.allclose(k.float(), fk.float(), atol=1e-2, rtol=5e-3)
+        assert torch.allclose(v.float(), fv.float(), atol=1e-2, rtol=5e-3)
         assert torch.equal(sk, k)  # on_layer sees position order too
         assert torch.equal(k[:, m:n], bk)  # the loaded back, unchanged, at [m, n)
