@@ -117,7 +117,7 @@ def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
     try:
         stored = scratch[:nstored]
         try:
-            core.segments.read(rec.slot, [stored])
+            core.segments.read(rec.slot, [stored], exact=True)  # not the slot's unused rest
             extent.verify(rec, extent.stored_checksums(rec, stored,
                                                        rec.n_tokens * lay.layer_token_bytes))
         except CorruptData:

@@ -101,6 +101,7 @@ class SegmentFiles:
         self.geo = geometry
         self.readonly = readonly
         self._fds: dict[int, int] = {}
+        self._exact_fds: dict[int, int] = {}  # read-only, no readahead (exact reads)
         self._ready: set[int] = set()  # segments known to exist at full size, durably
         self._fd_lock = threading.Lock()  # IO workers may open a segment concurrently
         self._prepare_lock = threading.Lock()  # puts of several threads may need one segment
@@ -143,22 +144,28 @@ class SegmentFiles:
                     out[seg] = st.st_size
         return out
 
-    def _fd(self, seg: int) -> int:
-        fd = self._fds.get(seg)
+    def _fd(self, seg: int, *, exact: bool = False) -> int:
+        """The descriptor of segment ``seg``; with ``exact``, a second, read-only one whose
+        kernel readahead is off (``POSIX_FADV_RANDOM``: readahead state belongs to an open
+        file, so the first descriptor keeps its own)."""
+        fds = self._exact_fds if exact else self._fds
+        fd = fds.get(seg)
         if fd is not None:
             return fd
         with self._fd_lock:
-            fd = self._fds.get(seg)
+            fd = fds.get(seg)
             if fd is not None:
                 return fd
-            flags = os.O_RDONLY if self.readonly else os.O_RDWR
+            flags = os.O_RDONLY if self.readonly or exact else os.O_RDWR
             try:
                 if self.dir is None:
                     raise FileNotFoundError(self.path(seg))
                 fd = self.dir.open(self.name(seg), flags)
             except FileNotFoundError:
                 raise CorruptData(f"segment file {self.path(seg)!r} is missing") from None
-            self._fds[seg] = fd
+            if exact:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            fds[seg] = fd
         return fd
 
     def prepare(self, seg: int) -> None:
@@ -196,9 +203,10 @@ class SegmentFiles:
 
     def remove(self, seg: int) -> None:
         self._ready.discard(seg)
-        old = self._fds.pop(seg, None)
-        if old is not None:
-            os.close(old)
+        for fds in (self._fds, self._exact_fds):
+            old = fds.pop(seg, None)
+            if old is not None:
+                os.close(old)
         assert self.dir is not None
         if self.dir.unlink(self.name(seg)):
             self.dir.fsync()
@@ -236,11 +244,13 @@ class SegmentFiles:
                     raise CapacityError(f"disk full while syncing {self.path(seg)!r}") from e
                 raise
 
-    def read(self, slot: int, buffers: list, offset: int = 0) -> None:
+    def read(self, slot: int, buffers: list, offset: int = 0, *, exact: bool = False) -> None:
         """Fill ``buffers`` (in extent order) from ``slot`` at byte ``offset`` with one
-        ``preadv``; a short read (truncated file) raises CorruptData."""
+        ``preadv``; a short read (truncated file) raises CorruptData. ``exact``: read only
+        these bytes, without kernel readahead (for an extent much shorter than its slot, such
+        as a coded one: readahead would read the rest of the slot too)."""
         seg, base = self.geo.locate(slot)
-        fd = self._fd(seg)
+        fd = self._fd(seg, exact=exact)
         total = sum(len(v) for v in _views(buffers))
         throttle = self.throttle
         due = None if throttle is None else throttle.reserve(total)
@@ -261,8 +271,9 @@ class SegmentFiles:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for fds in (self._fds, self._exact_fds):
+            for fd in fds.values():
+                os.close(fd)
+            fds.clear()
         if self.dir is not None:
             self.dir.close()
