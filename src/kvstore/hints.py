@@ -8,6 +8,8 @@ from disk into DRAM, with the metadata lock held only to choose the chunk and to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvstore.context_indexes import IndexFiles
 from kvstore.core import Core
 from kvstore.errors import CorruptData
@@ -60,10 +62,40 @@ class Hints:
             stats = AccessStats(inserted=rec.created, last_access=rec.last_access)
         return self.policy.priority(stats, self.context_queued(rec.key))
 
-    def saved(self, toks, chain: list[bytes], namespace: str | None) -> None:
-        """With the lock held: a put of this process committed (a learning policy learns)."""
+    def arriving(self, toks, chain: list[bytes], namespace: str | None
+                 ) -> Callable[[], Priority | None]:
+        """With the lock held, when a put is planned (before it makes room): a learning policy
+        learns that the conversations it continues came back. Returns what ranks the new
+        context for admission, called only if the put must evict: its priority by the same
+        policy from the statistics it will get (queued if a waiting job's prompt extends it),
+        or None when the policy admits every save now (no ``admission``, or no statistics)."""
+        now = self.core.mirror.clock
+        stats = (self.learner.arrived(toks, chain, namespace, now) if self.learner is not None
+                 else AccessStats(inserted=now, last_access=now, tokens=len(toks)))
+
+        def mine() -> Priority | None:
+            if not self.policy.admits_now():
+                return None
+            if self.learner is not None:
+                self.learner.now()
+            return self.policy.priority(stats, self.prompt_queued(toks, namespace))
+
+        return mine
+
+    def refused(self, kept: list[bytes], last: bytes) -> None:
+        """With the lock held: admission refused a put (see :meth:`PutLearner.refused`)."""
         if self.learner is not None:
-            self.learner.saved(toks, chain, namespace)
+            self.learner.refused(kept, last)
+
+    def prompt_queued(self, toks, namespace: str | None) -> Queued | None:
+        """With the lock held: where the first waiting job whose prompt starts with ``toks``
+        is in the queue (None if none is)."""
+        n = len(toks)
+        for i, job in enumerate(self.jobs):
+            if job.namespace == namespace and len(job.tokens) >= n \
+                    and (job.tokens[:n] == toks).all():
+                return self._queued(i)
+        return None
 
     def exempt(self, key: bytes) -> bool:
         """Whether the look-ahead window protects context ``key`` from eviction."""

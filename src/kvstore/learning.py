@@ -2,12 +2,13 @@
 
 A put whose tokens strictly extend a context saved earlier is that conversation coming back:
 ``now - saved_at`` of the earlier context is one think-time sample at its turn count, and the
-new context has one turn more. The earlier context need not still be stored (it may have been
-superseded or evicted): saved contexts are remembered by their last chunk's address, which a
-longer put's chain contains when that chunk is full; a partial last chunk is found through its
-parent's address and its length (one hash per candidate). Contexts this process did not save
-(found at open, or put by another process) are ranked from when it first saw them, with one
-turn, and never counted as returns or ends.
+new context has one turn more. It is learned as the put is planned (before it makes room),
+whether or not admission then stores it. The earlier context need not still be stored (it may
+have been superseded or evicted): saved contexts are remembered by their last chunk's address,
+which a longer put's chain contains when that chunk is full; a partial last chunk is found
+through its parent's address and its length (one hash per candidate). Contexts this process
+did not save (found at open, or put by another process) are ranked from when it first saw
+them, with one turn, and never counted as returns or ends.
 
 Time is the policy's ``clock`` (seconds; injectable), and priorities that depend on it are
 re-ranked (unqueued ones in one vectorized pass) at most every twentieth of the mean think
@@ -58,12 +59,19 @@ class PutLearner:
         return AccessStats(inserted=rec.created, last_access=rec.last_access,
                            tokens=rec.n_tokens, turns=turns, saved_at=at, key=rec.key)
 
-    def _track(self, key: bytes, now: float, turns: int, *, learn: bool) -> None:
+    def _track(self, key: bytes, now: float, turns: int, *, learn: bool,
+               partial: tuple[bytes, int] | None = None) -> None:
+        """``partial``: (parent, tokens) of the context's last chunk when it is not full (else
+        looked up in the tree, where a stored context's last chunk is)."""
         self.tracker.saved(key, now, turns, learn=learn)
-        last = self.tree.chunks.get(key)
-        if last is not None and last.n_tokens < self.tree.chunk_tokens:
-            self._partial.setdefault(last.parent, {})[key] = last.n_tokens
-            self._parent[key] = last.parent
+        if partial is None:
+            last = self.tree.chunks.get(key)
+            if last is not None and last.n_tokens < self.tree.chunk_tokens:
+                partial = (last.parent, last.n_tokens)
+        if partial is not None:
+            self._untrack_partial(key)
+            self._partial.setdefault(partial[0], {})[key] = partial[1]
+            self._parent[key] = partial[0]
 
     def _untrack_partial(self, key: bytes) -> None:
         parent = self._parent.pop(key, None)
@@ -90,16 +98,38 @@ class PutLearner:
             parent = key
         return out
 
-    def saved(self, toks: np.ndarray, chain: list[bytes], namespace: str | None) -> None:
-        """A put of ``toks`` committed: the conversations it continues came back now."""
+    def arrived(self, toks: np.ndarray, chain: list[bytes], namespace: str | None,
+                clock: int) -> AccessStats:
+        """A put of ``toks`` (``chain``: its chunks' addresses) is being planned, before it
+        makes room, whether or not it is then stored (the simulator learns at every save too):
+        the conversations it continues came back now, and this save is tracked with one turn
+        more. Returns the statistics the new context gets (``clock``: the store's logical
+        clock), which admission ranks it by."""
         now = self.now()
         turns = 0
         for key in self.extended(toks, chain, namespace):
             t = self.tracker.returned(key, now)
             self._untrack_partial(key)
             turns = max(turns, t or 0)
-        self._track(chain[-1], now, turns + 1, learn=True)
-        self.tree.reprioritize([chain[-1]])
+        c = self.tree.chunk_tokens
+        m = len(toks) - (len(chain) - 1) * c
+        parent = chain[-2] if len(chain) > 1 else self.tree.seed(namespace)
+        self._track(chain[-1], now, turns + 1, learn=True,
+                    partial=(parent, m) if m < c else None)
+        return AccessStats(inserted=clock, last_access=clock, tokens=len(toks),
+                           turns=turns + 1, saved_at=now, key=chain[-1])
+
+    def refused(self, kept: list[bytes], last: bytes) -> None:
+        """Admission refused the put whose last chunk is ``last`` (planned by
+        :meth:`arrived`): the stored contexts ``kept`` it would have superseded stay, as the
+        latest stored state of a conversation saved now with the refused save's turns (ranked
+        so; they teach nothing: the refused save is the one a later return counts from)."""
+        info = self.tracker.info(last)
+        if info is None:
+            return
+        for key in kept:
+            self._track(key, info[0], info[1], learn=False)
+        self.tree.reprioritize(kept)
 
     # ------------------------------------------------------------------ time
     def refresh(self, queued: Callable[[bytes], Queued | None]) -> None:

@@ -46,7 +46,7 @@ class _Job:
     values: torch.Tensor
     ready: torch.cuda.Event | None
     hold: _Hold
-    future: Future[None]
+    future: Future[bool]
 
 
 class _Hold:
@@ -198,8 +198,9 @@ class SaveHandle:
         self._extra.append(extra)
         self._n_extra += t
 
-    def finish(self) -> Future[None]:
-        """Hand the context to the writer; the future completes when it is durable."""
+    def finish(self) -> Future[bool]:
+        """Hand the context to the writer; the future completes when it is durable (True),
+        or with False if the store's eviction policy refused it (admission: nothing stored)."""
         self._check_open()
         missing = np.flatnonzero(~self._layers)
         if len(missing):
@@ -241,14 +242,15 @@ class SaveHandle:
 class Saver:
     """The write buffer and the writer thread of one store.
 
-    ``write(tokens, keys, values, namespace, base)`` stores one context (the store's put);
+    ``write(tokens, keys, values, namespace, base)`` stores one context (the store's put) and
+    returns whether it was stored (False: the eviction policy's admission refused it);
     ``release(held)`` lets go of the chunks a save held. The writer thread runs while saves
     are queued and ends when the queue is empty. Thread-safety: all methods may be called from
     any thread.
     """
 
     def __init__(self, *, capacity_bytes: int,
-                 write: Callable[[np.ndarray, torch.Tensor, torch.Tensor, str | None, int], None],
+                 write: Callable[[np.ndarray, torch.Tensor, torch.Tensor, str | None, int], bool],
                  release: Callable[[list[bytes]], None], helpers: Helpers | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.helpers = helpers  # for large copies into the write buffer
@@ -318,15 +320,16 @@ class Saver:
                     return
                 job = self._writing = self._queue.popleft()
             error = None
+            stored = False
             try:
                 if job.ready is not None:
                     job.ready.synchronize()  # the non-blocking copies from the GPU are done
-                self._write(job.tokens, job.keys, job.values, job.namespace, job.base)
+                stored = self._write(job.tokens, job.keys, job.values, job.namespace, job.base)
             except BaseException as e:  # handed to the future and the next flush()
                 error = e
-            self._retire(job, error)
+            self._retire(job, error, stored)
 
-    def _retire(self, job: _Job, error: BaseException | None) -> None:
+    def _retire(self, job: _Job, error: BaseException | None, stored: bool = False) -> None:
         """A queued save is over (written, failed or abandoned): release what it held, then
         complete its future."""
         try:
@@ -344,7 +347,7 @@ class Saver:
                 self._writing = None
             self._cond.notify_all()
         if error is None:
-            job.future.set_result(None)
+            job.future.set_result(stored)
         else:
             job.future.set_exception(error)
 

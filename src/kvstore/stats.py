@@ -25,6 +25,8 @@ class Counters:
     evicted_contexts: int = 0
     evicted_chunks: int = 0
     evicted_in_window: int = 0
+    bypassed_puts: int = 0  # puts the policy's admission refused (nothing written or evicted)
+    kept_back_contexts: int = 0  # victims a size-aware eviction put back (the rest freed enough)
     prefetched_chunks: int = 0
     corrupt_chunks: int = 0
     dropped_contexts: int = 0

@@ -65,9 +65,10 @@ class Store:
         core.tree.priority = self._hints.context_priority
         self._reader = Reader(core, self._hints.chunk_queued, files)
         self._loads = Loads(core, files)
-        self._writer = Writer(core, queued=self._hints.chunk_queued, exempt=self._hints.exempt,
-                              refresh_hints=self._hints.refresh, files=files,
-                              on_commit=self._hints.changed, saved=self._hints.saved)
+        self._writer = Writer(core, policy=policy, queued=self._hints.chunk_queued,
+                              exempt=self._hints.exempt, refresh_hints=self._hints.refresh,
+                              files=files, on_commit=self._hints.changed,
+                              arriving=self._hints.arriving, refused=self._hints.refused)
         self._indexes = ContextIndexStore(
             core, files, get=lambda toks, ns: self.get(toks, namespace=ns))
         self._saver = Saver(
@@ -85,11 +86,12 @@ class Store:
             prefetch_get=lambda toks, ns: self.get(toks, namespace=ns))
 
     def _write_saved(self, toks: np.ndarray, k: torch.Tensor, v: torch.Tensor,
-                     namespace: str | None, base: int) -> None:
-        """The writer thread's put of a save, then its write-through."""
-        self._writer.put(toks, extent.raw(k), extent.raw(v), namespace, base)
-        if self._remote is not None:
+                     namespace: str | None, base: int) -> bool:
+        """The writer thread's put of a save, then its write-through (if it was stored)."""
+        stored = self._writer.put(toks, extent.raw(k), extent.raw(v), namespace, base)
+        if stored and self._remote is not None:
             self._remote.after_put(toks, namespace)
+        return stored
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -103,8 +105,12 @@ class Store:
 
     # ------------------------------------------------------------------ writing
     def put(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
-            namespace: str | None = None, index: IndexSpec | None = None) -> None:
-        """Store the KV of ``tokens``; durable when it returns.
+            namespace: str | None = None, index: IndexSpec | None = None) -> bool:
+        """Store the KV of ``tokens``; durable when it returns. Returns True once stored (or
+        if it was already), False if the eviction policy's admission refused it (``reuse``,
+        ``belady``: it would have had to evict contexts all ranked above it; nothing is
+        written or evicted, counted in ``stats()["evictions"]["bypassed_puts"]``; not an
+        error, so a refused save does not fail :meth:`flush`).
 
         ``keys``/``values``: [num_layers, num_kv_heads, T, head_dim] in the layout dtype, keys
         without rotary encoding. Chunks already stored (a shared prefix, by any process) are
@@ -126,11 +132,13 @@ class Store:
             check_keys(keys)
         kr = extent.raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
         vr = extent.raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
-        self._writer.put(toks, kr, vr, namespace)
+        if not self._writer.put(toks, kr, vr, namespace):
+            return False
         if self._remote is not None:  # queued for write-through (sent in the background)
             self._remote.after_put(toks, namespace)
         if index is not None:
             self._indexes.attach(toks, namespace, keys, index)
+        return True
 
     def delete(self, tokens: object, *, namespace: str | None = None) -> bool:
         """Remove the context stored for exactly ``tokens``; chunks other contexts share stay.
@@ -195,9 +203,10 @@ class Store:
             self._core.tree.release(keys)
 
     def save_async(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
-                   namespace: str | None = None) -> Future[None]:
+                   namespace: str | None = None) -> Future[bool]:
         """:meth:`put` on the writer thread: returns once the KV is copied into the write
-        buffer; the future completes when it is durable. Thread-safe."""
+        buffer; the future completes when it is durable, with put's result (False: the
+        policy's admission refused it). Thread-safe."""
         toks = as_tokens(tokens)
         keys = check_kv(self.layout, "keys", keys, len(toks))
         values = check_kv(self.layout, "values", values, len(toks))

@@ -60,6 +60,8 @@ def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Hints, saver:
             "dram_chunks": core.dram.evictions,
             "disk_contexts": cnt.evicted_contexts,
             "disk_chunks": cnt.evicted_chunks,
+            "kept_back_contexts": cnt.kept_back_contexts,
+            "bypassed_puts": cnt.bypassed_puts,
         },
         "queue": {
             "jobs": len(hints.jobs),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,7 +36,7 @@ from kvstore.dram import Entry
 from kvstore.errors import CapacityError, CorruptData, KVStoreError, StoreClosed
 from kvstore.mirror import writing
 from kvstore.owners import owner_alive
-from kvstore.policy import Queued
+from kvstore.policy import EvictionPolicy, Priority, Queued
 from kvstore.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
 from kvstore.tree import served
 
@@ -63,6 +63,9 @@ class PutPlan:
     @property
     def held(self) -> list[bytes]:
         return [r.key for r in self.reused]
+
+
+BYPASSED = object()  # a put the policy's admission refused (nothing written or evicted)
 
 
 class _Refused(Exception):
@@ -94,14 +97,20 @@ def reclaim_dead(core: Core, txn: WriteTxn) -> int:
 class Writer:
     """Puts, from any thread (several at once: their IO runs in parallel)."""
 
-    def __init__(self, core: Core, *, queued: Callable[[bytes], Queued | None],
+    def __init__(self, core: Core, *, policy: EvictionPolicy,
+                 queued: Callable[[bytes], Queued | None],
                  exempt: Callable[[bytes], bool],
                  refresh_hints: Callable[[], None], files: IndexFiles,
                  on_commit: Callable[[], None],
-                 saved: Callable[[np.ndarray, list[bytes], str | None], None] | None = None
-                 ) -> None:
+                 arriving: Callable[[np.ndarray, list[bytes], str | None],
+                                    Callable[[], Priority | None]] | None = None,
+                 refused: Callable[[list[bytes], bytes], None] | None = None) -> None:
         self.core = core
-        self._saved = saved  # with the lock held, after a commit: (tokens, chain, namespace)
+        self._policy = policy
+        # With the lock held, as a put is planned: (tokens, chain, namespace) -> what ranks
+        # the new context for admission (see Hints.arriving); refused: (kept, last chunk).
+        self._arriving = arriving
+        self._refused = refused
         self._queued = queued
         self._exempt = exempt  # context -> whether the look-ahead window protects it
         self._refresh_hints = refresh_hints
@@ -119,23 +128,29 @@ class Writer:
 
     # ------------------------------------------------------------------ put
     def put(self, toks: np.ndarray, kr: np.ndarray, vr: np.ndarray, namespace: str | None,
-            base: int = 0) -> None:
-        """Store ``toks`` given raw KV kr/vr [L, H, T - base, D] of tokens [base, T)."""
+            base: int = 0) -> bool:
+        """Store ``toks`` given raw KV kr/vr [L, H, T - base, D] of tokens [base, T). Returns
+        False if the policy's admission refused it (nothing written, nothing evicted), True
+        once it is stored (or was already)."""
         with self._planned(toks, namespace, base) as plan:
-            if plan is not None:
+            if plan is BYPASSED:
+                return False
+            if isinstance(plan, PutPlan):
                 self.core.segments.ensure_ready(list(plan.reservation.slots))
                 self._write_extents(plan, kr, vr, base)
                 self._commit(plan)
+        return True
 
     @contextmanager
     def _planned(self, toks: np.ndarray, namespace: str | None, base: int
-                 ) -> Iterator[PutPlan | None]:
-        """A put's plan (None: nothing to write), whose reservation, holds, DRAM staging and
-        in-flight marks are released when the block ends, however it ends: a plan that did
-        not commit is aborted (its reservation deleted, its slots free again)."""
+                 ) -> Iterator[PutPlan | object | None]:
+        """A put's plan (None: nothing to write; BYPASSED: admission refused it), whose
+        reservation, holds, DRAM staging and in-flight marks are released when the block ends,
+        however it ends: a plan that did not commit is aborted (its reservation deleted, its
+        slots free again)."""
         plan = self._plan(toks, namespace, base)
-        if plan is None:
-            yield None
+        if not isinstance(plan, PutPlan):
+            yield plan
             return
         try:
             yield plan
@@ -160,7 +175,8 @@ class Writer:
         core.mirror.touch(pieces[-1].rec.key)
         return True
 
-    def _plan(self, toks: np.ndarray, namespace: str | None, base: int) -> PutPlan | None:
+    def _plan(self, toks: np.ndarray, namespace: str | None, base: int
+              ) -> PutPlan | object | None:
         core = self.core
         with core.mutex:
             core.check_writable()
@@ -183,8 +199,8 @@ class Writer:
                         self._cond.notify_all()
                 raise
             self._files.remove(dirs)
-            if plan is None:
-                return None
+            if plan is None or plan is BYPASSED:
+                return plan
             if not isinstance(plan, set):
                 break
             busy = plan
@@ -194,9 +210,11 @@ class Writer:
         return plan
 
     def _plan_locked(self, txn: WriteTxn, toks: np.ndarray, namespace: str | None, base: int,
-                     dirs: list[tuple[bytes, IndexEntry]]) -> PutPlan | set[bytes] | None:
+                     dirs: list[tuple[bytes, IndexEntry]]
+                     ) -> PutPlan | set[bytes] | object | None:
         """Inside the plan transaction, under the lock: the plan, None if nothing is to be
-        written, or the set of new chunk keys another put of this process is writing."""
+        written, BYPASSED if admission refused it, or the set of new chunk keys another put
+        of this process is writing."""
         core = self.core
         tree, c = core.tree, core.config.chunk_tokens
         reclaim_dead(core, txn)
@@ -225,10 +243,18 @@ class Writer:
             raise CapacityError(
                 f"a context of {len(toks)} tokens needs {len(chain)} chunk slots; disk_bytes="
                 f"{core.config.disk_bytes} holds {core.geo.total_slots}")
+        mine = None if self._arriving is None else self._arriving(toks, chain, namespace)
         reservations = txn.reservations()
         reserved = {s for r in reservations for s in r.slots}
         held = {k for r in reservations for k in r.held} | {r.key for r in reused}
-        self._make_room(txn, len(specs), reserved, held, dirs)
+        superseded = tree.prefix_contexts(toks, chain, namespace)
+        if not self._make_room(txn, len(specs), reserved, held, dirs, mine=mine,
+                               superseded=superseded):
+            core.counters.bypassed_puts += 1
+            if self._refused is not None:
+                self._refused(superseded, chain[-1])
+            core.mirror.flush_access(txn)
+            return BYPASSED
         slots = core.slots.take(len(specs), reserved)
         res = Reservation(core.owner.id, next(self._seq), tuple(slots),  # type: ignore[union-attr]
                           tuple(r.key for r in reused))
@@ -250,15 +276,24 @@ class Writer:
                        reused=reused, reservation=res, staged=staged)
 
     def _make_room(self, txn: WriteTxn, need: int, reserved: set[int], held: set[bytes],
-                   dirs: list[tuple[bytes, IndexEntry]]) -> None:
+                   dirs: list[tuple[bytes, IndexEntry]], *,
+                   mine: Callable[[], Priority | None] | None = None,
+                   superseded: Iterable[bytes] = ()) -> bool:
         """Evict whole contexts (least valuable first) until ``need`` slots are free and not
         reserved. With a queue-aware policy, contexts inside the look-ahead eviction window go
         last; a put is not refused because of hints. Refuses before evicting anything if
-        not enough can be freed (held or pinned chunks)."""
+        not enough can be freed (held or pinned chunks): CapacityError.
+
+        A policy with ``admission`` or ``size_aware`` (``reuse``, ``belady``) chooses its
+        victims first (:meth:`_choose_victims`, the simulator's rule) and may refuse the put
+        (returns False, nothing evicted); ``mine`` gives the new context's priority, called
+        only if something must leave (None: admit). ``superseded``: the stored contexts this
+        put replaces at its commit (never victims ahead of the others, never a reason to
+        refuse)."""
         core = self.core
         tree, slots = core.tree, core.slots
         if slots.available(reserved) >= need:
-            return
+            return True
         self._refresh_hints()
         reclaimable = slots.available(reserved) + sum(
             1 for k, r in tree.chunks.items()
@@ -267,6 +302,23 @@ class Writer:
             raise CapacityError(
                 f"need {need} free disk slots but at most {reclaimable} can be freed now (the "
                 f"rest hold chunks that puts, saves or layer-wise loads in progress use)")
+        pol = self._policy
+        if pol.admission or pol.size_aware:
+            victims = self._choose_victims(need - slots.available(reserved), held,
+                                           None if mine is None else mine(), set(superseded))
+            if victims is None:
+                return False
+            for victim in victims:
+                if self._exempt(victim):
+                    core.counters.evicted_in_window += 1
+            core.counters.evicted_contexts += len(victims)
+            freed, d = core.mirror.drop_contexts(txn, victims, held)
+            core.counters.evicted_chunks += freed
+            dirs += d
+            if slots.available(reserved) < need:
+                raise CapacityError(f"need {need} free disk slots, but only "
+                                    f"{slots.available(reserved)} could be freed")
+            return True
         while slots.available(reserved) < need:
             victim = tree.heap.peek()
             if victim is None:
@@ -278,6 +330,84 @@ class Writer:
             freed, d = core.mirror.drop_contexts(txn, [victim], held)
             core.counters.evicted_chunks += freed
             dirs += d
+        return True
+
+    def _choose_victims(self, short: int, held: set[bytes], mine: Priority | None,
+                        superseded: set[bytes]) -> list[bytes] | None:
+        """The contexts to evict so that ``short`` more slots become free, by the simulator's
+        rule (``engine.replay.simstore.SimStore._evict_for``), with slots for bytes:
+
+        1. Walk the contexts in policy order (lowest priority first), adding each to the
+           victims, until the victims free ``short`` slots (a chunk is freed once every
+           context holding it is a victim, unless a put holds it or a read pins its slot).
+           With ``mine`` (admission), if the next context ranks strictly above ``mine`` the
+           put is refused: None, nothing evicted. ``superseded`` contexts are skipped (the
+           simulator replaces a conversation's context in place) and taken last, only if the
+           others cannot free enough. CapacityError (nothing evicted) if all of them
+           cannot.
+        2. With ``size_aware``, go through the victims from the highest priority down and put
+           back each one without which the rest still free ``short`` slots.
+
+        So a small low-priority context is not evicted next to a big one that frees enough
+        alone (2. puts it back), but a big context is never evicted ahead of a small one
+        that ranks lower. With the lock held; changes nothing but the heap's tie order."""
+        tree, slots = self.core.tree, self.core.slots
+        pol = self._policy
+        dec: dict[bytes, int] = {}  # chunk -> victims holding it
+
+        def frees(c: bytes) -> bool:
+            rec = tree.chunks.get(c)
+            return (rec is not None and dec.get(c, 0) == len(tree.holders.get(c, ()))
+                    and c not in held and c not in tree.held and not slots.pinned(rec.slot))
+
+        def marginal(key: bytes) -> int:
+            return sum(1 for c in tree.contexts[key].chunks if frees(c))
+
+        def add(key: bytes) -> int:
+            for c in tree.contexts[key].chunks:
+                dec[c] = dec.get(c, 0) + 1
+            return marginal(key)
+
+        popped: list[tuple[bytes, Priority]] = []
+        chosen: list[tuple[bytes, Priority]] = []
+        later: list[tuple[bytes, Priority]] = []
+        freed = 0
+        try:
+            while freed < short:
+                p = tree.heap.peek_priority()
+                if p is None:
+                    break
+                key = tree.heap.pop()
+                popped.append((key, p))
+                if key in superseded:
+                    later.append((key, p))
+                    continue
+                if mine is not None and mine < p:  # type: ignore[operator]
+                    return None
+                chosen.append((key, p))
+                freed += add(key)
+            for key, p in later:
+                if freed >= short:
+                    break
+                chosen.append((key, p))
+                freed += add(key)
+        finally:
+            for key, p in popped:  # evicted ones leave the heap when they are dropped
+                tree.heap.push(key, p)
+        if freed < short:
+            raise CapacityError(f"need {short} more free disk slots, but evicting every "
+                                f"context frees only {freed} now (the rest hold chunks that "
+                                f"puts, saves or layer-wise loads in progress use)")
+        if pol.size_aware:
+            for key, p in sorted(chosen, key=lambda v: v[1], reverse=True):
+                m = marginal(key)
+                if freed - m >= short:
+                    freed -= m
+                    for c in tree.contexts[key].chunks:
+                        dec[c] -= 1
+                    chosen.remove((key, p))
+                    self.core.counters.kept_back_contexts += 1
+        return [k for k, _ in chosen]
 
     # ------------------------------------------------------------------ write
     def _write_extents(self, plan: PutPlan, kr: np.ndarray, vr: np.ndarray, base: int) -> None:
@@ -396,8 +526,6 @@ class Writer:
         plan.state = "committed"
         with core.mutex:
             core.mirror.catch_up()
-            if self._saved is not None:
-                self._saved(plan.toks, plan.chain, plan.namespace)
             gens = {r.key: r.gen for r in plan.records}
             core.slots.give_back(r.slot for r in plan.records if r.key in dup)
             for key, e in plan.staged.items():

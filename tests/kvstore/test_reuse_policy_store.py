@@ -7,6 +7,7 @@ import pytest
 
 from kvstore.policy import ReturnModel
 from tests.kvstore.conftest import put_causal
+from tests.kvstore.kvgen import causal_kv
 
 SLOT = 4096  # bytes of one 4-token chunk of the SMALL layout
 
@@ -92,15 +93,25 @@ def test_store_evicts_as_the_hand_computed_numbers_say(open_small):
     p = 0. Pooled rate 4/8, so q(1) = (4 + 1/2) / 5 = 0.9. A (1 turn, idle 5 s): S = 1, p =
     0.9, expected wait 25 - 5 = 20 s: benefit 0.9 / (8 * 21). B (1 turn, idle 25 s, older):
     S = 1/2, p = 0.45 / 0.55, wait 35 - 25 = 10 s: benefit 0.818 / (8 * 11), higher. A 9-slot
-    save at 205 s evicts the four ended contexts (8 slots) and then A; LRU evicts B instead."""
+    save at 205 s that a waiting job needs (certain) evicts the four ended contexts (8 slots) and
+    then A; LRU evicts B instead. Unqueued, the same save (1 turn, idle 0: p = 0.9, wait 25 s,
+    benefit 0.9 / (36 * 26), below A's) is refused by admission: nothing evicted."""
     s = open_small(policy="reuse", disk_bytes=12 * SLOT)
     clock = Clock()
     s.policy.clock = clock
     a, b = learn_then_fill(s, clock)
     clock.t = 205.0
     big = [70_000 + j for j in range(36)]
-    put_causal(s, big)
+    k, v = causal_kv(s.layout, big)
+    assert s.put(big, k, v) is False
+    assert s.match(b) == 8 and s.match(a) == 8 and s.match(big) == 0
+    ev = s.stats()["evictions"]
+    assert ev["bypassed_puts"] == 1 and ev["disk_contexts"] == 0
+    assert 0.9 / (36 * 26) < 0.9 / (8 * 21)
+    s.set_queue([big + [1]])
+    assert s.put(big, k, v) is True
     assert s.match(b) == 8 and s.match(a) == 0 and s.match(big) == 36
+    assert s.stats()["evictions"]["disk_contexts"] == 5
     assert all(s.match([1000 * (i + 1) + j for j in range(8)]) == 0 for i in range(4))
     # the store's model is the hand-fed one
     oracle = ReturnModel()

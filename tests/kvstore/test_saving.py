@@ -27,7 +27,7 @@ def test_layerwise_save_with_decode_batch(open_small):
         save.append(decoded, k[:, :, 13:], v[:, :, 13:])  # decode steps, batched
         fut = save.finish()
     s.flush()
-    assert fut.done() and fut.result() is None
+    assert fut.done() and fut.result() is True
     assert s.match(prompt + decoded) == 16
     assert_get_exact(s, prompt + decoded)
     assert s.stats()["saves"]["saved"] == 1 and s.stats()["saves"]["write_buffer_used"] == 0
@@ -38,7 +38,7 @@ def test_save_async_many_then_reopen(open_small, tmp_path):
     futs = [s.save_async(t, *causal_kv(SMALL, t)) for t in
             ([i, i + 1, i + 2, 7, 7, 7, 7] for i in range(0, 60, 3))]
     s.flush()
-    assert all(f.result() is None for f in futs)
+    assert all(f.result() is True for f in futs)
     s.close()
     assert not _store_threads()
     with kvstore.open(tmp_path / "store") as r:
