@@ -47,9 +47,14 @@ class GenerationResult:
     ttft_s: float  # request start -> first token sampled (load + prefill)
     load_s: float  # time spent getting KV from the store
     total_s: float
-    stored_tokens: int  # tokens whose KV was stored for the next turn (0 if store=False)
+    # tokens whose KV was stored for the next turn (0 if store=False or the store's admission
+    # refused a synchronous put); an asynchronous save counts them here, and ``saved`` says
+    # whether they were stored
+    stored_tokens: int
     stop_reason: str  # "stop_token", "max_new_tokens" or "forced"
-    saved: Future[None] | None = None  # asynchronous save: done when the KV is durable
+    # asynchronous save: done when the KV is durable (True), or refused by the store's
+    # admission (False: nothing stored)
+    saved: Future[bool] | None = None
     first_token: int = -1  # the token sampled after the prompt (with ``forced`` too)
     # reused tokens served from chunks stored through a lossy codec: when > 0 the result is not
     # bit-identical to a recompute (see docs/store.md, "Codecs")
@@ -419,8 +424,7 @@ class Generator:
         elif store:
             k, v = stack_kv(kv)  # [L, H, T, D]
             assert k.shape[2] == len(fed)
-            self.store.put(fed, k, v, namespace=namespace)
-            stored = len(fed)
+            stored = len(fed) if self.store.put(fed, k, v, namespace=namespace) else 0
         return GenerationResult(
             tokens=out if forced is None else forced, reused_tokens=n_reused,
             prefilled_tokens=len(ids) - n_reused,

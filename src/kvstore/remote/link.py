@@ -60,6 +60,7 @@ class LinkCounters:
     served_tokens: int = 0
     misses: int = 0  # gets the remote could not complete
     filled: int = 0  # fetched contexts saved locally
+    fill_refused: int = 0  # ... not saved: the eviction policy's admission refused them
     fill_skipped: int = 0  # ... not saved: the write buffer was full
     fill_failed: int = 0
     prefetched: int = 0  # jobs whose KV the prefetcher fetched from remote
@@ -117,7 +118,8 @@ class RemoteLink:
         self.tier = tier
         self._get_local = get_local  # local KV of toks into the leading tokens of out tensors
         self._read_chunk = read_chunk  # key -> (record, extent) from the local tiers, or None
-        self._fill = fill  # store a fetched context locally: (toks, ns, raw k, raw v)
+        # store a fetched context locally: (toks, ns, raw k, raw v) -> False if refused
+        self._fill = fill
         self.last_fill_error = ""
         self._prefetch_get = prefetch_get
         self._lock = threading.Lock()
@@ -314,7 +316,7 @@ class RemoteLink:
                                             torch.Tensor]]) -> None:
         for toks, ns, k, v in batch:
             try:
-                self._fill(toks, ns, extent.raw(k), extent.raw(v))
+                stored = self._fill(toks, ns, extent.raw(k), extent.raw(v))
             except StoreClosed:
                 return
             except Exception as e:  # counted and shown in stats(); the get had its data
@@ -322,7 +324,7 @@ class RemoteLink:
                 with self._lock:
                     self.last_fill_error = f"{type(e).__name__}: {e}"[:300]
                 continue
-            self._count("filled")
+            self._count("filled" if stored else "fill_refused")
 
     def _remember(self, keys: list[bytes]) -> None:
         with self._lock:
