@@ -339,9 +339,9 @@ class Plan:
         pr = self.profile
 
         def of(used: float, budget: int | None, whole: int = 0) -> str:
-            pct = f" = {100 * used / whole:.1f}% of {whole / _MB:.1f} MB" if whole else ""
-            lim = "no budget" if budget is None else f"budget {budget / _MB:.2f} MB"
-            return f"{used / _MB:.2f} MB{pct} ({lim})"
+            pct = f" = {100 * used / whole:.1f}% of {whole / _MB:.1f} MiB" if whole else ""
+            lim = "no budget" if budget is None else f"budget {budget / _MB:.2f} MiB"
+            return f"{used / _MB:.2f} MiB{pct} ({lim})"
 
         lines = [f"plan for {pr.n_tokens} tokens, {pr.probes} probe queries per kv-head "
                  f"({pr.group} per step), mass target {self.target:g}",
@@ -349,16 +349,16 @@ class Plan:
                  f"  moved per step {of(self.moved, self.step_bytes, pr.kv_bytes)} [KV]",
                  f"  execution tier {of(self.resident, self.resident_bytes)}: base "
                  f"{pr.base_bytes / _MB:.2f} + indexes {self.bytes / _MB:.2f} + largest "
-                 f"step buffer {max(c.buffer for c in self.choices) / _MB:.2f} MB"]
+                 f"step buffer {max(c.buffer for c in self.choices) / _MB:.2f} MiB"]
         for p, c, why in zip(pr.layers, self.choices, self.reasons, strict=True):
             alts = "; ".join(
                 f"{k}: {p.best(k, self.target).label} mass {p.best(k, self.target).mass:.4f}, "
-                f"{p.bytes[k] / _MB:.2f} MB, {p.best(k, self.target).moved / 1024:.0f} KB/step"
+                f"{p.bytes[k] / _MB:.2f} MiB, {p.best(k, self.target).moved / 1024:.0f} KiB/step"
                 for k in p.bytes if k != c.kind)
             lines.append(f"layer {p.layer}: {c.label} (mass {c.mass:.4f}, recall "
                          f"{c.recall:.3f}, {c.tokens:.0f} tokens, {c.us:.0f} us/query, "
-                         f"{p.bytes[c.kind] / _MB:.2f} MB, {c.moved / 1024:.0f} KB/step, "
-                         f"buffer {c.buffer / 1024:.0f} KB) - {why}"
+                         f"{p.bytes[c.kind] / _MB:.2f} MiB, {c.moved / 1024:.0f} KiB/step, "
+                         f"buffer {c.buffer / 1024:.0f} KiB) - {why}"
                          + (f" [others: {alts}]" if alts else ""))
         return "\n".join(lines)
 
@@ -487,9 +487,9 @@ def plan_layers(profile: Profile, *, budget_bytes: int | None = None,
         new = layers[li].options[i]
         pick[li] = i
         why[li] = (f"upgraded from {old.label}: +{gain:.4f} mass for "
-                   f"{(new.moved - old.moved) / 1024:+.0f} KB/step, "
+                   f"{(new.moved - old.moved) / 1024:+.0f} KiB/step, "
                    f"{(layers[li].bytes[new.kind] - layers[li].bytes[old.kind]) / _MB:+.2f} "
-                   f"MB index, the best mass per weighted byte that fits")
+                   f"MiB index, the best mass per weighted byte that fits")
     for li, p in enumerate(layers):  # trim: the cheapest option of no less mass that fits
         cur = p.options[pick[li]]
         for i in sorted(range(len(p.options)), key=lambda i, li=li, p=p: sr.order(

@@ -64,7 +64,7 @@ def test_choices_change_with_the_step_budget():
         with pytest.raises(ValueError, match=name):
             plan_layers(PROF, **{name: 1.5})
     text = tight.explain()
-    assert "moved per step 0.23 MB" in text and "budget 0.23 MB" in text
+    assert "moved per step 0.23 MiB" in text and "budget 0.23 MiB" in text
     line = next(x for x in text.splitlines() if x.startswith("layer 1:"))
     # why layer 1 stayed below its best: k=64 moves too much, flat holds too much
     assert "pq topk k=64 (+0.0588: step_bytes)" in line
