@@ -16,7 +16,10 @@ retrieved tokens, merged by log-sum-exp), but its execution tier holds only:
 Each step and layer reads, through :meth:`kvstore.Store.rows` (verified per chunk-layer, see
 :mod:`kvstore.rows`), the candidate keys PQ re-ranks and the retrieved tokens' keys and values;
 nothing else of the context moves. ``bytes_moved`` counts those bytes (fp16 as stored),
-:meth:`exec_bytes` what the session holds.
+:meth:`exec_bytes` what the session holds. The functions under "the accounting" below
+(:func:`holds_keys`, :func:`step_moved_bytes`, :func:`step_buffer_bytes`,
+:func:`base_resident_bytes`) state these rules once; :mod:`engine.planner` predicts a plan's
+bytes with them.
 
 Several new tokens at once (a prefill after the stored prefix) or a layer planned ``full``
 read the whole layer from the store: correct, and counted, but not what this mode is for.
