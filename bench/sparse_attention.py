@@ -22,8 +22,11 @@ with its PQ indexes, and decodes each ``--configs`` entry through
 parts and a per-step buffer and reads the retrieved rows from the store. It reports bytes
 moved per step (against the context's KV), the session's execution-tier bytes (against a
 full-attention session's), agreement, held-out perplexity and step time against full
-attention in the same run. ``--planner BUDGET_MB`` decodes with the measured optimizer's
-per-layer plan (:mod:`engine.planner`) under that index memory budget.
+attention in the same run. ``--planner BUDGET_MB`` (index memory), ``--planner-step-pct``
+(bytes moved per step, % of the context's KV) and ``--planner-resident-pct`` (execution tier,
+% of the full-attention session's) decode with the measured optimizer's per-layer plan
+(:mod:`engine.planner`) within the budgets given; the row reports its predicted bytes beside
+the measured ones. ``--configs ''`` runs the planner's configuration alone.
 """
 
 from __future__ import annotations
@@ -72,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
                         "this index memory budget (MB)")
     p.add_argument("--planner-kinds", default="flat,pq,graph",
                    help="index kinds the planner profiles")
+    p.add_argument("--planner-step-pct", type=float, default=None, metavar="PCT",
+                   help="with --offload: plan within this budget of bytes moved per step, "
+                        "in percent of the context's KV as stored")
+    p.add_argument("--planner-resident-pct", type=float, default=None, metavar="PCT",
+                   help="with --offload: plan within this execution-tier budget, in percent "
+                        "of what the full-attention session holds")
     p.add_argument("--out", default="bench/results/sparse_attention.json")
     args = p.parse_args(argv)
     if args.offload:
@@ -285,30 +294,48 @@ def offload_main(args: argparse.Namespace) -> int:
                  "exec_vs_full": 1.0, "moved_per_step": 0, **summary(base_t)}]
         print({k: v for k, v in rows[0].items() if k != "step_ms"}, flush=True)
         configs = []
-        for c in args.configs.split(","):
+        for c in filter(None, args.configs.split(",")):
             index, query = c.split(":")
             configs.append((f"offloaded {index} {query}", SparseConfig(
                 index=index, query=query, k=args.k, beta=args.beta, full_below=0,
                 window=args.window, flat_layers=flat, dipr_cap=args.dipr_cap, spec=spec)))
         plan_report = None
-        if args.planner is not None:
+        budgets = (args.planner, args.planner_step_pct, args.planner_resident_pct)
+        if any(b is not None for b in budgets):
             from engine.planner import measure_profile, plan_layers
             from kvstore.index.context import positioned_keys
 
             Hkv, D = lay.num_kv_heads, lay.head_dim
-            qs = np.stack(probes).reshape(lay.num_layers, Hkv, -1, D)  # [L, Hkv, g*4, D]
+            g = probes[0].shape[0] // Hkv  # query heads per kv-head
+            # [L, H, 4, D] -> [L, Hkv, 4 steps x g query heads, D]: a step is a query group
+            qs = np.stack(probes).reshape(lay.num_layers, Hkv, g, -1, D).transpose(
+                0, 1, 3, 2, 4).reshape(lay.num_layers, Hkv, -1, D)
             t0 = time.perf_counter()
             prof = measure_profile(positioned_keys(keys, lay), queries=qs,
                                    kinds=args.planner_kinds.split(","), spec=spec,
                                    indexes={"pq": store.indexes(ctx)},
                                    ks=(args.k // 2, args.k, 2 * args.k), beta=args.beta,
-                                   dipr_cap=args.dipr_cap, window=args.window, offload=True)
+                                   dipr_cap=args.dipr_cap, window=args.window, offload=True,
+                                   group=g, itemsize=lay.itemsize, capacity=cap)
             prof_s = time.perf_counter() - t0
-            chosen = plan_layers(prof, budget_bytes=int(args.planner * 2**20))
+            mb, step_pct, res_pct = budgets
+            kw = {"budget_bytes": None if mb is None else int(mb * 2**20),
+                  "step_bytes": None if step_pct is None else int(step_pct / 100 * kv_bytes),
+                  "resident_bytes": None if res_pct is None else int(res_pct / 100 * full_bytes)}
+            t0 = time.perf_counter()
+            chosen = plan_layers(prof, **kw)
+            plan_s = time.perf_counter() - t0
             print(chosen.explain(), flush=True)
-            plan_report = {"profile_s": prof_s, "budget_mb": args.planner,
+            plan_report = {"profile_s": prof_s, "plan_s": plan_s, "budget_mb": mb,
+                           "step_pct": step_pct, "resident_pct": res_pct, **kw,
+                           "predicted_moved_per_step": chosen.moved,
+                           "predicted_resident": chosen.resident,
+                           "predicted_index_bytes": chosen.bytes,
                            "explain": chosen.explain(), "profile": prof.to_dict()}
-            configs.append((f"offloaded planner ({args.planner:g} MB)",
+            what = ", ".join(f"{n} {v:g}{u}" for n, v, u in (
+                ("index", mb, " MB"), ("step", step_pct, "%"), ("exec", res_pct, "%"))
+                if v is not None)
+            configs.append((f"offloaded planner ({what})",
                             chosen.config(SparseConfig(k=args.k, beta=args.beta, full_below=0,
                                                        window=args.window, spec=spec,
                                                        dipr_cap=args.dipr_cap))))
@@ -341,6 +368,9 @@ def offload_main(args: argparse.Namespace) -> int:
                          "moved_samples": moved, "open_s": opened[0],
                          "open_bytes": s.open_bytes, "reader": dict(s._reader.stats),
                          **summary(times)})
+            if label.startswith("offloaded planner"):  # its prediction, beside the measure
+                rows[-1]["predicted_moved_per_step"] = plan_report["predicted_moved_per_step"]
+                rows[-1]["predicted_exec_bytes"] = plan_report["predicted_resident"]
             print({k: v for k, v in rows[-1].items()
                    if k not in ("step_ms", "moved_samples")}, flush=True)
     finally:

@@ -16,7 +16,10 @@ retrieved tokens, merged by log-sum-exp), but its execution tier holds only:
 Each step and layer reads, through :meth:`kvstore.Store.rows` (verified per chunk-layer, see
 :mod:`kvstore.rows`), the candidate keys PQ re-ranks and the retrieved tokens' keys and values;
 nothing else of the context moves. ``bytes_moved`` counts those bytes (fp16 as stored),
-:meth:`exec_bytes` what the session holds.
+:meth:`exec_bytes` what the session holds. The functions under "the accounting" below
+(:func:`holds_keys`, :func:`step_moved_bytes`, :func:`step_buffer_bytes`,
+:func:`base_resident_bytes`) state these rules once; :mod:`engine.planner` predicts a plan's
+bytes with them.
 
 Several new tokens at once (a prefill after the stored prefix) or a layer planned ``full``
 read the whole layer from the store: correct, and counted, but not what this mode is for.
@@ -35,6 +38,7 @@ import kvstore
 from engine.sparse import (
     SparseConfig,
     SparsePlan,
+    local_tokens,
     merge,
     pad_heads,
     partial_attention,
@@ -45,12 +49,64 @@ from kvstore.layout import KVLayout
 from kvstore.rope import cos_sin
 from kvstore.rows import RowReader
 
-__all__ = ["OffloadedSession", "open_offloaded"]
+__all__ = ["OffloadedSession", "arrays_bytes", "base_resident_bytes", "held_keys_bytes",
+           "holds_keys", "keeps_index", "open_offloaded", "step_buffer_bytes",
+           "step_moved_bytes"]
 
 
-def _arrays_bytes(obj: object) -> int:
+# ------------------------------------------------------------------ the accounting
+# What an offloaded layer holds and what its decode step moves. OffloadedSession follows these
+# rules; engine.planner predicts a plan's bytes with them (from rows it counts on probes).
+
+
+def holds_keys(kind: str) -> bool:
+    """Whether a layer planned on ``kind`` holds its float32 positioned keys [Hkv, N, D] in
+    the execution tier: the exact scan and the graph walk score every key they visit. A PQ
+    layer holds none (re-ranking reads its candidates' keys each step)."""
+    return kind in ("flat", "graph")
+
+
+def keeps_index(kind: str) -> bool:
+    """Whether a layer planned on ``kind`` keeps an index object (PQ codebooks and codes,
+    graph links); a flat layer scans its held keys."""
+    return kind in ("pq", "graph")
+
+
+def arrays_bytes(obj: object) -> int:
     """Bytes of the numpy arrays an index object holds (its compact parts)."""
     return sum(v.nbytes for v in vars(obj).values() if isinstance(v, np.ndarray))
+
+
+def held_keys_bytes(*, n_tokens: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one layer's held positioned keys (float32 [Hkv, N, D])."""
+    return 4 * n_tokens * num_kv_heads * head_dim
+
+
+def base_resident_bytes(*, num_layers: int, num_kv_heads: int, head_dim: int, n_tokens: int,
+                        sink: int, window: int, capacity: int) -> int:
+    """What every offloaded session holds whatever its plans: the local K and V (float32 sink
+    + window of the context and ``capacity`` decode tokens, every layer) and the RoPE tables
+    (float32 cos and sin [N, D])."""
+    nc = len(local_tokens(n_tokens, sink, window))
+    return (2 * num_layers * num_kv_heads * (nc + capacity) * head_dim * 4
+            + 2 * n_tokens * head_dim * 4)
+
+
+def step_moved_bytes(kind: str, *, key_rows: int, value_rows: int, head_dim: int,
+                     itemsize: int) -> int:
+    """K/V bytes one layer's decode step reads from the store (as stored: ``itemsize``): the
+    ``key_rows`` re-ranking reads (none for a layer that holds its keys) and the values of the
+    ``value_rows`` retrieved tokens outside the local set (summed over kv-heads)."""
+    return ((0 if holds_keys(kind) else key_rows) + value_rows) * head_dim * itemsize
+
+
+def step_buffer_bytes(kind: str, *, num_kv_heads: int, padded_rows: int, key_rows: int,
+                      head_dim: int) -> int:
+    """The per-step buffer of one layer: the retrieved tokens' keys and values float32
+    [Hkv, r, D] (r: the most any kv-head retrieved outside the local set) and, for a layer
+    that reads its keys, the ``key_rows`` read rows float32 with their int64 ids."""
+    keys = 0 if holds_keys(kind) else key_rows * (4 * head_dim + 8)
+    return 2 * num_kv_heads * padded_rows * head_dim * 4 + keys
 
 
 class _StepKeys:
@@ -140,9 +196,8 @@ class OffloadedSession:
         cos, sin = cos_sin(layout, torch.arange(N))  # [N, D] each
         self._cos, self._sin = cos.numpy(), sin.numpy()
         # the local set: sink + the context's last `window` tokens, then the decode tokens
-        s = min(sparse.sink, N)
-        self._lo = max(s, N - sparse.window)
-        self._local_ctx = np.r_[0:s, self._lo:N].astype(np.int64)  # [nc]
+        self._lo = max(min(sparse.sink, N), N - sparse.window)
+        self._local_ctx = local_tokens(N, sparse.sink, sparse.window)  # [nc]
         nc = len(self._local_ctx)
         self._lk = np.empty((L, Hkv, nc + capacity, D), np.float32)  # positioned keys
         self._lv = np.empty((L, Hkv, nc + capacity, D), np.float32)
@@ -158,9 +213,9 @@ class OffloadedSession:
         self._indexes: dict[tuple[int, int], object] = {}
         for layer in range(L):
             plan = self.plan(layer)
-            if plan.index in ("flat", "graph"):
+            if holds_keys(plan.index):
                 self._held[layer] = self._all_keys(layer)
-            if plan.index in ("full", "flat"):
+            if not keeps_index(plan.index):
                 continue
             for h in range(Hkv):
                 sk = _StepKeys(self, layer, h)
@@ -233,7 +288,7 @@ class OffloadedSession:
         parts = {"local": self._lk.nbytes + self._lv.nbytes,
                  "rope": self._cos.nbytes + self._sin.nbytes,
                  "held_keys": sum(a.nbytes for a in self._held.values()),
-                 "indexes": sum(_arrays_bytes(ix) for ix in self._indexes.values()),
+                 "indexes": sum(arrays_bytes(ix) for ix in self._indexes.values()),
                  "step_peak": self.peak_step_bytes}
         parts["total"] = sum(parts.values())
         return parts
@@ -330,8 +385,10 @@ class OffloadedSession:
         idx, valid = pad_heads(ids, s, lo)  # [Hkv, r]: not in the local set, padded
         if held is not None:
             kr = held[np.arange(Hkv)[:, None], idx]  # [Hkv, r, D]
-        else:  # PQ re-ranking read every returned token's key this step
-            kr = np.stack([steps[h].rows(idx[h]) for h in range(Hkv)])
+        else:  # PQ re-ranking read every returned token's key this step (padding: none)
+            kr = np.zeros((Hkv, idx.shape[1], D), np.float32)  # [Hkv, r, D]
+            for h in range(Hkv):
+                kr[h, valid[h]] = steps[h].rows(idx[h, valid[h]])
         # the values of the retrieved tokens, each head its own (no padding read)
         _, v = self._reader.read_rows(layer, np.nonzero(valid)[0], idx[valid], keys=False)
         vr = np.zeros((Hkv, idx.shape[1], D), np.float32)

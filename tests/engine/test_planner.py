@@ -94,8 +94,12 @@ def test_explain_names_every_layer_and_its_numbers(data):
     for p, c in zip(prof.layers, plan.choices, strict=True):
         line = next(x for x in text.splitlines() if x.startswith(f"layer {p.layer}:"))
         assert c.label in line and f"mass {c.mass:.4f}" in line and "us/query" in line
-        assert f"{p.bytes[c.kind] / 2**20:.2f} MB" in line
-    assert "budget" in text.splitlines()[0]
+        assert f"{p.bytes[c.kind] / 2**20:.2f} MiB" in line
+        assert f"{c.moved / 1024:.0f} KiB/step" in line
+        assert f"buffer {c.buffer / 1024:.0f} KiB" in line
+    head = text.splitlines()[:4]
+    assert "index memory" in head[1] and "budget" in head[1]
+    assert "moved per step" in head[2] and "execution tier" in head[3]
 
 
 def test_a_plan_drives_the_sparse_config(data):
