@@ -2,9 +2,10 @@
 
 SmolLM2 serves a small sample of multi-turn ShareGPT conversations twice over the same trace
 (same arrivals, same think times): once recomputing every history (RE), once reusing the KV the
-store kept from the previous turn (AS, scheduler-aware policy). ``--window`` sets the context
-window (4096 by default); with a smaller one, long conversations overflow and AS truncates their
-stored KV. The store lives in the embedded
+store kept from the previous turn (AS: the ``reuse`` policy, which learns from this run how
+likely each conversation is to come back, and the per-request load-or-compute split).
+``--window`` sets the context window (4096 by default); with a smaller one, long conversations
+overflow and AS truncates their stored KV. The store lives in the embedded
 default directory ``./kvstore-demo-store`` (one sub-directory per method); results go to
 ``./kvstore-demo-out`` (``turns.parquet``, ``summary.json``, ``ttft_cdf.png``).
 """
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     wl = WorkloadConfig(conversations=args.conversations, min_turns=5, max_turns=10,
                         max_message_tokens=512, arrival_rate=0.05, think_s=30.0,
                         context_window=args.window, warmup_fraction=0.0, seed=args.seed)
-    cfg = ReplayConfig(mode="real", methods=(Method("re"), Method("as")), workload=wl,
+    as_method = Method("as", policy="reuse", load="split")
+    cfg = ReplayConfig(mode="real", methods=(Method("re"), as_method), workload=wl,
                        store_dir=args.store)
     t0 = time.perf_counter()
     summary = replay(cfg, args.out)
@@ -40,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
           f"({summary['turns']} turns, window {summary['context_window']} tokens) with "
           f"SmolLM2-135M on this machine, in {time.perf_counter() - t0:.0f} s:\n")
     print(format_table(summary))
-    s = summary["methods"]["AS-scheduler"]
+    s = summary["methods"][as_method.label]
     print(f"\nAS reused {s['reused_tokens']} of {s['prompt_tokens']} prompt tokens; "
           f"{s['truncated_turns']} turns overflowed the window and were truncated in the "
-          f"store. Store: {args.store}/AS-scheduler; per-turn results: {args.out}/")
+          f"store. Store: {args.store}/{as_method.label}; per-turn results: {args.out}/")
     return 0
 
 
