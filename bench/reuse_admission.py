@@ -27,34 +27,15 @@ import torch
 import kvstore
 from engine.replay.simstore import SimStore
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchutil; the tests' trace and clock
 from benchutil import machine_info  # noqa: E402
+
+from tests.engine.test_reuse_differential import trace  # noqa: E402
+from tests.kvstore.conftest import Clock  # noqa: E402
 
 LAYOUT = kvstore.KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16",
                           rope_theta=10000.0, model_id="bench-reuse-admission")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def trace(seed: int, n: int) -> list[tuple[float, int, int, int]]:
-    """(time, conversation, turn, tokens so far), sorted by time (the differential test's)."""
-    rng = np.random.default_rng(seed)
-    ev = []
-    for c in range(n):
-        t = float(rng.uniform(0, 150))
-        turns = int(rng.choice([1, 1, 3, 4]))
-        total = 0
-        for i in range(turns):
-            total += 4 * (int(rng.integers(2, 5)) if turns == 1 else 1)
-            ev.append((round(t, 3), c, i, total))
-            t += 2.0 + float(rng.exponential(20.0))
-    return sorted(ev)
 
 
 def tokens_of(c: int, total: int) -> list[int]:

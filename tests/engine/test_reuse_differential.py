@@ -12,16 +12,8 @@ import pytest
 
 import kvstore
 from engine.replay.simstore import SimStore
-from tests.kvstore.conftest import SMALL
+from tests.kvstore.conftest import SMALL, Clock
 from tests.kvstore.kvgen import causal_kv
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def trace(seed: int, n: int) -> list[tuple[float, int, int, int]]:

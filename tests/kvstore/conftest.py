@@ -30,6 +30,16 @@ def open_small(tmp_path):
         s.close()
 
 
+class Clock:
+    """Injected wall clock (seconds)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def put_causal(store, tokens, namespace=None):
     k, v = causal_kv(store.layout, tokens)
     store.put(tokens, k, v, namespace=namespace)

@@ -6,20 +6,10 @@ import numpy as np
 import pytest
 
 from kvstore.policy import ReturnModel
-from tests.kvstore.conftest import put_causal
+from tests.kvstore.conftest import Clock, put_causal
 from tests.kvstore.kvgen import causal_kv
 
 SLOT = 4096  # bytes of one 4-token chunk of the SMALL layout
-
-
-class Clock:
-    """Injected wall clock (seconds)."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def conversations(seed, n):
