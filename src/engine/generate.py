@@ -227,7 +227,9 @@ class Generator:
         (the kept KV was computed with the dropped tokens; RoPE re-positions it to 0..K-1 on
         use). History tokens without stored KV (a last generated token, or a tail the store
         evicted) are computed on top of the stored prefix first. Returns the kept token ids
-        and how many leading tokens of ``ids`` the store served."""
+        and how many leading tokens of ``ids`` the store served. If the store's eviction
+        policy refuses the kept context (admission), nothing is stored under
+        ``new_namespace`` and the next request computes the kept tokens again."""
         n, past = self.load_prefix(ids, namespace=namespace, leave=0)
         if n < len(ids):
             _, past = self.model.forward(list(ids[n:]), past=past)

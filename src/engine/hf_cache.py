@@ -119,7 +119,8 @@ class KVSession(DynamicCache):
         layout dtype. ``ids`` defaults to the session's ``ids`` and must then cover exactly the
         cached tokens; after generation (the cache holds more tokens) pass the full ids, whose
         length must equal ``get_seq_length()`` and which must start with the reused prefix.
-        Returns the number of tokens stored. Thread-safe with respect to the store.
+        Returns the number of tokens stored: 0 if the store's eviction policy refused them
+        (admission, ``policy="reuse"``). Thread-safe with respect to the store.
         """
         T = self.get_seq_length()
         if T == 0:
@@ -144,9 +145,9 @@ class KVSession(DynamicCache):
         dt = self.layout.torch_dtype
         keys = remove_rope(k.detach(), 0, self.layout).to(device="cpu", dtype=dt)  # [L, H, T, D]
         values = v.detach().to(device="cpu", dtype=dt)  # [L, H, T, D]
-        self._kv_store.put(toks, keys, values, namespace=self.namespace)
+        stored = self._kv_store.put(toks, keys, values, namespace=self.namespace)
         self._ids = list(toks)
-        return T
+        return T if stored else 0
 
     def __repr__(self) -> str:
         return (f"KVSession(tokens={self.get_seq_length()}, reused={self.reused_tokens}, "

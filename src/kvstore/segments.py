@@ -164,7 +164,11 @@ class SegmentFiles:
             except FileNotFoundError:
                 raise CorruptData(f"segment file {self.path(seg)!r} is missing") from None
             if exact:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                except BaseException:
+                    os.close(fd)
+                    raise
             fds[seg] = fd
         return fd
 

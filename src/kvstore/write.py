@@ -281,15 +281,16 @@ class Writer:
                    superseded: Iterable[bytes] = ()) -> bool:
         """Evict whole contexts (least valuable first) until ``need`` slots are free and not
         reserved. With a queue-aware policy, contexts inside the look-ahead eviction window go
-        last; a put is not refused because of hints. Refuses before evicting anything if
-        not enough can be freed (held or pinned chunks): CapacityError.
+        last. Refuses before evicting anything if not enough can be freed (held or pinned
+        chunks): CapacityError.
 
         A policy with ``admission`` or ``size_aware`` (``reuse``, ``belady``) chooses its
         victims first (:meth:`_choose_victims`, the simulator's rule) and may refuse the put
         (returns False, nothing evicted); ``mine`` gives the new context's priority, called
-        only if something must leave (None: admit). ``superseded``: the stored contexts this
-        put replaces at its commit (never victims ahead of the others, never a reason to
-        refuse)."""
+        only if something must leave (None: admit; a context a queued job needs ranks above
+        an unqueued put, so admission may refuse a put because of hints). ``superseded``: the
+        stored contexts this put replaces at its commit (victims first, never a reason to
+        refuse, not counted as evictions)."""
         core = self.core
         tree, slots = core.tree, core.slots
         if slots.available(reserved) >= need:
@@ -304,20 +305,21 @@ class Writer:
                 f"rest hold chunks that puts, saves or layer-wise loads in progress use)")
         pol = self._policy
         if pol.admission or pol.size_aware:
+            replaced = set(superseded)
             victims = self._choose_victims(need - slots.available(reserved), held,
-                                           None if mine is None else mine(), set(superseded))
+                                           None if mine is None else mine(), replaced)
             if victims is None:
                 return False
-            for victim in victims:
-                if self._exempt(victim):
-                    core.counters.evicted_in_window += 1
-            core.counters.evicted_contexts += len(victims)
+            evicted = [v for v in victims if v not in replaced]  # not the put's own turns
+            in_window = sum(1 for v in evicted if self._exempt(v))
             freed, d = core.mirror.drop_contexts(txn, victims, held)
-            core.counters.evicted_chunks += freed
             dirs += d
-            if slots.available(reserved) < need:
+            if slots.available(reserved) < need:  # the transaction rolls back: count nothing
                 raise CapacityError(f"need {need} free disk slots, but only "
                                     f"{slots.available(reserved)} could be freed")
+            core.counters.evicted_in_window += in_window
+            core.counters.evicted_contexts += len(evicted)
+            core.counters.evicted_chunks += freed
             return True
         while slots.available(reserved) < need:
             victim = tree.heap.peek()
@@ -341,16 +343,18 @@ class Writer:
            victims, until the victims free ``short`` slots (a chunk is freed once every
            context holding it is a victim, unless a put holds it or a read pins its slot).
            With ``mine`` (admission), if the next context ranks strictly above ``mine`` the
-           put is refused: None, nothing evicted. ``superseded`` contexts are skipped (the
-           simulator replaces a conversation's context in place) and taken last, only if the
-           others cannot free enough. CapacityError (nothing evicted) if all of them
-           cannot.
-        2. With ``size_aware``, go through the victims from the highest priority down and put
-           back each one without which the rest still free ``short`` slots.
+           put is refused: None, nothing evicted. The ``superseded`` contexts (the put's own
+           earlier turns, which its commit drops anyway) are victims before the walk, with no
+           admission check: the simulator replaces a conversation's context in place, and a
+           next turn that does not end on a chunk boundary needs exactly the slot its old
+           partial last chunk frees. CapacityError (nothing evicted) if all of them cannot.
+        2. With ``size_aware``, go through the walk's victims from the highest priority down
+           and put back each one without which the rest still free ``short`` slots.
 
         So a small low-priority context is not evicted next to a big one that frees enough
         alone (2. puts it back), but a big context is never evicted ahead of a small one
-        that ranks lower. With the lock held; changes nothing but the heap's tie order."""
+        that ranks lower. With the lock held; changes nothing but the heap's tie order and
+        the ``kept_back_contexts`` counter."""
         tree, slots = self.core.tree, self.core.slots
         pol = self._policy
         dec: dict[bytes, int] = {}  # chunk -> victims holding it
@@ -368,10 +372,10 @@ class Writer:
                 dec[c] = dec.get(c, 0) + 1
             return marginal(key)
 
+        replaced = [k for k in superseded if k in tree.contexts]
+        freed = sum(add(k) for k in replaced)
         popped: list[tuple[bytes, Priority]] = []
         chosen: list[tuple[bytes, Priority]] = []
-        later: list[tuple[bytes, Priority]] = []
-        freed = 0
         try:
             while freed < short:
                 p = tree.heap.peek_priority()
@@ -380,15 +384,9 @@ class Writer:
                 key = tree.heap.pop()
                 popped.append((key, p))
                 if key in superseded:
-                    later.append((key, p))
-                    continue
+                    continue  # a victim already
                 if mine is not None and mine < p:  # type: ignore[operator]
                     return None
-                chosen.append((key, p))
-                freed += add(key)
-            for key, p in later:
-                if freed >= short:
-                    break
                 chosen.append((key, p))
                 freed += add(key)
         finally:
@@ -407,7 +405,7 @@ class Writer:
                         dec[c] -= 1
                     chosen.remove((key, p))
                     self.core.counters.kept_back_contexts += 1
-        return [k for k, _ in chosen]
+        return replaced + [k for k, _ in chosen]
 
     # ------------------------------------------------------------------ write
     def _write_extents(self, plan: PutPlan, kr: np.ndarray, vr: np.ndarray, base: int) -> None:

@@ -188,3 +188,35 @@ def test_a_refused_next_turn_keeps_its_earlier_context(open_small):
     put_causal(s, conv(1, 16))  # 2 more slots for conversation 1: would have to evict B
     assert s.stats()["evictions"]["bypassed_puts"] == 1
     assert s.match(conv(1, 16)) == 8 and s.match(conv(2, 8)) == 8
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_next_turn_takes_the_slot_of_its_own_partial_chunk(open_small, queued):
+    """3 disk slots: A (6 tokens: a full chunk and a partial one) and B (4 tokens) fill them;
+    A's next turn (8 tokens) needs one new slot, which its own partial chunk frees (the commit
+    drops A's old context anyway). B stays, and it is no reason to refuse the put even when a
+    waiting job needs it (ranking it above everything). As the simulator does: it replaces a
+    conversation's context in place before evicting anything else."""
+    from engine.replay.simstore import SimStore
+
+    s, clock = reuse_store(open_small, 3)
+    put_causal(s, conv(1, 6))
+    clock.t = 1.0
+    put_causal(s, conv(2, 4))
+    if queued:
+        s.set_queue([conv(2, 4) + [9, 9]])
+    clock.t = 30.0
+    k, v = causal_kv(s.layout, conv(1, 8))
+    assert s.put(conv(1, 8), k, v) is True
+    assert s.match(conv(1, 8)) == 8 and s.match(conv(2, 4)) == 4
+    ev = s.stats()["evictions"]
+    assert ev["bypassed_puts"] == 0 and ev["disk_contexts"] == 0  # A was replaced, not evicted
+    sim = SimStore(dram_bytes=0, disk_bytes=12, token_bytes=1, policy="reuse")
+    history(sim._pol.model)
+    sim.advance(0.0)
+    sim.put(1, 6, now=0.0)
+    sim.advance(1.0)
+    sim.put(2, 4, now=1.0)
+    sim.advance(30.0)
+    sim.lookup(1)
+    assert sim.put(1, 8, now=30.0) and 2 in sim
