@@ -62,15 +62,17 @@ class Hints:
             stats = AccessStats(inserted=rec.created, last_access=rec.last_access)
         return self.policy.priority(stats, self.context_queued(rec.key))
 
-    def arriving(self, toks, chain: list[bytes], namespace: str | None
+    def arriving(self, toks, chain: list[bytes], namespace: str | None, *, learn: bool = True
                  ) -> Callable[[], Priority | None]:
         """With the lock held, when a put is planned (before it makes room): a learning policy
-        learns that the conversations it continues came back. Returns what ranks the new
+        learns that the conversations it continues came back (unless not ``learn``: a remote
+        fill, see :meth:`PutLearner.arrived`). Returns what ranks the new
         context for admission, called only if the put must evict: its priority by the same
         policy from the statistics it will get (queued if a waiting job's prompt extends it),
         or None when the policy admits every save now (no ``admission``, or no statistics)."""
         now = self.core.mirror.clock
-        stats = (self.learner.arrived(toks, chain, namespace, now) if self.learner is not None
+        stats = (self.learner.arrived(toks, chain, namespace, now, learn=learn)
+                 if self.learner is not None
                  else AccessStats(inserted=now, last_access=now, tokens=len(toks)))
 
         def mine() -> Priority | None:

@@ -99,22 +99,33 @@ class PutLearner:
         return out
 
     def arrived(self, toks: np.ndarray, chain: list[bytes], namespace: str | None,
-                clock: int) -> AccessStats:
+                clock: int, *, learn: bool = True) -> AccessStats:
         """A put of ``toks`` (``chain``: its chunks' addresses) is being planned, before it
         makes room, whether or not it is then stored (the simulator learns at every save too):
         the conversations it continues came back now, and this save is tracked with one turn
         more. Returns the statistics the new context gets (``clock``: the store's logical
-        clock), which admission ranks it by."""
+        clock), which admission ranks it by.
+
+        Not ``learn``: the put is a copy of a context saved elsewhere (a remote fill, after
+        another server served the conversation's turn). It is no return seen here, and a
+        return from it or from the contexts it extends would time the other server's service,
+        not a think time: all of them are tracked as teaching nothing (their turns carry)."""
         now = self.now()
         turns = 0
         for key in self.extended(toks, chain, namespace):
-            t = self.tracker.returned(key, now)
-            self._untrack_partial(key)
+            if learn:
+                t = self.tracker.returned(key, now)
+                self._untrack_partial(key)
+            else:
+                info = self.tracker.info(key)
+                t = None if info is None else info[1]
+                if info is not None:
+                    self.tracker.saved(key, info[0], info[1], learn=False)
             turns = max(turns, t or 0)
         c = self.tree.chunk_tokens
         m = len(toks) - (len(chain) - 1) * c
         parent = chain[-2] if len(chain) > 1 else self.tree.seed(namespace)
-        self._track(chain[-1], now, turns + 1, learn=True,
+        self._track(chain[-1], now, turns + 1, learn=learn,
                     partial=(parent, m) if m < c else None)
         return AccessStats(inserted=clock, last_access=clock, tokens=len(toks),
                            turns=turns + 1, saved_at=now, key=chain[-1])

@@ -315,7 +315,7 @@ class ReturnTracker:
         while q and now - q[0][0] > horizon:
             at, k = q.popleft()
             s = self._seen.get(k)
-            if s is not None and s[0] == at and not s[2]:
+            if s is not None and s[0] == at and not s[2] and s[3]:  # a teaching save
                 self.model.ended(s[1])
                 self._seen[k] = (at, s[1], True, s[3])
 

@@ -82,7 +82,7 @@ class Store:
             self._core, tier,
             get_local=lambda toks, ns, out: self._reader.get(toks, ns, out, None),
             read_chunk=self._reader.chunk_extent,
-            fill=lambda toks, ns, kr, vr: self._writer.put(toks, kr, vr, ns),
+            fill=lambda toks, ns, kr, vr: self._writer.put(toks, kr, vr, ns, learn=False),
             prefetch_get=lambda toks, ns: self.get(toks, namespace=ns))
 
     def _write_saved(self, toks: np.ndarray, k: torch.Tensor, v: torch.Tensor,

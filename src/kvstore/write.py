@@ -102,12 +102,11 @@ class Writer:
                  exempt: Callable[[bytes], bool],
                  refresh_hints: Callable[[], None], files: IndexFiles,
                  on_commit: Callable[[], None],
-                 arriving: Callable[[np.ndarray, list[bytes], str | None],
-                                    Callable[[], Priority | None]] | None = None,
+                 arriving: Callable[..., Callable[[], Priority | None]] | None = None,
                  refused: Callable[[list[bytes], bytes], None] | None = None) -> None:
         self.core = core
         self._policy = policy
-        # With the lock held, as a put is planned: (tokens, chain, namespace) -> what ranks
+        # With the lock held, as a put is planned: (tokens, chain, namespace, learn=) -> what ranks
         # the new context for admission (see Hints.arriving); refused: (kept, last chunk).
         self._arriving = arriving
         self._refused = refused
@@ -128,11 +127,13 @@ class Writer:
 
     # ------------------------------------------------------------------ put
     def put(self, toks: np.ndarray, kr: np.ndarray, vr: np.ndarray, namespace: str | None,
-            base: int = 0) -> bool:
+            base: int = 0, *, learn: bool = True) -> bool:
         """Store ``toks`` given raw KV kr/vr [L, H, T - base, D] of tokens [base, T). Returns
         False if the policy's admission refused it (nothing written, nothing evicted), True
-        once it is stored (or was already)."""
-        with self._planned(toks, namespace, base) as plan:
+        once it is stored (or was already). ``learn``: a save that a learning policy counts as
+        its conversation's new turn (False: a copy of a context from elsewhere, a remote fill,
+        which teaches nothing)."""
+        with self._planned(toks, namespace, base, learn) as plan:
             if plan is BYPASSED:
                 return False
             if isinstance(plan, PutPlan):
@@ -142,13 +143,13 @@ class Writer:
         return True
 
     @contextmanager
-    def _planned(self, toks: np.ndarray, namespace: str | None, base: int
+    def _planned(self, toks: np.ndarray, namespace: str | None, base: int, learn: bool = True
                  ) -> Iterator[PutPlan | object | None]:
         """A put's plan (None: nothing to write; BYPASSED: admission refused it), whose
         reservation, holds, DRAM staging and in-flight marks are released when the block ends,
         however it ends: a plan that did not commit is aborted (its reservation deleted, its
         slots free again)."""
-        plan = self._plan(toks, namespace, base)
+        plan = self._plan(toks, namespace, base, learn)
         if not isinstance(plan, PutPlan):
             yield plan
             return
@@ -175,7 +176,7 @@ class Writer:
         core.mirror.touch(pieces[-1].rec.key)
         return True
 
-    def _plan(self, toks: np.ndarray, namespace: str | None, base: int
+    def _plan(self, toks: np.ndarray, namespace: str | None, base: int, learn: bool = True
               ) -> PutPlan | object | None:
         core = self.core
         with core.mutex:
@@ -190,7 +191,7 @@ class Writer:
                 with writing(core.catalog, core.mirror, core.mutex) as txn:
                     with core.mutex:
                         core.check_writable()
-                        plan = self._plan_locked(txn, toks, namespace, base, dirs)
+                        plan = self._plan_locked(txn, toks, namespace, base, dirs, learn)
             except BaseException:
                 if isinstance(plan, PutPlan):  # planned, but its transaction did not commit
                     with self._cond:
@@ -210,7 +211,7 @@ class Writer:
         return plan
 
     def _plan_locked(self, txn: WriteTxn, toks: np.ndarray, namespace: str | None, base: int,
-                     dirs: list[tuple[bytes, IndexEntry]]
+                     dirs: list[tuple[bytes, IndexEntry]], learn: bool = True
                      ) -> PutPlan | set[bytes] | object | None:
         """Inside the plan transaction, under the lock: the plan, None if nothing is to be
         written, BYPASSED if admission refused it, or the set of new chunk keys another put
@@ -243,7 +244,8 @@ class Writer:
             raise CapacityError(
                 f"a context of {len(toks)} tokens needs {len(chain)} chunk slots; disk_bytes="
                 f"{core.config.disk_bytes} holds {core.geo.total_slots}")
-        mine = None if self._arriving is None else self._arriving(toks, chain, namespace)
+        mine = (None if self._arriving is None
+                else self._arriving(toks, chain, namespace, learn=learn))
         reservations = txn.reservations()
         reserved = {s for r in reservations for s in r.slots}
         held = {k for r in reservations for k in r.held} | {r.key for r in reused}

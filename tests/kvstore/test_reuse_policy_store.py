@@ -166,3 +166,46 @@ def test_contexts_found_at_open_teach_nothing(tmp_path):
         m = s.policy.model
         assert m.samples == 1 and m.mean_gap_s == pytest.approx(12.5)
         assert m.return_rate(1) == pytest.approx(1.0)
+
+
+def test_a_remote_fill_teaches_nothing(open_small, redis_server):
+    """Server B serves turn 1 of a conversation; server A serves turn 2 and writes it through;
+    B then serves turn 3 from Redis (the fetched turn 2 is filled into B's store) and saves
+    it. The fill is no return seen by B, and the save after it is not a return after the
+    fill's few seconds, nor after turn 1 (two think times and A's service): B's model learns
+    nothing from this conversation, while a store that saw both turns itself learns one
+    return with its real think time."""
+    a = open_small("a", remote=redis_server.url)
+    b = open_small("b", remote=redis_server.url, policy="reuse")
+    clock = Clock()
+    b.policy.clock = clock
+    m = b.policy.model
+    for g in (20.0, 30.0, 40.0):  # earlier conversations: a finite horizon for ends
+        m.returned(g, 1)
+    t1 = list(range(6))
+    t2 = t1 + list(range(100, 110))
+    t3 = t2 + list(range(200, 205))
+    put_causal(b, t1)  # turn 1, at 0 s
+    clock.t = 50.0
+    put_causal(a, t2)  # turn 2 on the other server
+    a.flush(remote=True)
+    clock.t = 100.0
+    assert b.match(t3) == len(t2)
+    b.get(t2)  # from Redis: filled into b
+    b.flush(remote=True)
+    assert b.stats()["remote"]["filled"] == 1
+    # turn 1's save, which the fill superseded here, is no longer one that can end (nor is
+    # the fill): a sweep far in the future counts no end
+    b._hints.learner.tracker.sweep(10_000.0)
+    assert m._total_ends == 0
+    clock.t = 103.0
+    put_causal(b, t3)  # turn 3 saved 3 s after the fill
+    assert m.samples == 3 and m.mean_gap_s == 30.0  # nothing learned from the fill
+    # the control: a store that saw turn 1 and turn 2 learns the 50 s think time
+    c = open_small("c", policy="reuse")
+    cc = Clock()
+    c.policy.clock = cc
+    put_causal(c, t1)
+    cc.t = 50.0
+    put_causal(c, t2)
+    assert c.policy.model.samples == 1 and c.policy.model.mean_gap_s == 50.0
