@@ -107,12 +107,16 @@ def time_codec(name: str, raws, reps: int) -> dict:
     return out
 
 
-def cold_gets(path: str, layout, name: str, toks, k, v, reps: int) -> dict:
+def cold_gets(path: str, layout, name: str, toks, k, v, reps: int, *,
+              slots: bool = False) -> dict:
     """Cold ``store.get`` of the whole context through codec ``name``, alternating with a raw
     store holding the same KV (so both see the same disk and the same neighbours' load);
-    ``pair_ratios``: raw seconds / coded seconds of each adjacent pair."""
+    ``pair_ratios``: raw seconds / coded seconds of each adjacent pair. ``slots``: the coded
+    store's disk slots are sized for the codec (``slot_codec``), so its chunks lie next to
+    each other."""
     kw = {"layout": layout, "chunk_tokens": CHUNK, "disk_bytes": 4 << 30}
-    with kvstore.open(path, codecs={"disk": name}, **kw) as store, \
+    extra = {"slot_codec": name} if slots else {}
+    with kvstore.open(path, codecs={"disk": name}, **extra, **kw) as store, \
             kvstore.open(path + "-raw", **kw) as raw:
         store.put(toks, k, v)
         raw.put(toks, k, v)
@@ -188,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
     p.add_argument("--out", default="bench/results/kv_codecs.json")
+    p.add_argument("--slot-codec", action="store_true",
+                   help="cold gets from a store whose disk slots are sized for the codec "
+                        "(slot_codec; int8, fp8 and int4 only)")
     p.add_argument("--no-quality", action="store_true",
                    help="size and speed only (quality does not depend on which decoder runs: "
                         "native and numpy decode to the same bytes)")
@@ -195,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [x for x in args.codecs.split(",") if x]
     for x in names:
         codecs.check_name(x, "--codecs")
+        if args.slot_codec and x in ("none", "zstd"):
+            p.error(f"--slot-codec needs fixed-size codecs (int8, fp8, int4), got {x!r}")
 
     import engine
     from engine.model import stack_kv
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             res: dict = {"lossy": name in codecs.LOSSY}
             res["speed"] = time_codec(name, raws, args.reps)
             res["cold"] = cold_gets(os.path.join(workdir, f"cold-{name}"), model.layout, name,
-                                    ids, k, v, args.reps)
+                                    ids, k, v, args.reps, slots=args.slot_codec)
             shutil.rmtree(os.path.join(workdir, f"cold-{name}"), ignore_errors=True)
             res["summary"] = {
                 "bytes_per_token": res["cold"]["bytes_per_token"],

@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kvstore.codecs import check_name
+from kvstore.codecs import LayerShape, check_name, encoded_size
 from kvstore.layout import KVLayout
 from kvstore.policy import make_policy
 from kvstore.records import MAX_SLOT
@@ -32,6 +32,8 @@ TIERS = ("dram", "disk", "remote")
 # Tiers whose codec can be other than "none" today. DRAM holds decoded chunks (a cache of what
 # the disk serves).
 CODED_TIERS = ("disk", "remote")
+# Codecs disk slots can be sized for (``slot_codec``): those whose encoded size the layout fixes.
+SLOT_CODECS = ("none", "int8", "fp8", "int4")
 
 
 def check_codecs(v: object) -> MappingProxyType[str, str]:
@@ -75,6 +77,10 @@ class StoreConfig:
     policy: str = "scheduler"
     codecs: Mapping[str, str] = field(
         default_factory=lambda: MappingProxyType(dict.fromkeys(TIERS, "none")))
+    # The codec disk slots are sized for: "none" (a raw chunk's extent) or a lossy codec with a
+    # fixed encoded size, whose smaller slots hold more chunks and keep a context's coded
+    # chunks contiguous (chunks that codec cannot take cannot be stored). Fixed at creation.
+    slot_codec: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("chunk_tokens", *SIZES):
@@ -87,6 +93,9 @@ class StoreConfig:
             object.__setattr__(self, name, int(v))
         make_policy(self.policy)
         object.__setattr__(self, "codecs", check_codecs(self.codecs))
+        if self.slot_codec not in SLOT_CODECS:
+            raise ValueError(f"slot_codec must be one of {list(SLOT_CODECS)}, got "
+                             f"{self.slot_codec!r}")
 
     def __hash__(self) -> int:
         return hash(tuple((f.name, getattr(self, f.name)) for f in fields(self)
@@ -97,13 +106,33 @@ class StoreConfig:
         return self.codecs["disk"]
 
     def slot_bytes(self, layout: KVLayout) -> int:
-        """Bytes of one disk (and DRAM) slot: a full chunk's extent, page-aligned."""
+        """Bytes of one DRAM slot: a full chunk's raw extent, page-aligned."""
         return align_up(layout.chunk_bytes(self.chunk_tokens))
+
+    def extent_bytes(self, layout: KVLayout, codec: str) -> int:
+        """Bytes of a full chunk's extent stored through ``codec`` (fixed-size codecs)."""
+        shape = LayerShape(layout.dtype, layout.num_kv_heads, self.chunk_tokens,
+                           layout.head_dim)
+        size = encoded_size(codec, shape)
+        assert size is not None, codec
+        return layout.num_layers * size
+
+    def disk_slot_bytes(self, layout: KVLayout) -> int:
+        """Bytes of one disk slot: a full chunk's extent through ``slot_codec``, page-aligned."""
+        return align_up(self.extent_bytes(layout, self.slot_codec))
 
     def check_budget(self, layout: KVLayout) -> None:
         """Refuse budgets the layout cannot use: a disk tier smaller than one chunk, or one
-        with more slots than the catalog can address."""
-        slot = self.slot_bytes(layout)
+        with more slots than the catalog can address; and, with disk slots sized for a codec,
+        a disk codec whose full chunks would not fit them."""
+        slot = self.disk_slot_bytes(layout)
+        disk = self.disk_codec
+        if self.slot_codec != "none" and (
+                disk not in SLOT_CODECS or self.extent_bytes(layout, disk) > slot):
+            raise ValueError(
+                f"codecs['disk']={disk!r} does not fit this store's disk slots, which are sized "
+                f"for {self.slot_codec!r} extents (slot_codec, fixed at creation): use "
+                f"{self.slot_codec!r} or a codec whose chunks are no larger")
         if self.disk_bytes < slot:
             raise ValueError(
                 f"disk_bytes={self.disk_bytes} is smaller than one chunk ({slot} bytes for "
@@ -118,6 +147,8 @@ class StoreConfig:
             del d["codecs"]  # a store that uses no codec keeps its metadata as before
         else:
             d["codecs"] = dict(self.codecs)
+        if self.slot_codec == "none":
+            del d["slot_codec"]  # raw slots: metadata as before
         return d
 
     @classmethod

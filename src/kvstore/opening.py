@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from kvstore.buffers import OutputPool
 from kvstore.catalog import CATALOG, FORMAT_VERSION, Catalog
-from kvstore.config import StoreConfig, check_codecs, check_size
+from kvstore.config import SLOT_CODECS, StoreConfig, check_codecs, check_size
 from kvstore.confined import Dir, UnsafePath
 from kvstore.context_indexes import INDEXES, IndexFiles
 from kvstore.core import Core
@@ -49,7 +49,7 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
                dram_bytes: int | None = None, disk_bytes: int | None = None,
                hbm_bytes: int | None = None, write_buffer_bytes: int | None = None,
                chunk_tokens: int | None = None, policy: str | None = None,
-               codecs: Mapping[str, str] | None = None,
+               codecs: Mapping[str, str] | None = None, slot_codec: str | None = None,
                readonly: bool = False, exclusive: bool = False,
                remote: str | list[str] | tuple[str, ...] | RemoteConfig | None = None) -> Store:
     """Open (or create) the store directory ``path``.
@@ -63,6 +63,11 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     ``codecs`` maps a tier to the codec new chunks are stored through on it, e.g.
     ``{"disk": "zstd"}`` (default ``none`` everywhere; see :mod:`kvstore.codecs`). Each chunk
     records its codec, so chunks stored under another config are still read right.
+    ``slot_codec`` (creation only; default ``none``: slots of a raw chunk's size) sizes the
+    disk slots for a fixed-size lossy codec's chunks (``int8``, ``fp8``, ``int4``): the disk
+    budget holds that many more chunks, and a context's coded chunks lie next to each other
+    (sequential reads). The disk codec must then be one whose chunks fit (ValueError), and a
+    chunk that codec cannot take (non-finite values) cannot be stored (ValueError).
 
     Sharing: any number of processes may open one store at once, all reading and writing; each
     keeps a private DRAM tier and sees the others' committed puts. ``disk_bytes`` can change
@@ -96,6 +101,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
         make_policy(policy)
     if codecs is not None:
         codecs = check_codecs(codecs)
+    if slot_codec is not None and slot_codec not in SLOT_CODECS:
+        raise ValueError(f"slot_codec must be one of {list(SLOT_CODECS)}, got {slot_codec!r}")
     for name, flag in (("readonly", readonly), ("exclusive", exclusive)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -103,7 +110,7 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
         raise ValueError("readonly and exclusive cannot both be set")
     remote_cfg = None if remote is None else RemoteConfig.of(remote)
     given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy,
-                               "codecs": codecs}.items()
+                               "codecs": codecs, "slot_codec": slot_codec}.items()
              if v is not None}
     if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
         raise FileNotFoundError(f"no kvstore at {path!r}")
@@ -197,6 +204,10 @@ def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None,
     if "chunk_tokens" in given and given["chunk_tokens"] != stored_cfg.chunk_tokens:
         raise LayoutMismatch(f"store at {path!r} uses chunk_tokens={stored_cfg.chunk_tokens}, "
                              f"not {given['chunk_tokens']}")
+    if "slot_codec" in given and given["slot_codec"] != stored_cfg.slot_codec:
+        raise LayoutMismatch(f"store at {path!r} has disk slots sized for "
+                             f"slot_codec={stored_cfg.slot_codec!r}, not {given['slot_codec']!r} "
+                             f"(fixed at creation)")
     if not lock.alone and given.get("disk_bytes", stored_cfg.disk_bytes) != stored_cfg.disk_bytes:
         raise ValueError(f"disk_bytes={given['disk_bytes']} differs from the store's "
                          f"{stored_cfg.disk_bytes}, and other processes have {path!r} open: the "
@@ -234,14 +245,14 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     if config.dram_bytes > physical_memory():
         raise ValueError(f"dram_bytes={config.dram_bytes} is more than this machine's memory "
                          f"({physical_memory()} bytes); give a smaller dram_bytes")
-    geo = SegmentGeometry.for_budget(slot_bytes=layout.chunk_bytes(config.chunk_tokens),
+    geo = SegmentGeometry.for_budget(slot_bytes=config.disk_slot_bytes(layout),
                                      disk_bytes=config.disk_bytes)
     counters = Counters()
     tree = ContextTree(fingerprint=layout.fingerprint, chunk_tokens=config.chunk_tokens,
                        priority=lambda rec: 0.0)  # the store sets the policy's priority
     slots = SlotAllocator(geo.total_slots)
-    dram = DramTier(capacity_bytes=config.dram_bytes, slot_bytes=geo.slot_stride,
-                    policy=policy)
+    dram = DramTier(capacity_bytes=config.dram_bytes, slot_bytes=config.slot_bytes(layout),
+                    policy=policy)  # decoded chunks
     mirror = Mirror(catalog=catalog, tree=tree, slots=slots, dram=dram, counters=counters)
     segments = SegmentFiles(root, geo, readonly=readonly)
     files = None
@@ -287,7 +298,7 @@ def _repair_alone(procs: Dir, catalog: Catalog, segments: SegmentFiles, files: I
 
     def extent_end(rec):
         seg, off = geo.locate(rec.slot)
-        return seg, off + rec.n_tokens * layout.token_bytes
+        return seg, off + rec.stored_bytes(rec.n_tokens * layout.layer_token_bytes)
 
     with catalog.write() as txn:
         stale = txn.reservations()  # every owner is gone: nobody else has the store open

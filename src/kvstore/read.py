@@ -105,6 +105,7 @@ def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
     lay = core.layout
     try:
         if rec.codec == 0:
+            extent.check_stored(rec, lay, core.geo.slot_stride)  # slots may be coded-size
             core.segments.read(rec.slot, [buf[:n]])
             extent.verify(rec, extent.checksums(buf[:n], lay.num_layers))
             return
@@ -134,8 +135,7 @@ def read_layer(core: Core, rec: ChunkRecord, layer: int, bufs: list[np.ndarray],
     """Read layer ``layer`` of ``rec`` from disk into ``bufs`` (from byte ``off`` of its slot:
     ``rec.layer_span``) and verify it against the layer's checksum; a coded chunk's layer is
     then decoded. Returns the raw layer's buffers; :class:`CorruptData` if the bytes fail."""
-    if rec.codec != 0:
-        extent.check_stored(rec, core.layout, core.geo.slot_stride)
+    extent.check_stored(rec, core.layout, core.geo.slot_stride)
     core.segments.read(rec.slot, bufs, off)
     extent.verify(rec, extent.piece_checksums(bufs, 1), layer)
     if rec.codec != 0:

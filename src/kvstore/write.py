@@ -419,18 +419,27 @@ class Writer:
         With a disk codec, each chunk's layers are encoded first (on this thread) and the
         encoded bytes are written and checksummed; a lossy codec's DRAM copy is the decoded
         chunk, so every tier serves the same values. A chunk the codec cannot take (non-finite
-        values for a lossy codec, or encoded bytes larger than a slot) is stored raw."""
+        values for a lossy codec, or encoded bytes larger than a slot) is stored raw; where
+        the slots are sized for coded chunks (``slot_codec``) a raw chunk does not fit, and
+        the put fails before anything is written (ValueError)."""
         core = self.core
         lay, c = core.layout, core.config.chunk_tokens
         n_tok = len(plan.toks)
         codec = core.config.disk_codec
+        stride = core.geo.slot_stride
         jobs: list[tuple[int, list[np.ndarray]]] = []
         coded: list[list[bytes] | None] = []
         for slot, (_, _, i) in zip(plan.reservation.slots, plan.specs, strict=True):
             n = min(c, n_tok - i * c)
             parts = extent.pieces(kr, vr, i * c - base, n)
             enc = (None if codec == "none" else
-                   extent.encode_layers(lay, codec, parts, n, core.geo.slot_stride))
+                   extent.encode_layers(lay, codec, parts, n, stride))
+            if enc is None and core.extent_bytes(n) > stride:
+                raise ValueError(
+                    f"tokens {i * c}..{i * c + n - 1} hold KV that codecs['disk']={codec!r} "
+                    f"cannot encode (non-finite values), and this store's disk slots "
+                    f"(slot_codec={core.config.slot_codec!r}) cannot hold them raw; nothing "
+                    f"was stored")
             coded.append(enc)
             jobs.append((slot, parts if enc is None else
                          [np.frombuffer(b, dtype=np.uint8) for b in enc]))
