@@ -118,7 +118,11 @@ def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
     try:
         stored = scratch[:nstored]
         try:
-            core.segments.read(rec.slot, [stored], exact=True)  # not the slot's unused rest
+            # Without readahead where the slot's unused rest is large (a coded chunk in a raw
+            # slot: readahead would read the rest too); with it where the extent fills its
+            # slot (slots sized for the codec: readahead then reads the next chunk)
+            spare = core.geo.slot_stride - nstored
+            core.segments.read(rec.slot, [stored], exact=spare > core.geo.slot_stride // 4)
             extent.verify(rec, extent.stored_checksums(rec, stored,
                                                        rec.n_tokens * lay.layer_token_bytes))
         except CorruptData:
