@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvstore import codecs, extent
 from kvstore.catalog import WriteTxn
@@ -133,6 +134,7 @@ class Writer:
         once it is stored (or was already). ``learn``: a save that a learning policy counts as
         its conversation's new turn (False: a copy of a context from elsewhere, a remote fill,
         which teaches nothing)."""
+        self._check_codable(toks, kr, vr, base)
         with self._planned(toks, namespace, base, learn) as plan:
             if plan is BYPASSED:
                 return False
@@ -141,6 +143,30 @@ class Writer:
                 self._write_extents(plan, kr, vr, base)
                 self._commit(plan)
         return True
+
+    def _check_codable(self, toks: np.ndarray, kr: np.ndarray, vr: np.ndarray,
+                       base: int) -> None:
+        """Where disk slots are sized for a lossy codec (``slot_codec``), a chunk that codec
+        cannot take (non-finite values) and whose raw extent does not fit a slot cannot be
+        stored: ValueError naming its tokens, before the put plans anything (evicts, stages
+        or reserves)."""
+        core = self.core
+        codec, c = core.config.disk_codec, core.config.chunk_tokens
+        if core.config.slot_codec == "none" or not codecs.is_lossy(codec):
+            return
+        dtype = core.layout.torch_dtype
+        for a in range(base // c * c, len(toks), c):
+            n = min(c, len(toks) - a)
+            if core.extent_bytes(n) <= core.geo.slot_stride:
+                continue  # stored raw if it must be
+            lo = max(a, base) - base
+            for x in (kr, vr):  # [L, H, T - base, D] raw integer views
+                if not torch.from_numpy(x[:, :, lo : a + n - base]).view(dtype).isfinite().all():
+                    raise ValueError(
+                        f"tokens {a}..{a + n - 1} hold non-finite KV values, which "
+                        f"codecs['disk']={codec!r} cannot encode, and this store's disk slots "
+                        f"(slot_codec={core.config.slot_codec!r}) cannot hold them raw; "
+                        f"nothing was stored")
 
     @contextmanager
     def _planned(self, toks: np.ndarray, namespace: str | None, base: int, learn: bool = True
@@ -419,9 +445,9 @@ class Writer:
         With a disk codec, each chunk's layers are encoded first (on this thread) and the
         encoded bytes are written and checksummed; a lossy codec's DRAM copy is the decoded
         chunk, so every tier serves the same values. A chunk the codec cannot take (non-finite
-        values for a lossy codec, or encoded bytes larger than a slot) is stored raw; where
-        the slots are sized for coded chunks (``slot_codec``) a raw chunk does not fit, and
-        the put fails before anything is written (ValueError)."""
+        values for a lossy codec, or encoded bytes larger than a slot) is stored raw (where
+        the slots are sized for coded chunks, ``slot_codec``, only one whose raw extent fits:
+        :meth:`_check_codable` refused the others)."""
         core = self.core
         lay, c = core.layout, core.config.chunk_tokens
         n_tok = len(plan.toks)
@@ -434,12 +460,8 @@ class Writer:
             parts = extent.pieces(kr, vr, i * c - base, n)
             enc = (None if codec == "none" else
                    extent.encode_layers(lay, codec, parts, n, stride))
-            if enc is None and core.extent_bytes(n) > stride:
-                raise ValueError(
-                    f"tokens {i * c}..{i * c + n - 1} hold KV that codecs['disk']={codec!r} "
-                    f"cannot encode (non-finite values), and this store's disk slots "
-                    f"(slot_codec={core.config.slot_codec!r}) cannot hold them raw; nothing "
-                    f"was stored")
+            # _check_codable refused such a chunk before planning
+            assert enc is not None or core.extent_bytes(n) <= stride, (i, n)
             coded.append(enc)
             jobs.append((slot, parts if enc is None else
                          [np.frombuffer(b, dtype=np.uint8) for b in enc]))

@@ -65,18 +65,39 @@ def test_coded_slots_hold_more_chunks_and_serve_the_same_values(tmp_path, codec)
     assert kept[1] > kept[0]
 
 
-def test_a_chunk_the_codec_cannot_take_is_refused_whole(tmp_path):
-    s = open_at(tmp_path / "s", codecs={"disk": "int8"}, slot_codec="int8")
-    t = list(range(3 * C))
+@pytest.mark.parametrize("policy", ["scheduler", "reuse"])
+def test_a_chunk_the_codec_cannot_take_is_refused_whole(tmp_path, policy):
+    """Refused before the put plans anything: on a full disk and a full DRAM tier, the other
+    contexts keep their disk and DRAM copies, and the put's own earlier turn stays whole."""
+    s = open_at(tmp_path / "s", codecs={"disk": "int8"}, slot_codec="int8", policy=policy,
+                disk_bytes=6 * int8_slot(), dram_bytes=3 * RAW)
+    a = list(range(2 * C + 10))  # 3 slots: 2 full chunks and a partial one (stored raw-size)
+    b = [50_000 + j for j in range(3 * C)]  # 3 slots: the disk is full
+    for t in (a, b):
+        s.put(t, *causal_kv(L, t))
+    before = s.residency(b)
+    t = a + list(range(500, 500 + 2 * C))  # a's next turn: needs new slots
     k, v = causal_kv(L, t)
     k = k.clone()
-    k[1, 0, C + 5, 3] = float("nan")  # in the second chunk
-    with pytest.raises(ValueError, match=r"tokens 64\.\.127 .*non-finite.*slot_codec='int8'"):
+    k[1, 0, 3 * C + 5, 3] = float("inf")  # in its fourth chunk
+    with pytest.raises(ValueError, match=r"tokens 192\.\.255 .*non-finite.*slot_codec='int8'"):
         s.put(t, k, v)
-    assert s.match(t) == 0 and s.stats()["disk"]["chunks"] == 0  # nothing half-stored
+    fut = s.save_async(t, k, v)  # a save is refused the same way
+    with pytest.raises(ValueError, match="non-finite"):
+        fut.result()
+    assert s.match(t) == len(a) and s.match(b) == len(b)  # nothing evicted, a kept whole
+    assert s.residency(b) == before and s.stats()["evictions"]["disk_contexts"] == 0
+    # a partial chunk whose raw extent fits a slot is kept raw, as in raw-slot stores
+    short = [70_000 + j for j in range(10)]
+    ks, vs = causal_kv(L, short)
+    ks = ks.clone()
+    ks[0, 0, 3, 0] = float("nan")
+    s.put(short, ks, vs)
+    gk, _ = s.get(short)
+    assert torch.equal(gk.view(torch.int16), ks.view(torch.int16))  # raw, NaN included
     k2, v2 = causal_kv(L, t)
-    s.put(t, k2, v2)  # the store is fine afterwards
-    assert s.match(t) == len(t)
+    if s.put(t, k2, v2):  # the store is fine afterwards (reuse's admission may refuse it)
+        assert s.match(t) == len(t)
 
 
 def test_the_slot_codec_is_fixed_at_creation_and_bounds_the_disk_codec(tmp_path):
