@@ -20,12 +20,24 @@ C = 64
 RAW = 2 * 2 * 2 * C * 64 * 2  # layers x K/V x heads x tokens x dim x bytes
 
 
-def open_at(path, **kw):
-    kw.setdefault("layout", L)
-    kw.setdefault("chunk_tokens", C)
-    kw.setdefault("disk_bytes", 40 * RAW)
-    kw.setdefault("dram_bytes", 1 << 22)
-    return kvstore.open(path, **kw)
+@pytest.fixture
+def open_at():
+    """Factory: open a store at a path with this file's layout; every store is closed after
+    the test (no store thread outlives it)."""
+    opened = []
+
+    def _open(path, **kw):
+        kw.setdefault("layout", L)
+        kw.setdefault("chunk_tokens", C)
+        kw.setdefault("disk_bytes", 40 * RAW)
+        kw.setdefault("dram_bytes", 1 << 22)
+        s = kvstore.open(path, **kw)
+        opened.append(s)
+        return s
+
+    yield _open
+    for s in opened:
+        s.close()
 
 
 def int8_slot() -> int:
@@ -34,7 +46,7 @@ def int8_slot() -> int:
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
-def test_coded_slots_hold_more_chunks_and_serve_the_same_values(tmp_path, codec):
+def test_coded_slots_hold_more_chunks_and_serve_the_same_values(tmp_path, open_at, codec):
     raw = open_at(tmp_path / "raw", codecs={"disk": codec})
     s = open_at(tmp_path / "compact", codecs={"disk": codec}, slot_codec=codec)
     assert raw.stats()["disk"]["slots"] == 40
@@ -66,7 +78,7 @@ def test_coded_slots_hold_more_chunks_and_serve_the_same_values(tmp_path, codec)
 
 
 @pytest.mark.parametrize("policy", ["scheduler", "reuse"])
-def test_a_chunk_the_codec_cannot_take_is_refused_whole(tmp_path, policy):
+def test_a_chunk_the_codec_cannot_take_is_refused_whole(tmp_path, open_at, policy):
     """Refused before the put plans anything: on a full disk and a full DRAM tier, the other
     contexts keep their disk and DRAM copies, and the put's own earlier turn stays whole."""
     s = open_at(tmp_path / "s", codecs={"disk": "int8"}, slot_codec="int8", policy=policy,
@@ -100,7 +112,7 @@ def test_a_chunk_the_codec_cannot_take_is_refused_whole(tmp_path, policy):
         assert s.match(t) == len(t)
 
 
-def test_the_slot_codec_is_fixed_at_creation_and_bounds_the_disk_codec(tmp_path):
+def test_the_slot_codec_is_fixed_at_creation_and_bounds_the_disk_codec(tmp_path, open_at):
     path = tmp_path / "s"
     t = list(range(2 * C + 3))
     k, v = causal_kv(L, t)
@@ -129,7 +141,7 @@ def test_the_slot_codec_is_fixed_at_creation_and_bounds_the_disk_codec(tmp_path)
     assert report["ok"] and report["chunks_checked"] == 3 + 2 + 2 and not report["errors"]
 
 
-def test_a_truncated_segment_is_found_in_coded_slots_too(tmp_path):
+def test_a_truncated_segment_is_found_in_coded_slots_too(tmp_path, open_at):
     """Crash recovery checks each chunk's extent against its segment file's size with the
     chunk's stored bytes (a coded extent is shorter than a raw one), so coded slots at the end
     of a file are kept, and chunks past a truncation dropped."""
