@@ -78,8 +78,12 @@ class Mirror:
         chunks = {key: txn.chunk(key) for key in changes.chunks}
         freed: list[int] = []  # slots released and taken in this batch: releases apply first,
         used: list[int] = []  # so a slot freed by one change and reused by another stays used
-        for rec in chunks.values():  # additions first: contexts need their chunks
-            if rec is not None and rec.slot < self.slots.total:
+        # a record naming a slot beyond the budget, or more tokens than a chunk holds, is
+        # damaged or hostile: not mirrored (as a full reload's recovery plan drops it)
+        ok = {key: rec is not None and rec.slot < self.slots.total
+              and rec.n_tokens <= tree.chunk_tokens for key, rec in chunks.items()}
+        for key, rec in chunks.items():  # additions first: contexts need their chunks
+            if ok[key]:
                 self._set_chunk(rec, freed, used)
         for key in changes.contexts:
             ctx = txn.context(key)
@@ -87,8 +91,8 @@ class Mirror:
                 tree.add_context(ctx)
             else:
                 self._forget_context(key)
-        for key, rec in chunks.items():
-            if rec is None or rec.slot >= self.slots.total:
+        for key in chunks:
+            if not ok[key]:
                 self._forget_chunk(key, freed)
         for s in freed:
             self.slots.mark_free(s)
