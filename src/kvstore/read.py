@@ -138,12 +138,19 @@ def read_layer(core: Core, rec: ChunkRecord, layer: int, bufs: list[np.ndarray],
                off: int) -> list[np.ndarray]:
     """Read layer ``layer`` of ``rec`` from disk into ``bufs`` (from byte ``off`` of its slot:
     ``rec.layer_span``) and verify it against the layer's checksum; a coded chunk's layer is
-    then decoded. Returns the raw layer's buffers; :class:`CorruptData` if the bytes fail."""
-    extent.check_stored(rec, core.layout, core.geo.slot_stride)
-    core.segments.read(rec.slot, bufs, off)
-    extent.verify(rec, extent.piece_checksums(bufs, 1), layer)
-    if rec.codec != 0:
-        return [extent.decode_layer(core.layout, rec, bufs[0])]
+    then decoded. Returns the raw layer's buffers; as :func:`read_verified`, :class:`Raced`
+    if another process changed the chunk's slot under the read, :class:`CorruptData` if the
+    bytes are corrupt or do not decode (the caller quarantines)."""
+    try:
+        extent.check_stored(rec, core.layout, core.geo.slot_stride)
+        core.segments.read(rec.slot, bufs, off)
+        extent.verify(rec, extent.piece_checksums(bufs, 1), layer)
+        if rec.codec != 0:
+            return [extent.decode_layer(core.layout, rec, bufs[0])]
+    except CorruptData:
+        if not is_current(core, rec):
+            raise Raced(rec.key.hex()) from None
+        raise
     return bufs
 
 
@@ -499,10 +506,10 @@ class Loads:
                 bufs = [np.empty(nbytes, dtype=np.uint8)]
             try:
                 bufs = read_layer(core, rec, layer, bufs, off)
+            except Raced:
+                raise KeyError(f"chunk {rec.key.hex()} was evicted by another process "
+                               f"during this layer-wise load: a miss") from None
             except CorruptData as err:
-                if not is_current(core, rec):
-                    raise KeyError(f"chunk {rec.key.hex()} was evicted by another process "
-                                   f"during this layer-wise load: a miss") from None
                 quarantine(core, rec, err, self._files)
                 raise
             if not whole:

@@ -27,7 +27,7 @@ import torch
 from kvstore import extent
 from kvstore.core import Core
 from kvstore.errors import CorruptData
-from kvstore.read import Raced, is_current, quarantine, read_layer, read_verified, resolve_all
+from kvstore.read import Raced, quarantine, read_layer, read_verified, resolve_all
 
 
 class RowReader:
@@ -202,8 +202,5 @@ class RowReader:
             raise KeyError(f"chunk {rec.key.hex()} was evicted by another process during "
                            f"this row read: a miss") from None
         except CorruptData as err:
-            if not is_current(core, rec):
-                raise KeyError(f"chunk {rec.key.hex()} was evicted by another process during "
-                               f"this row read: a miss") from None
             quarantine(core, rec, err, self._files)
             raise
