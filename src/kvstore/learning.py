@@ -116,11 +116,11 @@ class PutLearner:
             if learn:
                 t = self.tracker.returned(key, now)
                 self._untrack_partial(key)
+            elif (info := self.tracker.info(key)) is not None:
+                t = info[1]
+                self.tracker.saved(key, *info, learn=False)  # stays, teaching nothing
             else:
-                info = self.tracker.info(key)
-                t = None if info is None else info[1]
-                if info is not None:
-                    self.tracker.saved(key, info[0], info[1], learn=False)
+                t = None
             turns = max(turns, t or 0)
         c = self.tree.chunk_tokens
         m = len(toks) - (len(chain) - 1) * c
