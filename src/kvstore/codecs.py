@@ -389,3 +389,36 @@ def decode_layers(name: str, data: np.ndarray, spans: list[tuple[int, int]], sha
         return
     for i, (off, n) in enumerate(spans):
         decode(name, data[off : off + n], shape, out[i * rb : (i + 1) * rb], native=False)
+
+
+def decode_into(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape: LayerShape,
+                k_out: np.ndarray, v_out: np.ndarray, start: int, use: int, *,
+                native: bool | None = None) -> None:
+    """Decode consecutive layers of one chunk straight into keys and values: layer ``i`` is
+    ``data[off:off + n]`` for ``(off, n) = spans[i]``; its first ``use`` tokens go to
+    ``k_out[i, :, start:start + use]`` and ``v_out[i, :, start:start + use]`` (raw integer
+    views ``[len(spans), H, T, D]`` in the layout dtype's item size). The bytes written equal
+    those :func:`decode_layers` writes for the same tokens, and so do the errors
+    (:class:`CorruptData`; the outputs are then partly written and must not be used)."""
+    check_name(name)
+    H, n, D = shape.num_kv_heads, shape.n_tokens, shape.head_dim
+    item = shape.itemsize
+    for what, a in (("k_out", k_out), ("v_out", v_out)):
+        if not isinstance(a, np.ndarray) or a.ndim != 4 or a.shape[0] != len(spans) \
+                or a.shape[1] != H or a.shape[3] != D or a.dtype.itemsize != item:
+            raise ValueError(f"{what} must be a [{len(spans)}, {H}, T, {D}] array of "
+                             f"{item}-byte items, got {getattr(a, 'shape', None)}")
+    if k_out.shape != v_out.shape:
+        raise ValueError(f"k_out and v_out differ in shape: {k_out.shape} and {v_out.shape}")
+    if not (0 < use <= n and 0 <= start and start + use <= k_out.shape[2]):
+        raise ValueError(f"use={use} tokens at start={start} do not fit a chunk of {n} tokens "
+                         f"and {k_out.shape[2]} output tokens")
+    rb = shape.raw_bytes
+    layer = np.empty(rb, dtype=np.uint8)
+    for i, (off, nb) in enumerate(spans):
+        if off < 0 or off + nb > data.nbytes:
+            raise CorruptData(f"{name} data of layer {i}: {nb} bytes at {off} of {data.nbytes}")
+        decode(name, data[off : off + nb], shape, layer, native=native)
+        kv = layer.view(k_out.dtype).reshape(2, H, n, D)  # [K/V, H, n, D]
+        k_out[i, :, start : start + use] = kv[0, :, :use]
+        v_out[i, :, start : start + use] = kv[1, :, :use]

@@ -330,9 +330,19 @@ class Reader:
 
     def _read_misses(self, misses: list[_Miss], k_out: torch.Tensor, v_out: torch.Tensor,
                      ok: set[int]) -> None:
-        """Read the misses on the helper threads, copying each out as it arrives."""
+        """Read the misses on the helper threads. Into a CPU output each helper copies its
+        own chunk out as soon as it is verified (chunks own disjoint token ranges of the
+        output, and the chunk is still in the helper's caches); into a device output this
+        thread copies each as it arrives."""
         core = self.core
-        futs = [core.helpers.submit(read_verified, core, m.piece.rec, m.buf) for m in misses]
+        on_cpu = k_out.device.type == "cpu"
+
+        def read(m: _Miss) -> None:
+            read_verified(core, m.piece.rec, m.buf)
+            if on_cpu:
+                self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
+
+        futs = [core.helpers.submit(read, m) for m in misses]
         error: BaseException | None = None
         for i, (m, f) in enumerate(zip(misses, futs, strict=True)):
             try:
@@ -340,7 +350,7 @@ class Reader:
             except BaseException as e:
                 error = error or e
                 continue
-            if error is None:
+            if error is None and not on_cpu:
                 self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
             ok.add(i)
         if isinstance(error, CorruptData):

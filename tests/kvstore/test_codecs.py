@@ -117,6 +117,37 @@ def test_fp8_stays_within_e4m3_rounding(shape, seed, spread):
     assert (np.abs(got - want) <= bound).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, seed=st.integers(0, 2**31), name=st.sampled_from(codecs.NAMES),
+       layers=st.integers(1, 3), data=st.data())
+def test_decode_into_writes_what_decode_layers_writes_for_those_tokens(shape, seed, name,
+                                                                     layers, data):
+    """A chunk's layers decoded straight into keys and values [L, H, T, D] at a token offset
+    equal the :func:`codecs.decode_layers` extent's tokens, and nothing else is written."""
+    enc = [codecs.encode(name, raw_of(kv_of(shape, seed + i, 3.0)), shape) for i in range(layers)]
+    blob = np.frombuffer(b"".join(enc), dtype=np.uint8)
+    spans = [(sum(len(e) for e in enc[:i]), len(enc[i])) for i in range(layers)]
+    ref = np.empty(layers * shape.raw_bytes, dtype=np.uint8)
+    codecs.decode_layers(name, blob, spans, shape, ref)
+    ints = {2: np.int16, 4: np.int32}[shape.itemsize]
+    H, n, D = shape.num_kv_heads, shape.n_tokens, shape.head_dim
+    ref = ref.view(ints).reshape(layers, 2, H, n, D)
+    use = data.draw(st.integers(1, n), label="use")
+    T = data.draw(st.integers(use, use + 20), label="T")
+    start = data.draw(st.integers(0, T - use), label="start")
+    k = np.full((layers, H, T, D), 7, dtype=ints)
+    v = np.full((layers, H, T, D), 7, dtype=ints)
+    codecs.decode_into(name, blob, spans, shape, k, v, start, use)
+    np.testing.assert_array_equal(k[:, :, start : start + use], ref[:, 0, :, :use])
+    np.testing.assert_array_equal(v[:, :, start : start + use], ref[:, 1, :, :use])
+    for out in (k, v):
+        assert (out[:, :, :start] == 7).all() and (out[:, :, start + use :] == 7).all()
+    with pytest.raises(ValueError, match="use="):
+        codecs.decode_into(name, blob, spans, shape, k, v, T - use + 1, use)
+    with pytest.raises(ValueError, match="k_out"):
+        codecs.decode_into(name, blob, spans, shape, k[:, :, :, :1], v, start, use)
+
+
 def test_lossy_codecs_refuse_non_finite_values():
     shape = LayerShape("float16", 1, 4, 8)
     x = torch.zeros(2, 1, 4, 8, dtype=torch.float16)
