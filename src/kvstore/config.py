@@ -29,10 +29,8 @@ DEFAULT_HBM_BYTES = 1 << 30  # 1 GiB
 
 SIZES = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
 TIERS = ("dram", "disk", "remote")
-# Tiers whose codec can be other than "none" today. DRAM holds decoded chunks (a cache of what
-# the disk serves).
-CODED_TIERS = ("disk", "remote")
-# Codecs disk slots can be sized for (``slot_codec``): those whose encoded size the layout fixes.
+# Codecs slots can be sized for (disk slots: ``slot_codec``; DRAM slots: ``codecs["dram"]``):
+# those whose encoded size the layout fixes.
 SLOT_CODECS = ("none", "int8", "fp8", "int4")
 
 
@@ -47,10 +45,13 @@ def check_codecs(v: object) -> MappingProxyType[str, str]:
         if tier not in TIERS:
             raise ValueError(f"codecs has an unknown tier {tier!r}; tiers are {list(TIERS)}")
         check_name(name, f"codecs[{tier!r}]")
-        if name != "none" and tier not in CODED_TIERS:
-            raise ValueError(f"codecs[{tier!r}]={name!r}: the {tier} tier stores chunks "
-                             f"uncoded for now; only {list(CODED_TIERS)} take a codec")
         out[tier] = name
+    dram = out["dram"]
+    if dram != "none" and (dram not in SLOT_CODECS or dram != out["disk"]):
+        raise ValueError(
+            f"codecs['dram']={dram!r}: the DRAM tier caches chunks either decoded ('none') or "
+            f"as the disk stores them, so a DRAM codec must be the disk codec and one of fixed "
+            f"size ({list(SLOT_CODECS[1:])}); codecs['disk'] is {out['disk']!r}")
     return MappingProxyType(out)
 
 
@@ -105,9 +106,15 @@ class StoreConfig:
     def disk_codec(self) -> str:
         return self.codecs["disk"]
 
+    @property
+    def dram_coded(self) -> bool:
+        """The DRAM tier keeps each chunk as the disk stores it (coded), not decoded."""
+        return self.codecs["dram"] != "none"
+
     def slot_bytes(self, layout: KVLayout) -> int:
-        """Bytes of one DRAM slot: a full chunk's raw extent, page-aligned."""
-        return align_up(layout.chunk_bytes(self.chunk_tokens))
+        """Bytes of one DRAM slot: a full chunk's extent through the DRAM codec (the raw
+        extent without one), page-aligned."""
+        return align_up(self.extent_bytes(layout, self.codecs["dram"]))
 
     def extent_bytes(self, layout: KVLayout, codec: str) -> int:
         """Bytes of a full chunk's extent stored through ``codec`` (fixed-size codecs)."""

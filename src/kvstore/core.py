@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvstore.buffers import OutputPool
 from kvstore.catalog import Catalog
+from kvstore.codecs import LayerShape, encoded_size
 from kvstore.config import StoreConfig
 from kvstore.confined import Dir
 from kvstore.dram import DramTier
@@ -21,6 +22,7 @@ from kvstore.errors import KVStoreError, StoreClosed
 from kvstore.layout import KVLayout
 from kvstore.mirror import Mirror
 from kvstore.owners import Owner
+from kvstore.records import ChunkRecord
 from kvstore.segments import SegmentFiles, SegmentGeometry
 from kvstore.slots import SlotAllocator
 from kvstore.stats import Counters
@@ -53,6 +55,29 @@ class Core:
 
     def extent_bytes(self, n_tokens: int) -> int:
         return n_tokens * self.layout.token_bytes
+
+    def staged_bytes(self, n_tokens: int) -> int:
+        """Bytes a DRAM copy of a new chunk of ``n_tokens`` takes when a put stages it: its
+        raw extent, or with a DRAM codec (the disk codec, of fixed size) its encoded bytes."""
+        if not self.config.dram_coded:
+            return self.extent_bytes(n_tokens)
+        shape = LayerShape(self.layout.dtype, self.layout.num_kv_heads, n_tokens,
+                           self.layout.head_dim)
+        size = encoded_size(self.config.codecs["dram"], shape)
+        assert size is not None
+        return self.layout.num_layers * size
+
+    def coded_copy(self, rec: ChunkRecord) -> bool:
+        """A DRAM copy of ``rec`` holds its coded (stored) bytes, to be decoded when read."""
+        return self.config.dram_coded and rec.codec != 0
+
+    def cached_bytes(self, rec: ChunkRecord) -> int:
+        """Bytes a DRAM copy of ``rec`` takes: its stored bytes where the DRAM tier keeps
+        chunks as stored (a DRAM codec), else its raw extent. (The DRAM tier refuses a copy
+        larger than its slots: a claim of a hostile catalog is never read into one.)"""
+        if self.config.dram_coded:
+            return rec.stored_bytes(rec.n_tokens * self.layout.layer_token_bytes)
+        return self.extent_bytes(rec.n_tokens)
 
     def check_open(self) -> None:
         if self.closed:

@@ -1,6 +1,8 @@
 """The DRAM tier: one preallocated slab of fixed-size slots; no allocation per put or get.
 
-Slots hold chunk extents in the on-disk layout. The tier is this process's private, inclusive
+Slots hold chunk extents in the on-disk layout: decoded (raw), or, with a DRAM codec, the bytes
+the disk stores (coded; slots sized for that codec's full chunk, so the same budget holds more
+chunks, and each read decodes). The tier is this process's private, inclusive
 cache over the disk tier: every chunk is durable on disk, DRAM holds copies of the hot ones. An
 entry is tied to the chunk's generation (the commit that wrote it), so a copy of a chunk that
 another process evicted and stored again is never served. Eviction order comes from an
@@ -133,9 +135,11 @@ class DramTier:
                queued: Queued | None = None) -> Entry | None:
         """A pending entry for ``key``, pinned by the caller, who fills it then calls
         :meth:`finish`; evicts per policy if needed. None if no slot can be had (no capacity,
-        every slot pending or pinned) or ``key`` is being filled already. A ready entry of
+        every slot pending or pinned), ``key`` is being filled already, or ``nbytes`` exceed
+        a slot (a chunk the DRAM codec does not size: it is served from disk). A ready entry of
         ``key`` is replaced."""
-        assert nbytes <= self.slot_stride
+        if nbytes > self.slot_stride:
+            return None
         old = self._entries.get(key)
         if old is not None:
             if old.pending:

@@ -7,7 +7,8 @@ verified layer by layer. :func:`verify` is the one comparison every read path us
 
 A chunk stored through a codec (``ChunkRecord.codec`` != 0) holds each layer's encoded bytes
 instead, back to back (``ChunkRecord.lengths``), and its checksums cover those encoded bytes:
-:func:`encode_layers` makes them, :func:`read_coded` reads, verifies and decodes them.
+:func:`encode_layers` makes them, :func:`kvstore.read.read_stored` reads and verifies them,
+:func:`decode_extent` and :func:`decode_into` decode them.
 """
 
 from __future__ import annotations
@@ -155,3 +156,14 @@ def decode_extent(layout: KVLayout, rec: ChunkRecord, stored: np.ndarray,
     codecs.decode_layers(codecs.codec_name(rec.codec), stored,
                          [rec.layer_span(layer, lb) for layer in range(layout.num_layers)],
                          layer_shape(layout, rec.n_tokens), out[: layout.num_layers * lb])
+
+
+def decode_into(layout: KVLayout, rec: ChunkRecord, stored: np.ndarray, k_out: np.ndarray,
+                v_out: np.ndarray, start: int, use: int) -> None:
+    """Decode the ``use`` leading tokens of every layer of a verified coded extent straight
+    into raw keys and values [L, H, T, D] at token ``start`` (CorruptData if it does not
+    decode)."""
+    lb = rec.n_tokens * layout.layer_token_bytes
+    codecs.decode_into(codecs.codec_name(rec.codec), stored,
+                       [rec.layer_span(layer, lb) for layer in range(layout.num_layers)],
+                       layer_shape(layout, rec.n_tokens), k_out, v_out, start, use)

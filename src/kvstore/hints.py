@@ -15,7 +15,7 @@ from kvstore.core import Core
 from kvstore.errors import CorruptData
 from kvstore.learning import PutLearner
 from kvstore.policy import AccessStats, EvictionPolicy, Priority, Queued, ReuseProbability
-from kvstore.read import Raced, quarantine, read_verified
+from kvstore.read import Raced, fill_copy, quarantine
 from kvstore.records import ContextRecord
 from kvstore.schedule import Job, Prefetcher, Windows
 from kvstore.tree import Piece
@@ -178,7 +178,7 @@ class Hints:
             core.slots.pin(rec.slot)
         ok = False
         try:
-            read_verified(core, rec, core.dram.buffer(e))
+            fill_copy(core, rec, core.dram.buffer(e))
             ok = True
         except Raced:
             with core.mutex:
@@ -211,7 +211,7 @@ class Hints:
                 victim = core.dram.victim_priority()
                 if victim is not None and not victim < mine:  # type: ignore[operator]
                     return None  # DRAM holds only what is needed sooner
-                e = core.dram.insert(rec.key, rec.gen, core.extent_bytes(rec.n_tokens), now,
+                e = core.dram.insert(rec.key, rec.gen, core.cached_bytes(rec), now,
                                      self.chunk_queued(rec.key))
                 if e is not None:
                     return rec, e

@@ -252,7 +252,7 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
                        priority=lambda rec: 0.0)  # the store sets the policy's priority
     slots = SlotAllocator(geo.total_slots)
     dram = DramTier(capacity_bytes=config.dram_bytes, slot_bytes=config.slot_bytes(layout),
-                    policy=policy)  # decoded chunks
+                    policy=policy)  # chunks decoded, or as stored
     mirror = Mirror(catalog=catalog, tree=tree, slots=slots, dram=dram, counters=counters)
     segments = SegmentFiles(root, geo, readonly=readonly)
     files = None

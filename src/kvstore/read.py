@@ -13,6 +13,7 @@ corrupt and quarantined.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -92,46 +93,92 @@ class _Scratch:
             if len(self._free) < self._keep:
                 self._free.append(buf)
 
+    @contextmanager
+    def held(self, nbytes: int) -> Iterator[np.ndarray]:
+        """A buffer of at least ``nbytes``, given back on exit."""
+        buf = self.take(nbytes)
+        try:
+            yield buf
+        finally:
+            self.give(buf)
+
 
 _SCRATCH = _Scratch(keep=2)
 
 
-def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
-    """Read ``rec``'s extent from disk into ``buf`` (raw extent bytes) and verify it (a coded
-    extent: read its stored bytes, verify them, decode them into ``buf``). :class:`Raced` if
-    another process changed the chunk's slot under the read, :class:`CorruptData` if the bytes
-    are corrupt or do not decode (the caller quarantines)."""
-    n = core.extent_bytes(rec.n_tokens)
+def read_stored(core: Core, rec: ChunkRecord, buf: np.ndarray) -> np.ndarray:
+    """Read ``rec``'s extent as stored (its coded bytes, or its raw extent) from disk into
+    ``buf`` and verify it; returns the stored bytes (``buf``'s head). :class:`Raced` if another
+    process changed the chunk's slot under the read, :class:`CorruptData` if the bytes are
+    corrupt (the caller quarantines)."""
     lay = core.layout
+    stride = core.geo.slot_stride
     try:
+        nstored = extent.check_stored(rec, lay, stride)  # slots may be coded-size
+        assert nstored <= buf.nbytes, (nstored, buf.nbytes)  # callers size buffers for it
+        stored = buf[:nstored]
         if rec.codec == 0:
-            extent.check_stored(rec, lay, core.geo.slot_stride)  # slots may be coded-size
-            core.segments.read(rec.slot, [buf[:n]])
-            extent.verify(rec, extent.checksums(buf[:n], lay.num_layers))
-            return
-        nstored = extent.check_stored(rec, lay, core.geo.slot_stride)
+            core.segments.read(rec.slot, [stored])
+            extent.verify(rec, extent.checksums(stored, lay.num_layers))
+            return stored
+        # Without readahead where the slot's unused rest is large (a coded chunk in a raw
+        # slot: readahead would read the rest too); with it where the extent fills its slot
+        # (slots sized for the codec: readahead then reads the next chunk)
+        core.segments.read(rec.slot, [stored], exact=stride - nstored > stride // 4)
+        extent.verify(rec, extent.stored_checksums(rec, stored,
+                                                   rec.n_tokens * lay.layer_token_bytes))
+        return stored
     except CorruptData:
         if not is_current(core, rec):
             raise Raced(rec.key.hex()) from None
         raise
-    scratch = _SCRATCH.take(nstored)
-    try:
-        stored = scratch[:nstored]
-        try:
-            # Without readahead where the slot's unused rest is large (a coded chunk in a raw
-            # slot: readahead would read the rest too); with it where the extent fills its
-            # slot (slots sized for the codec: readahead then reads the next chunk)
-            spare = core.geo.slot_stride - nstored
-            core.segments.read(rec.slot, [stored], exact=spare > core.geo.slot_stride // 4)
-            extent.verify(rec, extent.stored_checksums(rec, stored,
-                                                       rec.n_tokens * lay.layer_token_bytes))
-        except CorruptData:
-            if not is_current(core, rec):
-                raise Raced(rec.key.hex()) from None
-            raise
-        extent.decode_extent(lay, rec, stored, buf[:n])
-    finally:
-        _SCRATCH.give(scratch)
+
+
+def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
+    """Read ``rec``'s extent from disk into ``buf`` (raw extent bytes) and verify it (a coded
+    extent: read its stored bytes, verify them, decode them into ``buf``). Errors as
+    :func:`read_stored`; bytes that pass their checksum but do not decode are
+    :class:`CorruptData` too."""
+    if rec.codec == 0:
+        read_stored(core, rec, buf)
+        return
+    with _SCRATCH.held(core.geo.slot_stride) as scratch:
+        stored = read_stored(core, rec, scratch)
+        extent.decode_extent(core.layout, rec, stored, buf[: core.extent_bytes(rec.n_tokens)])
+
+
+def fill_copy(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
+    """Read ``rec`` from disk into a DRAM copy's ``buf``, in the form the DRAM tier keeps
+    (:meth:`Core.coded_copy`). Errors as :func:`read_verified`."""
+    if core.config.dram_coded:
+        read_stored(core, rec, buf)
+    else:
+        read_verified(core, rec, buf)
+
+
+def copy_layer(core: Core, rec: ChunkRecord, buf: np.ndarray, layer: int) -> np.ndarray:
+    """Layer ``layer`` of a DRAM copy of ``rec`` (its slot bytes ``buf``, verified when it was
+    filled) as a raw integer view [2, H, n, D]: a view of a decoded copy, or the layer decoded
+    from a coded one (:class:`CorruptData` if it does not decode)."""
+    lay = core.layout
+    n = rec.n_tokens
+    if not core.coded_copy(rec):
+        return extent.view(lay, buf, n)[layer]
+    off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
+    raw_layer = extent.decode_layer(lay, rec, buf[off : off + nbytes])
+    return raw_layer.view(extent._NP_INT[lay.itemsize]).reshape(
+        2, lay.num_kv_heads, n, lay.head_dim)
+
+
+def raw_extent(core: Core, rec: ChunkRecord, buf: np.ndarray) -> np.ndarray:
+    """The raw extent of a DRAM copy of ``rec`` (its slot bytes ``buf``): ``buf``'s head, or a
+    new buffer with the coded copy decoded into it."""
+    n = core.extent_bytes(rec.n_tokens)
+    if not core.coded_copy(rec):
+        return buf[:n]
+    out = np.empty(n, dtype=np.uint8)
+    extent.decode_extent(core.layout, rec, buf, out)
+    return out
 
 
 def read_layer(core: Core, rec: ChunkRecord, layer: int, bufs: list[np.ndarray],
@@ -214,11 +261,10 @@ class Reader:
                     hits.append((p, e))
                     continue
                 core.slots.pin(p.rec.slot)
-                nbytes = core.extent_bytes(p.rec.n_tokens)
-                cache = core.dram.insert(p.rec.key, p.rec.gen, nbytes, now,
+                cache = core.dram.insert(p.rec.key, p.rec.gen, core.cached_bytes(p.rec), now,
                                          self._queued(p.rec.key))
                 buf = (core.dram.buffer(cache) if cache is not None
-                       else np.empty(nbytes, dtype=np.uint8))
+                       else np.empty(core.extent_bytes(p.rec.n_tokens), dtype=np.uint8))
                 misses.append(_Miss(p, cache, buf))
             if not core.readonly:
                 core.mirror.touch(pieces[-1].rec.key)
@@ -281,7 +327,8 @@ class Reader:
         n = core.extent_bytes(rec.n_tokens)
         try:
             if e is not None:
-                return rec, np.array(core.dram.buffer(e)[:n])
+                ext = raw_extent(core, rec, core.dram.buffer(e))
+                return rec, ext if core.coded_copy(rec) else np.array(ext)  # a copy either way
             buf = np.empty(n, dtype=np.uint8)
             read_verified(core, rec, buf)
             return rec, buf
@@ -310,7 +357,7 @@ class Reader:
 
     def _copy_out(self, parts: list[tuple[np.ndarray, Piece]], k_out: torch.Tensor,
                   v_out: torch.Tensor, helpers: Helpers | None) -> None:
-        """Copy the ``p.use`` leading tokens of each extent (in ``buf``) into the output."""
+        """Copy the ``p.use`` leading tokens of each raw extent (in ``buf``) into the output."""
         lay = self.core.layout
         if k_out.device.type == "cpu":
             gather(lay, extent.raw(k_out), extent.raw(v_out),
@@ -323,22 +370,78 @@ class Reader:
             k_out[:, :, a:b].copy_(t[:, 0, :, : p.use])
             v_out[:, :, a:b].copy_(t[:, 1, :, : p.use])
 
+    def _decode_out(self, stored: np.ndarray, p: Piece, k_out: torch.Tensor,
+                    v_out: torch.Tensor) -> None:
+        """Decode the ``p.use`` leading tokens of a verified coded extent (its stored bytes)
+        into the output: straight into a CPU output, through a raw extent into another."""
+        core = self.core
+        rec = p.rec
+        if k_out.device.type != "cpu":
+            raw_ext = np.empty(core.extent_bytes(rec.n_tokens), dtype=np.uint8)
+            extent.decode_extent(core.layout, rec, stored, raw_ext)
+            self._copy_out([(raw_ext, p)], k_out, v_out, None)
+            return
+        extent.decode_into(core.layout, rec, stored, extent.raw(k_out), extent.raw(v_out),
+                           p.start, p.use)
+
     def _copy_hits(self, hits: list[tuple[Piece, Entry]], k_out: torch.Tensor,
                    v_out: torch.Tensor, *, parallel: bool) -> None:
-        self._copy_out([(self.core.dram.buffer(e), p) for p, e in hits], k_out, v_out,
-                       self.core.helpers if parallel else None)
+        """Copy the DRAM hits out: decoded copies in one gather, coded copies each decoded
+        straight into the output (over this thread and the helpers when ``parallel``). A
+        coded copy that does not decode is :class:`CorruptData` (the caller quarantines)."""
+        core = self.core
+        plain = [(core.dram.buffer(e), p) for p, e in hits if not core.coded_copy(p.rec)]
+        coded = [(core.dram.buffer(e), p) for p, e in hits if core.coded_copy(p.rec)]
+        if plain:
+            self._copy_out(plain, k_out, v_out, core.helpers if parallel else None)
+        if not coded:
+            return
+
+        def decode(buf: np.ndarray, p: Piece) -> None:
+            try:
+                self._decode_out(buf[: core.cached_bytes(p.rec)], p, k_out, v_out)
+            except CorruptData as err:  # it passed its checksum, but does not decode
+                quarantine(core, p.rec, err, self._files)
+                raise
+
+        tasks = [(lambda b=b, p=p: decode(b, p)) for b, p in coded]
+        if not parallel or len(tasks) == 1:
+            for t in tasks:
+                t()
+            return
+        with core.helpers.split_work() as alone:
+            if not alone:
+                for t in tasks:
+                    t()
+                return
+            ways = min(1 + core.helpers.n, os.cpu_count() or 1)
+            core.helpers.run_all([(lambda part=tasks[i::ways]: [t() for t in part])
+                                  for i in range(min(ways, len(tasks)))])
 
     def _read_misses(self, misses: list[_Miss], k_out: torch.Tensor, v_out: torch.Tensor,
                      ok: set[int]) -> None:
-        """Read the misses on the helper threads. Into a CPU output each helper copies its
-        own chunk out as soon as it is verified (chunks own disjoint token ranges of the
-        output, and the chunk is still in the helper's caches); into a device output this
-        thread copies each as it arrives."""
+        """Read the misses on the helper threads. Into a CPU output each helper copies (or
+        decodes) its own chunk out as soon as it is verified (chunks own disjoint token ranges
+        of the output, and the chunk is still in the helper's caches); into a device output
+        this thread copies each as it arrives."""
         core = self.core
         on_cpu = k_out.device.type == "cpu"
 
         def read(m: _Miss) -> None:
-            read_verified(core, m.piece.rec, m.buf)
+            rec = m.piece.rec
+            if rec.codec != 0 and on_cpu and (m.cache is None or core.coded_copy(rec)):
+                # its stored bytes into the coded DRAM copy (or scratch), decoded from there
+                # straight into the output: no decoded copy in between
+                if m.cache is not None:
+                    self._decode_out(read_stored(core, rec, m.buf), m.piece, k_out, v_out)
+                    return
+                with _SCRATCH.held(core.geo.slot_stride) as scratch:
+                    self._decode_out(read_stored(core, rec, scratch), m.piece, k_out, v_out)
+                return
+            if m.cache is not None:
+                fill_copy(core, rec, m.buf)
+            else:
+                read_verified(core, rec, m.buf)
             if on_cpu:
                 self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
 
@@ -351,7 +454,11 @@ class Reader:
                 error = error or e
                 continue
             if error is None and not on_cpu:
-                self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
+                rec = m.piece.rec
+                if m.cache is not None and core.coded_copy(rec):
+                    self._decode_out(m.buf[: core.cached_bytes(rec)], m.piece, k_out, v_out)
+                else:
+                    self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
             ok.add(i)
         if isinstance(error, CorruptData):
             rec = next(m.piece.rec for m, f in zip(misses, futs, strict=True)
@@ -498,11 +605,14 @@ class Loads:
                 e = core.dram.peek(rec.key, rec.gen)
             if e is not None:
                 try:
-                    ext = extent.view(lay, core.dram.buffer(e), n)  # [L, 2, H, n, D]
+                    part = copy_layer(core, rec, core.dram.buffer(e), layer)  # [2, H, n, D]
                     # numpy, not torch: torch's copy would run on the intra-op thread pool
                     # that the compute thread's matmuls use (measured 2x slower prefill)
-                    np.copyto(kr[layer, :, a:b], ext[layer, 0, :, s:e_])  # [H, count, D]
-                    np.copyto(vr[layer, :, a:b], ext[layer, 1, :, s:e_])
+                    np.copyto(kr[layer, :, a:b], part[0, :, s:e_])  # [H, count, D]
+                    np.copyto(vr[layer, :, a:b], part[1, :, s:e_])
+                except CorruptData as err:  # a coded copy that does not decode
+                    quarantine(core, rec, err, self._files)
+                    raise
                 finally:
                     with core.mutex:
                         core.dram.unpin(e)

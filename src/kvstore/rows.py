@@ -27,7 +27,7 @@ import torch
 from kvstore import extent
 from kvstore.core import Core
 from kvstore.errors import CorruptData
-from kvstore.read import Raced, quarantine, read_layer, read_verified, resolve_all
+from kvstore.read import Raced, copy_layer, fill_copy, quarantine, read_layer, resolve_all
 
 
 class RowReader:
@@ -111,8 +111,7 @@ class RowReader:
             for i, a, b in segments:
                 e = hits.get(i)
                 if e is not None:  # [2, H, n, D] raw of a verified DRAM copy
-                    part = extent.view(lay, core.dram.buffer(e), self._pieces[i].rec.n_tokens)
-                    part = part[layer]
+                    part = self._dram_layer(self._pieces[i].rec, e, layer)
                 else:
                     part, nbytes = self._read_disk(self._pieces[i].rec, layer, misses[i])
                     ok.add(i)
@@ -165,8 +164,8 @@ class RowReader:
                     hits[i] = e
                     continue
                 core.slots.pin(rec.slot)
-                misses[i] = core.dram.insert(rec.key, rec.gen, core.extent_bytes(rec.n_tokens),
-                                             now, self._queued(rec.key))
+                misses[i] = core.dram.insert(rec.key, rec.gen, core.cached_bytes(rec), now,
+                                             self._queued(rec.key))
         return hits, misses
 
     def _unpin_locked(self, hits: dict[int, object], misses: dict[int, object],
@@ -181,6 +180,16 @@ class RowReader:
             if cache is not None:
                 core.dram.finish(cache, ok=i in ok)
 
+    def _dram_layer(self, rec, e, layer: int) -> np.ndarray:
+        """Layer ``layer`` of ``rec``'s DRAM copy ``e`` as raw [2, H, n, D] (a coded copy that
+        does not decode is quarantined: CorruptData)."""
+        core = self._core
+        try:
+            return copy_layer(core, rec, core.dram.buffer(e), layer)
+        except CorruptData as err:
+            quarantine(core, rec, err, self._files)
+            raise
+
     # ------------------------------------------------------------------ disk
     def _read_disk(self, rec, layer: int, cache) -> tuple[np.ndarray, int]:
         """Layer ``layer`` of ``rec`` from disk, verified: (raw [2, H, n, D], bytes read).
@@ -192,9 +201,9 @@ class RowReader:
         try:
             if cache is not None:
                 buf = core.dram.buffer(cache)
-                read_verified(core, rec, buf)
+                fill_copy(core, rec, buf)
                 nbytes = rec.stored_bytes(n * lay.layer_token_bytes)
-                return extent.view(lay, buf, n)[layer], nbytes
+                return copy_layer(core, rec, buf, layer), nbytes
             off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
             data = read_layer(core, rec, layer, [np.empty(nbytes, dtype=np.uint8)], off)[0]
             return data.view(extent._NP_INT[lay.itemsize]).reshape(shape[1:]), nbytes

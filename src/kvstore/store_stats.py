@@ -32,6 +32,8 @@ def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Hints, saver:
             "bytes": core.dram.bytes_used,
             "chunks": len(core.dram),
             "slots": core.dram.num_slots,
+            "slot_bytes": core.dram.slot_stride,
+            "codec": config.codecs["dram"],  # chunks kept as stored (coded), or decoded
         },
         "disk": {
             "capacity_bytes": config.disk_bytes,

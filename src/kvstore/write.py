@@ -293,7 +293,7 @@ class Writer:
         if core.dram.num_slots:
             for key, _, i in specs:
                 n = min(c, len(toks) - i * c)
-                e = core.dram.insert(key, 0, core.extent_bytes(n), now, self._queued(key))
+                e = core.dram.insert(key, 0, core.staged_bytes(n), now, self._queued(key))
                 if e is None:
                     break
                 staged[key] = e
@@ -444,7 +444,8 @@ class Writer:
 
         With a disk codec, each chunk's layers are encoded first (on this thread) and the
         encoded bytes are written and checksummed; a lossy codec's DRAM copy is the decoded
-        chunk, so every tier serves the same values. A chunk the codec cannot take (non-finite
+        chunk (or, with a DRAM codec, the encoded bytes themselves), so every tier serves the
+        same values. A chunk the codec cannot take (non-finite
         values for a lossy codec, or encoded bytes larger than a slot) is stored raw (where
         the slots are sized for coded chunks, ``slot_codec``, only one whose raw extent fits:
         :meth:`_check_codable` refused the others)."""
@@ -480,7 +481,17 @@ class Writer:
                 n, t0 = min(c, n_tok - i * c), i * c - base
                 sums = extent.piece_checksums(parts, lay.num_layers)
                 e = plan.staged.get(key)
-                if e is not None and enc is not None and codecs.is_lossy(codec):
+                if e is not None and core.config.dram_coded:
+                    if enc is None:  # kept raw: not the coded copy staged for it
+                        with core.mutex:
+                            core.dram.finish(plan.staged.pop(key), ok=False)
+                    else:  # the stored bytes, as a read from disk would fill it
+                        buf = core.dram.buffer(e)
+                        at = 0
+                        for b in enc:
+                            buf[at : at + len(b)] = np.frombuffer(b, dtype=np.uint8)
+                            at += len(b)
+                elif e is not None and enc is not None and codecs.is_lossy(codec):
                     buf = core.dram.buffer(e)
                     lb = n * lay.layer_token_bytes
                     for layer, b in enumerate(enc):

@@ -174,8 +174,51 @@ class EvictingStoreZstd(EvictingStore):
     codec_cycle = ("zstd", "none")
 
 
+class ExactModelDramCodec(ExactModel):
+    """The exact model on a store whose disk and DRAM keep chunks through int8, with a small
+    DRAM tier (coded copies come and go): lossy values are compared with a twin store that
+    keeps DRAM copies decoded, given the same puts and deletes."""
+
+    codec_cycle = ("int8",)
+    dram_slots = 2
+
+    def __init__(self):
+        super().__init__()
+        self.twin = kvstore.open(self.path.with_name(self.path.name + "-twin"), layout=SMALL,
+                                 chunk_tokens=CHUNK, disk_bytes=self.disk_slots * 4096,
+                                 codecs={"disk": "int8"})
+
+    def _open(self, **kw):
+        return kvstore.open(self.path, chunk_tokens=CHUNK, dram_bytes=self.dram_slots * 4096,
+                            disk_bytes=self.disk_slots * 4096,
+                            codecs={"disk": "int8", "dram": "int8"}, **kw)
+
+    def _put(self, toks, ns):
+        self.twin.put(list(toks), *causal_kv(SMALL, list(toks)), namespace=ns)
+        return super()._put(toks, ns)
+
+    @rule(ctx=_Base.contexts)
+    def delete(self, ctx):
+        self.twin.delete(list(ctx[0]), namespace=ctx[1])
+        super().delete(ctx)
+
+    def check_get(self, toks, ns):
+        k, v = self.store.get(toks, namespace=ns)
+        ek, ev = self.twin.get(toks, namespace=ns)
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+        with self.store.load_layers(toks, namespace=ns) as load:
+            for layer in range(SMALL.num_layers):
+                load.wait(layer)
+            assert torch.equal(load.keys, ek) and torch.equal(load.values, ev)
+
+    def teardown(self):
+        self.twin.close()
+        super().teardown()
+
+
 @pytest.mark.parametrize("machine,examples", [(ExactModel, 60), (EvictingStore, 60),
-                                              (ExactModelZstd, 30), (EvictingStoreZstd, 30)])
+                                              (ExactModelZstd, 30), (EvictingStoreZstd, 30),
+                                              (ExactModelDramCodec, 30)])
 def test_state_machine(machine, examples, tmp_path):
     machine.base_dir = tmp_path
     run_state_machine_as_test(
