@@ -127,7 +127,9 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, object]:
                          "note": "process memory: empty in a freshly opened store"},
                 "disk": {
                     "capacity_bytes": store.config.disk_bytes,
+                    # the KV the chunks hold (decoded), and what they take in their slots
                     "payload_bytes": st["disk"]["bytes"],  # type: ignore[index]
+                    "stored_bytes": st["disk"]["stored_bytes"],  # type: ignore[index]
                     "slots_used": st["disk"]["chunks"],  # type: ignore[index]
                     "slots_total": st["disk"]["slots"],  # type: ignore[index]
                     "segment_file_bytes": seg_bytes,

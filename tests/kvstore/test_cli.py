@@ -30,6 +30,7 @@ def test_verify_and_inspect(tmp_path):
     assert info["contexts"] == 2 and info["chunks"] == 4
     assert info["context_tokens"]["total"] == 21
     assert info["tiers"]["disk"]["payload_bytes"] == 13 * SMALL.token_bytes
+    assert info["tiers"]["disk"]["stored_bytes"] == 13 * SMALL.token_bytes  # no codec
 
 
 def test_verify_missing_store_is_a_clear_error(tmp_path):
