@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -293,8 +294,8 @@ class Reader:
                         k_out, v_out = self._allocate(n_tok, device)
                     else:
                         k_out, v_out = out
-                    self._copy_hits(hits, k_out, v_out, parallel=not misses)
-                    self._read_misses(misses, k_out, v_out, ok)
+                    self._read_misses(misses, k_out, v_out, ok, partial(
+                        self._copy_hits, hits, k_out, v_out, parallel=not misses))
             except Raced:
                 with core.mutex:
                     core.counters.read_races += 1
@@ -419,11 +420,12 @@ class Reader:
                                   for i in range(min(ways, len(tasks)))])
 
     def _read_misses(self, misses: list[_Miss], k_out: torch.Tensor, v_out: torch.Tensor,
-                     ok: set[int]) -> None:
-        """Read the misses on the helper threads. Into a CPU output each helper copies (or
-        decodes) its own chunk out as soon as it is verified (chunks own disjoint token ranges
-        of the output, and the chunk is still in the helper's caches); into a device output
-        this thread copies each as it arrives."""
+                     ok: set[int], meanwhile: Callable[[], None]) -> None:
+        """Read the misses on the helper threads while this thread runs ``meanwhile`` (the
+        hits' copy). Into a CPU output each helper copies (or decodes) its own chunk out as
+        soon as it is verified (chunks own disjoint token ranges of the output, and the chunk
+        is still in the helper's caches); into a device output this thread copies each as it
+        arrives. Every read has ended when this returns or raises (the first error)."""
         core = self.core
         on_cpu = k_out.device.type == "cpu"
 
@@ -446,25 +448,29 @@ class Reader:
                 self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
 
         futs = [core.helpers.submit(read, m) for m in misses]
-        error: BaseException | None = None
+        first: tuple[ChunkRecord | None, BaseException] | None = None
+        try:
+            meanwhile()
+        except BaseException as e:  # a hit that does not decode quarantines itself
+            first = (None, e)
         for i, (m, f) in enumerate(zip(misses, futs, strict=True)):
+            rec = m.piece.rec
             try:
                 f.result()
+                if first is None and not on_cpu:
+                    if m.cache is not None and core.coded_copy(rec):
+                        self._decode_out(m.buf[: core.cached_bytes(rec)], m.piece, k_out,
+                                         v_out)
+                    else:
+                        self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
             except BaseException as e:
-                error = error or e
+                first = first or (rec, e)
                 continue
-            if error is None and not on_cpu:
-                rec = m.piece.rec
-                if m.cache is not None and core.coded_copy(rec):
-                    self._decode_out(m.buf[: core.cached_bytes(rec)], m.piece, k_out, v_out)
-                else:
-                    self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
             ok.add(i)
-        if isinstance(error, CorruptData):
-            rec = next(m.piece.rec for m, f in zip(misses, futs, strict=True)
-                       if f.exception() is error)
-            quarantine(core, rec, error, self._files)
-        if error is not None:
+        if first is not None:
+            rec, error = first
+            if rec is not None and isinstance(error, CorruptData):
+                quarantine(core, rec, error, self._files)
             raise error
 
 
