@@ -3,7 +3,9 @@
  *
  * One call decodes one (chunk, layer): the encoded data (int8 / e4m3 bytes, or packed int4
  * nibbles) times its float32 scales, rounded to the layout dtype (float16, bfloat16 or float32,
- * round to nearest even) and written as the layer's raw bytes [2 (K/V), H, n, D]. The numpy /
+ * round to nearest even) and written as the layer's raw bytes [2 (K/V), H, n, D]
+ * (kvcodec_decode), or its first ``use`` tokens straight into keys and values [L, H, T, D] at a
+ * token offset (kvcodec_decode_into; the same row decoders, another destination). The numpy /
  * torch decoders in src/kvstore/codecs.py compute the same float32 product (one IEEE multiply,
  * no FMA: built with -ffp-contract=off) and round it the same way, so the bytes are identical;
  * tests/kvstore/test_codec_native.py checks that.
@@ -11,7 +13,7 @@
  * Built by setup.py as the extension module kvstore._kvcodec (KVCODEC_PYMODULE adds the module
  * init so the file is a valid Python extension). Every pointer and size is checked by
  * codec_native.py before the call (each layer's encoded length against the shape, its offset
- * inside the data, the output's size); the kernels trust those. What the encoded bytes hold is
+ * inside the data, the output's size, the token range); the kernels trust those. What the encoded bytes hold is
  * checked here as the numpy decoders check it: scales finite and >= 0, no e4m3 NaN.
  * The kernels hold no state: any number of threads may call them at once.
  */

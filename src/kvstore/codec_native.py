@@ -6,7 +6,8 @@ dtype to nearest even) and write the same bytes, several times faster and withou
 releases it), so the store's two helper threads decode two chunks at once. Without the library
 (no compiler at install, or ``KVSTORE_NATIVE=0``) the numpy/torch decoders run. Every argument is
 checked here before a pointer reaches C: array kinds, contiguity, each layer's encoded length
-against the shape and its offset inside the data; the C checks the scales it reads (finite,
+against the shape and its offset inside the data, and for :func:`decode_into` the outputs'
+shape, item size and overlap and the token range; the C checks the scales it reads (finite,
 non-negative) and fp8 codes (no NaN), as the numpy decoders do.
 
 Thread-safety: every function may be called from any number of threads at once.

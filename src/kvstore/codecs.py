@@ -417,6 +417,8 @@ def decode_into(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape
     if not (0 < use <= n and 0 <= start and start + use <= k_out.shape[2]):
         raise ValueError(f"use={use} tokens at start={start} do not fit a chunk of {n} tokens "
                          f"and {k_out.shape[2]} output tokens")
+    if not spans:
+        return
     if name in _NATIVE and _use_native(native) and _direct(k_out, v_out):
         _native_into(name, data, spans, shape, k_out, v_out, start, use)
         return

@@ -347,6 +347,9 @@ def test_decode_into_falls_back_for_outputs_it_cannot_write_directly():
     codecs.decode_into("int8", blob, spans, shape, k[..., ::2], v, 5, 17, native=True)
     assert np.array_equal(k[..., ::2], want[0]) and np.array_equal(v, want[1])  # type: ignore
     assert (k[..., 1::2] == 7).all()
+    k0 = np.zeros((0, 3, 30, 8), np.int16)  # no layers: nothing to do on either path
+    for native in (True, False):
+        codecs.decode_into("int8", blob, [], shape, k0, k0.copy(), 5, 17, native=native)
 
 
 @pytest.mark.parametrize("name", LOSSY)
