@@ -29,9 +29,19 @@ KV is computed once, stored through the codec, the DRAM tier dropped, and then
   prompt (layer-wise load) against a full recompute (``reuse=False``): positions equal and the
   length of the equal prefix; ``lossy`` says whether the Generator reported a lossy prefix.
 
+``--decode-into`` (a micro benchmark on its own, no model): a get of coded chunks held in
+memory, on ``--kv-tokens`` tokens of random fp16 KV in SmolLM2-135M's layout (30 layers, 3 kv
+heads, head_dim 64, chunks of 256 tokens), one thread, int8 (``--codecs``): GB/s of decoded
+bytes of ``decode_layers`` of every chunk into its extent (preallocated, as DRAM slots) plus
+one ``kvstore.copying.gather`` of them all into keys and values [L, H, T, D] (what a get does
+today), against ``codecs.decode_into`` of every chunk straight into [L, H, T, D]; both with
+the native decoders, checked to write the same bytes, alternating in each repetition.
+
 Usage (the numbers in docs/benchmarks.md):
     PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --out bench/results/kv_codecs.json
     PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --no-quality --reps 7  # speed only
+    PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --decode-into --codecs int8 --reps 15 \
+        --out bench/results/kv_codecs_decode_into.json
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ from benchutil import machine_info, summarize  # noqa: E402
 import kvstore  # noqa: E402
 from kvstore import codec_native, codecs  # noqa: E402
 from kvstore.codecs import LayerShape  # noqa: E402
+from kvstore.copying import gather  # noqa: E402
+from kvstore.layout import KVLayout  # noqa: E402
 
 CHUNK = 256
 
@@ -104,6 +116,55 @@ def time_codec(name: str, raws, reps: int) -> dict:
            "encoded_bytes": sum(len(e) for e in encoded), "raw_bytes": nbytes}
     if np_s:
         out["decode_numpy"] = summarize(np_s, nbytes)
+    return out
+
+
+def decode_into_speed(name: str, n_tokens: int, reps: int, seed: int = 0) -> dict:
+    """Decoded GB/s of a get of coded chunks held in memory, one thread: ``decode_layers``
+    into each chunk's extent + one gather into [L, H, T, D], against ``decode_into`` straight
+    into [L, H, T, D] (same outputs, reused; alternating within each repetition)."""
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M
+    L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(L, H, n_tokens, D, generator=g).half() for _ in range(2))
+    raws = layer_raws(k, v)  # chunk-major: chunk c's layers are raws[c * L : (c + 1) * L]
+    chunks = []  # (data, spans, shape, start, extent)
+    for c, a in enumerate(range(0, n_tokens, CHUNK)):
+        enc = [codecs.encode(name, r, s) for r, s in raws[c * L : (c + 1) * L]]
+        shape = raws[c * L][1]
+        offs = np.cumsum([0] + [len(e) for e in enc[:-1]])
+        chunks.append((np.frombuffer(b"".join(enc), dtype=np.uint8),
+                       [(int(o), len(e)) for o, e in zip(offs, enc, strict=True)], shape, a,
+                       np.empty(L * shape.raw_bytes, dtype=np.uint8)))
+    k_out, v_out = (np.empty((L, H, n_tokens, D), dtype=np.int16) for _ in range(2))
+
+    def via_extents() -> None:
+        for data, spans, shape, _, ext in chunks:
+            codecs.decode_layers(name, data, spans, shape, ext)
+        gather(layout, k_out, v_out, [(ext, s.n_tokens, a, s.n_tokens)
+                                      for _, _, s, a, ext in chunks])
+
+    def straight() -> None:
+        for data, spans, shape, a, _ in chunks:
+            codecs.decode_into(name, data, spans, shape, k_out, v_out, a, shape.n_tokens)
+
+    straight()
+    want = (k_out.copy(), v_out.copy())
+    via_extents()  # warmup, and the same bytes
+    if not (np.array_equal(k_out, want[0]) and np.array_equal(v_out, want[1])):
+        raise AssertionError("decode_into and decode_layers + gather wrote different bytes")
+    samples: dict[str, list[float]] = {"extent_gather": [], "decode_into": []}
+    for _ in range(reps):
+        for key, fn in (("extent_gather", via_extents), ("decode_into", straight)):
+            t = time.perf_counter()
+            fn()
+            samples[key].append(time.perf_counter() - t)
+    nbytes = 2 * k_out.nbytes
+    out = {key: summarize(x, nbytes) for key, x in samples.items()}
+    out.update({"codec": name, "tokens": n_tokens, "decoded_bytes": nbytes,
+                "layout": [L, H, D], "native": codec_native.AVAILABLE,
+                "pair_ratios": [a / b for a, b in zip(samples["extent_gather"],
+                                                      samples["decode_into"], strict=True)]})
     return out
 
 
@@ -195,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot-codec", action="store_true",
                    help="cold gets from a store whose disk slots are sized for the codec "
                         "(slot_codec; int8, fp8 and int4 only)")
+    p.add_argument("--decode-into", action="store_true",
+                   help="only the decode_into micro benchmark (no model; random KV in "
+                        "SmolLM2's layout)")
     p.add_argument("--no-quality", action="store_true",
                    help="size and speed only (quality does not depend on which decoder runs: "
                         "native and numpy decode to the same bytes)")
@@ -204,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         codecs.check_name(x, "--codecs")
         if args.slot_codec and x in ("none", "zstd"):
             p.error(f"--slot-codec needs fixed-size codecs (int8, fp8, int4), got {x!r}")
+
+    if args.decode_into:
+        return run_decode_into(args, names, argv)
 
     import engine
     from engine.model import stack_kv
@@ -303,6 +370,29 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"total {report['total_seconds']:.0f} s; JSON: {args.out}")
+    return 0
+
+
+def run_decode_into(args: argparse.Namespace, names: list[str], argv: list[str] | None) -> int:
+    """``--decode-into``: :func:`decode_into_speed` of each lossy codec named, as JSON."""
+    torch.set_num_threads(1)
+    report: dict = {"command": "python bench/kv_codecs.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "machine": machine_info(),
+        "chunk_tokens": CHUNK, "decode_into": {}}
+    for name in names:
+        if name not in codecs.LOSSY:
+            continue
+        r = decode_into_speed(name, args.kv_tokens, args.reps)
+        report["decode_into"][name] = r
+        print(f"{name:5s} decode_layers + gather {r['extent_gather']['gbps_p50']:.2f} GB/s, "
+              f"decode_into {r['decode_into']['gbps_p50']:.2f} GB/s (pairs: x"
+              f"{float(np.median(r['pair_ratios'])):.2f}; {r['decoded_bytes'] / 1e6:.1f} MB)",
+              flush=True)
+    report["machine"]["loadavg_after"] = os.getloadavg()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"JSON: {args.out}")
     return 0
 
 

@@ -6,7 +6,8 @@ dtype to nearest even) and write the same bytes, several times faster and withou
 releases it), so the store's two helper threads decode two chunks at once. Without the library
 (no compiler at install, or ``KVSTORE_NATIVE=0``) the numpy/torch decoders run. Every argument is
 checked here before a pointer reaches C: array kinds, contiguity, each layer's encoded length
-against the shape and its offset inside the data; the C checks the scales it reads (finite,
+against the shape and its offset inside the data, and for :func:`decode_into` the outputs'
+shape, item size and overlap and the token range; the C checks the scales it reads (finite,
 non-negative) and fp8 codes (no NaN), as the numpy decoders do.
 
 Thread-safety: every function may be called from any number of threads at once.
@@ -35,7 +36,7 @@ class LayerShape(Protocol):
     @property
     def raw_bytes(self) -> int: ...
 
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 _DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -61,6 +62,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib.kvcodec_decode.restype = _I64
         lib.kvcodec_decode.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                                        _P, ctypes.c_int, _P, _I64, ctypes.c_int]
+        lib.kvcodec_decode_into.restype = _I64
+        lib.kvcodec_decode_into.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                                            _I64, _P, ctypes.c_int, _P, _P, _I64, _I64, _I64,
+                                            ctypes.c_int]
         lib.kvcodec_encode_int8.restype = ctypes.c_int
         lib.kvcodec_encode_int8.argtypes = [_P, _I64, _I64, _I64, ctypes.c_int, _P, ctypes.c_int]
     except (OSError, AttributeError) as err:
@@ -87,6 +92,47 @@ def decode_layers(name: str, data: np.ndarray, offsets: list[int], shape: LayerS
     :class:`CorruptData` naming the layer if a scale is negative or not finite or an fp8 code
     is a NaN (``out`` is then partly written and must not be used); ``ValueError`` for
     arguments that do not fit (nothing reaches C then)."""
+    lib, cid, offs = _checked_chunk(name, data, offsets, shape, encoded_size, table, groups, g)
+    _check(out, np.uint8, offs.size * shape.raw_bytes, "out")
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
+    h, n, d = shape.num_kv_heads, shape.n_tokens, shape.head_dim
+    rc = lib.kvcodec_decode(cid, data.ctypes.data, offs.ctypes.data, offs.size, h, n, d, groups,
+                            g, None if table is None else table.ctypes.data, _DTYPES[shape.dtype],
+                            out.ctypes.data, shape.raw_bytes, int(SIMD))
+    _raise_for(rc, name)
+
+
+def decode_into(name: str, data: np.ndarray, offsets: list[int], shape: LayerShape,
+                encoded_size: int, k_out: np.ndarray, v_out: np.ndarray, start: int, use: int,
+                *, table: np.ndarray | None = None, groups: int = 0, g: int = 0) -> None:
+    """Decode ``len(offsets)`` layers of one chunk as :func:`decode_layers` does (same codecs,
+    arguments and errors), but straight into keys and values: token ``t < use`` of layer
+    ``l``, head ``h`` goes to ``k_out[l, h, start + t]`` / ``v_out[l, h, start + t]``.
+    ``k_out``, ``v_out``: C-contiguous, writeable, non-overlapping ``[len(offsets), H, T, D]``
+    arrays of ``shape.dtype``'s item size (any dtype of that size: the bytes are written);
+    nothing else of them is written. Every scale (and fp8 code) of the chunk is checked, also
+    those of tokens not used. ``ValueError`` for arguments that do not fit (nothing reaches C
+    then)."""
+    lib, cid, offs = _checked_chunk(name, data, offsets, shape, encoded_size, table, groups, g)
+    h, n, d = shape.num_kv_heads, shape.n_tokens, shape.head_dim
+    tokens = _check_outputs(k_out, v_out, (offs.size, h, d), shape.raw_bytes // (2 * h * n * d))
+    start, use = _index(start, "start"), _index(use, "use")
+    if not (0 < use <= n and 0 <= start and start + use <= tokens):
+        raise ValueError(f"use={use} tokens at start={start} do not fit a chunk of {n} tokens "
+                         f"and {tokens} output tokens")
+    rc = lib.kvcodec_decode_into(cid, data.ctypes.data, offs.ctypes.data, offs.size, h, n, d,
+                                 groups, g, None if table is None else table.ctypes.data,
+                                 _DTYPES[shape.dtype], k_out.ctypes.data, v_out.ctypes.data,
+                                 tokens, start, use, int(SIMD))
+    _raise_for(rc, name)
+
+
+def _checked_chunk(name: str, data: np.ndarray, offsets: list[int], shape: LayerShape,
+                   encoded_size: int, table: np.ndarray | None, groups: int, g: int
+                   ) -> tuple[ctypes.CDLL, int, np.ndarray]:
+    """(library, codec id, offsets as int64 [L]) once the codec, shape, encoded size, table
+    and every layer's place inside ``data`` are checked; ``ValueError`` otherwise."""
     lib = _lib_or_raise()
     h, n, d = shape.num_kv_heads, shape.n_tokens, shape.head_dim
     cid = _CODECS.get(name)
@@ -110,12 +156,39 @@ def decode_layers(name: str, data: np.ndarray, offsets: list[int], shape: LayerS
             or int(offs.max()) + encoded_size > data.nbytes:
         raise ValueError(f"offsets {offsets!r} do not leave {encoded_size} bytes per layer in "
                          f"{data.nbytes} bytes of data")
-    _check(out, np.uint8, offs.size * shape.raw_bytes, "out")
-    if not out.flags.writeable:
-        raise ValueError("out must be writeable")
-    rc = lib.kvcodec_decode(cid, data.ctypes.data, offs.ctypes.data, offs.size, h, n, d, groups,
-                            g, None if table is None else table.ctypes.data, _DTYPES[shape.dtype],
-                            out.ctypes.data, shape.raw_bytes, int(SIMD))
+    return lib, cid, offs
+
+
+def _check_outputs(k_out: np.ndarray, v_out: np.ndarray, lhd: tuple[int, int, int],
+                   itemsize: int) -> int:
+    """The token count T of keys and values [L, H, T, D] (``lhd`` = (L, H, D)) once both are
+    checked: C-contiguous writeable arrays of ``itemsize``-byte items, the same shape, not
+    overlapping; ``ValueError`` naming the argument otherwise."""
+    L, h, d = lhd
+    for what, a in (("k_out", k_out), ("v_out", v_out)):
+        if not isinstance(a, np.ndarray) or a.ndim != 4 or a.shape[0] != L or a.shape[1] != h \
+                or a.shape[3] != d or a.shape[2] <= 0 or a.dtype.itemsize != itemsize:
+            raise ValueError(f"{what} must be a [{L}, {h}, T, {d}] array of {itemsize}-byte "
+                             f"items, got {getattr(a, 'shape', None)} of "
+                             f"{getattr(getattr(a, 'dtype', None), 'itemsize', None)}-byte items")
+        if not a.flags.c_contiguous or not a.flags.writeable:
+            raise ValueError(f"{what} must be C-contiguous and writeable")
+    if k_out.shape != v_out.shape:
+        raise ValueError(f"k_out and v_out differ in shape: {k_out.shape} and {v_out.shape}")
+    if np.may_share_memory(k_out, v_out):
+        raise ValueError("k_out and v_out overlap")
+    return int(k_out.shape[2])
+
+
+def _index(x: object, what: str) -> int:
+    """``x`` as a Python int (an int or numpy integer; not a bool); ``ValueError`` otherwise."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise ValueError(f"{what} must be an integer, got {type(x).__name__}")
+    return int(x)
+
+
+def _raise_for(rc: int, name: str) -> None:
+    """The error a decoder's return code stands for (none for 0)."""
     if rc < 0:
         raise MemoryError("the native codec decoder could not allocate its scales")
     if rc > 0:

@@ -399,7 +399,11 @@ def decode_into(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape
     ``k_out[i, :, start:start + use]`` and ``v_out[i, :, start:start + use]`` (raw integer
     views ``[len(spans), H, T, D]`` in the layout dtype's item size). The bytes written equal
     those :func:`decode_layers` writes for the same tokens, and so do the errors
-    (:class:`CorruptData`; the outputs are then partly written and must not be used)."""
+    (:class:`CorruptData`; the outputs are then partly written and must not be used).
+    ``int8``/``fp8``/``int4`` into C-contiguous, non-overlapping outputs decode in one native
+    call (:func:`codec_native.decode_into`) unless ``native`` is False; otherwise each layer is
+    decoded into a scratch layer and its tokens copied. Thread-safety: any number of threads
+    at once, on disjoint outputs."""
     check_name(name)
     H, n, D = shape.num_kv_heads, shape.n_tokens, shape.head_dim
     item = shape.itemsize
@@ -413,6 +417,11 @@ def decode_into(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape
     if not (0 < use <= n and 0 <= start and start + use <= k_out.shape[2]):
         raise ValueError(f"use={use} tokens at start={start} do not fit a chunk of {n} tokens "
                          f"and {k_out.shape[2]} output tokens")
+    if not spans:
+        return
+    if name in _NATIVE and _use_native(native) and _direct(k_out, v_out):
+        _native_into(name, data, spans, shape, k_out, v_out, start, use)
+        return
     rb = shape.raw_bytes
     layer = np.empty(rb, dtype=np.uint8)
     for i, (off, nb) in enumerate(spans):
@@ -422,3 +431,25 @@ def decode_into(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape
         kv = layer.view(k_out.dtype).reshape(2, H, n, D)  # [K/V, H, n, D]
         k_out[i, :, start : start + use] = kv[0, :, :use]
         v_out[i, :, start : start + use] = kv[1, :, :use]
+
+
+def _direct(k_out: np.ndarray, v_out: np.ndarray) -> bool:
+    """Whether the native decoder may write the outputs as they are."""
+    return all(a.flags.c_contiguous and a.flags.writeable for a in (k_out, v_out)) \
+        and not np.may_share_memory(k_out, v_out)
+
+
+def _native_into(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape: LayerShape,
+                 k_out: np.ndarray, v_out: np.ndarray, start: int, use: int) -> None:
+    """:func:`decode_into` in one native call; spans checked as :func:`decode_layers` does."""
+    size = encoded_size(name, shape)
+    for i, (off, nb) in enumerate(spans):
+        if nb != size or off < 0 or off + nb > data.nbytes:
+            raise CorruptData(f"{name} data of layer {i}: {nb} bytes at {off} of "
+                              f"{data.nbytes}; one layer of {shape} takes {size}")
+    groups, g = _int4_groups(shape)
+    codec_native.decode_into(name, data, [off for off, _ in spans], shape, size,  # type: ignore
+                             k_out, v_out, start, use,
+                             table=_FP8_VALUES if name == "fp8" else None,
+                             groups=groups if name == "int4" else 0,
+                             g=g if name == "int4" else 0)
