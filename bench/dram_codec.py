@@ -13,6 +13,9 @@ of each store, in turn), so all see the same disk and the same neighbours' load:
 
 * ``cold``: ``store.get`` of the whole context after ``store.drop_caches()`` (DRAM tier and page
   cache emptied); GB/s of decoded bytes; ``pairs``: raw seconds / coded seconds of each round.
+  The ceiling, measured in the same rounds: ``read``, the store's stored bytes read cold in
+  slot order with no checksum, decode or copy (``Store.read_extent`` of each chunk, one
+  thread); ``of_read`` is the get's seconds over those.
 * ``hot``: ``store.get`` of the whole context with every chunk in DRAM (the cost of a decode on
   every hit against a copy); ``memcpy`` of the same bytes in the same rounds is the ceiling.
 * ``working_set``: ``--contexts`` contexts of ``--kv-tokens`` tokens (rotated copies of the same
@@ -75,6 +78,17 @@ def timed_get(store: kvstore.Store, toks, *, cold: bool) -> float:
     return time.perf_counter() - t
 
 
+def timed_read(store: kvstore.Store) -> float:
+    """Seconds to read every chunk's stored bytes cold, in slot order (the disk's ceiling for
+    a get of them: no checksum, decode or copy)."""
+    recs = sorted(store.chunk_records(), key=lambda r: r.slot)
+    store.drop_caches()
+    t = time.perf_counter()
+    for r in recs:
+        store.read_extent(r)
+    return time.perf_counter() - t
+
+
 def cold_and_hot(workdir: str, layout, codec: str, toks, k, v, reps: int) -> dict:
     stores = open_three(workdir, layout, codec)
     nbytes = 2 * k.numel() * k.element_size()
@@ -87,11 +101,16 @@ def cold_and_hot(workdir: str, layout, codec: str, toks, k, v, reps: int) -> dic
             copy_s: list[float] = []
             src = torch.cat([k.reshape(-1), v.reshape(-1)])
             dst = torch.empty_like(src)
+            reads: dict[str, list[float]] = {n: [] for n in STORES}
             for i in range(reps + 1):  # the first round warms up
                 for name, s in stores.items():
                     dt = timed_get(s, toks, cold=mode == "cold")
                     if i:
                         samples[name].append(dt)
+                    if mode == "cold":
+                        dt = timed_read(s)
+                        if i:
+                            reads[name].append(dt)
                 if mode == "hot":
                     t = time.perf_counter()
                     np.copyto(dst.numpy(), src.numpy())
@@ -102,6 +121,10 @@ def cold_and_hot(workdir: str, layout, codec: str, toks, k, v, reps: int) -> dic
                 res[n]["pairs"] = [r / c for r, c in zip(samples["raw"], samples[n],
                                                          strict=True)]
                 res[n]["pairs_p50"] = float(np.median(res[n]["pairs"]))
+            if mode == "cold":
+                for n in STORES:
+                    res[n]["read"] = summarize(reads[n], nbytes)
+                    res[n]["of_read"] = res[n]["p50_s"] / res[n]["read"]["p50_s"]
             if mode == "hot":
                 res["memcpy"] = summarize(copy_s, nbytes)
                 for n in STORES:
@@ -193,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:4s} GB/s p50: raw {r['raw']['gbps_p50']:.2f}  disk-coded "
               f"{r['disk']['gbps_p50']:.2f} (x{r['disk']['pairs_p50']:.2f})  dram-coded "
               f"{r['dram']['gbps_p50']:.2f} (x{r['dram']['pairs_p50']:.2f})"
-              + (f"  memcpy {r['memcpy']['gbps_p50']:.2f}" if mode == "hot" else ""))
+              + (f"  memcpy {r['memcpy']['gbps_p50']:.2f}" if mode == "hot" else
+                 "  get / plain read of the stored bytes: " + ", ".join(
+                     f"{n} {r[n]['of_read']:.2f}" for n in STORES)))
     print(f"working set ({args.contexts} x {len(ids)} tokens, DRAM {args.dram_fraction:.0%} of "
           f"raw): " + "  ".join(f"{n} {ws[n]['gbps_p50']:.2f} GB/s hits "
                                 f"{ws[n]['dram_hit_fraction']:.0%}" for n in STORES)

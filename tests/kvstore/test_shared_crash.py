@@ -187,7 +187,7 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
 
     path = tmp_path / "st"
     reading, resume = threading.Event(), threading.Event()
-    real = read_path.read_verified
+    real = read_path._read_raw  # the get's read of a chunk's stored bytes
 
     def paused(core, rec, buf):
         reading.set()
@@ -198,7 +198,7 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
                       dram_bytes=0) as s:
         mine = [1, 2, 3, 4]
         s.put(mine, *causal_kv(SMALL, mine))
-        monkeypatch.setattr(read_path, "read_verified", paused)
+        monkeypatch.setattr(read_path, "_read_raw", paused)
         outcome: list[object] = []
 
         def get():
@@ -217,7 +217,7 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
         assert isinstance(outcome[0], KeyError), outcome  # a miss, not the other's bytes
         st = s.stats()
         assert st["sharing"]["read_races"] >= 1 and st["corrupt"]["chunks"] == 0
-        monkeypatch.setattr(read_path, "read_verified", real)
+        monkeypatch.setattr(read_path, "_read_raw", real)
         theirs = list(range(700, 708))
         assert s.match(theirs) == 8 and _exact(s, theirs)  # their chunks were not dropped
     assert verify_path(path)["ok"]
