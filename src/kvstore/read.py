@@ -2,9 +2,10 @@
 
 A get takes, under the metadata lock, the pieces serving its tokens, a pin on each DRAM copy it
 will read and on each disk slot it will read, and pending DRAM entries to cache what it reads
-from disk. Then, without the lock, it copies the DRAM hits out (over both cores when large) and
-reads the misses (whole extents, on helper threads, each verified layer by layer), and finally
-releases its pins under the lock. Pins keep this process's evictions from reusing a slot under
+from disk. Then, without the lock, one helper thread reads the misses (whole extents, in slot
+order) and hands each to the other helper, which verifies it layer by layer and copies or
+decodes it out, while the calling thread copies the DRAM hits out; finally it releases its
+pins under the lock. Pins keep this process's evictions from reusing a slot under
 a read; another process may still reuse it, which the read sees as a checksum failure: the
 chunk's record is then checked again in the catalog, and if it changed (evicted, or stored
 again elsewhere) the get starts over (a race, counted in ``stats()``), else the chunk is
