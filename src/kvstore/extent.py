@@ -141,12 +141,15 @@ def stored_checksums(rec: ChunkRecord, stored: np.ndarray, raw_layer_bytes: int)
     return out
 
 
-def decode_layer(layout: KVLayout, rec: ChunkRecord, data: np.ndarray,
+def decode_layer(layout: KVLayout, rec: ChunkRecord, layer: int, data: np.ndarray,
                  out: np.ndarray | None = None) -> np.ndarray:
-    """Raw bytes of one layer of ``rec`` from its verified stored bytes (CorruptData if they
-    do not decode)."""
-    return codecs.decode(codecs.codec_name(rec.codec), data, layer_shape(layout, rec.n_tokens),
-                         out)
+    """Raw bytes of layer ``layer`` of ``rec`` from its verified stored bytes ``data``
+    (CorruptData naming the chunk and the layer if they do not decode)."""
+    try:
+        return codecs.decode(codecs.codec_name(rec.codec), data,
+                             layer_shape(layout, rec.n_tokens), out)
+    except CorruptData as err:
+        raise CorruptData(f"chunk {rec.key.hex()}, layer {layer}: {err}") from None
 
 
 def decode_extent(layout: KVLayout, rec: ChunkRecord, stored: np.ndarray,

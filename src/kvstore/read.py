@@ -15,6 +15,7 @@ corrupt and quarantined.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -76,12 +77,12 @@ def resolve_all(core: Core, toks: np.ndarray, namespace: str | None) -> list[Pie
 class _Scratch:
     """Buffers for coded extents' stored bytes, reused between reads: a fresh buffer per read
     costs a page fault per 4 KiB (in a check here, writing 5.9 MB into fresh memory ran at about
-    1 GB/s, into reused memory at 3-4). At most ``keep`` are kept (a get's reader may run a few
-    chunks ahead of the helper decoding them), each
+    1 GB/s, into reused memory at 3-4). At most ``keep`` are kept (and a get hands at most
+    ``keep`` to the helper decoding them: its reader decodes the rest itself), each
     as large as the largest extent read. Thread-safety: any thread may take and give back."""
 
     def __init__(self, keep: int) -> None:
-        self._keep = keep
+        self.keep = keep
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
 
@@ -94,7 +95,7 @@ class _Scratch:
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            if len(self._free) < self._keep:
+            if len(self._free) < self.keep:
                 self._free.append(buf)
 
     @contextmanager
@@ -188,7 +189,7 @@ def copy_layer(core: Core, rec: ChunkRecord, buf: np.ndarray, layer: int) -> np.
     if not core.coded_copy(rec):
         return extent.view(lay, buf, n)[layer]
     off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
-    raw_layer = extent.decode_layer(lay, rec, buf[off : off + nbytes])
+    raw_layer = extent.decode_layer(lay, rec, layer, buf[off : off + nbytes])
     return raw_layer.view(extent._NP_INT[lay.itemsize]).reshape(
         2, lay.num_kv_heads, n, lay.head_dim)
 
@@ -216,7 +217,7 @@ def read_layer(core: Core, rec: ChunkRecord, layer: int, bufs: list[np.ndarray],
         core.segments.read(rec.slot, bufs, off)
         extent.verify(rec, extent.piece_checksums(bufs, 1), layer)
         if rec.codec != 0:
-            return [extent.decode_layer(core.layout, rec, bufs[0])]
+            return [extent.decode_layer(core.layout, rec, layer, bufs[0])]
     except CorruptData:
         if not is_current(core, rec):
             raise Raced(rec.key.hex()) from None
@@ -445,14 +446,23 @@ class Reader:
                      ok: set[int], meanwhile: Callable[[], None]) -> None:
         """Read the misses while this thread runs ``meanwhile`` (the hits' copy): one helper
         reads every miss's stored bytes in slot order (one sequential stream, which kernel
-        readahead serves best: measured 2-14% faster here than two helpers reading at once),
-        handing each chunk, as soon as it is read, to the other helper, which verifies it and
-        decodes or copies it into its DRAM copy and a CPU output (chunks own disjoint token
-        ranges of the output). Into a device output this thread copies each as it arrives.
-        Every read has ended when this returns or raises (the first error)."""
+        readahead serves best; see docs/benchmarks.md, "DRAM codecs and the get's sequential
+        reader"), handing each chunk, as soon as it is read, to the other helper, which
+        verifies it and decodes or copies it into its DRAM copy and a CPU output (chunks own
+        disjoint token ranges of the output). Into a device output this thread copies each
+        chunk as it arrives. Every read has ended when this returns or raises (the first
+        error)."""
         core = self.core
+        if not misses:  # nothing for the helpers: the hits' copy may split over them
+            meanwhile()
+            return
         on_cpu = k_out.device.type == "cpu"
         order = sorted(range(len(misses)), key=lambda i: misses[i].piece.rec.slot)
+        # (miss, its verification's future) as the reader hands chunks over, then None
+        arrived: queue.SimpleQueue[tuple[int, Future] | None] = queue.SimpleQueue()
+        # scratch buffers handed to the other helper: beyond these, the reader verifies and
+        # decodes a chunk itself (never waiting on a helper, which could deadlock two gets)
+        ahead = threading.BoundedSemaphore(_SCRATCH.keep)  # released by finish_ahead()
 
         def target(m: _Miss) -> np.ndarray | None:
             """Where the stored bytes go besides ``m.buf``: scratch where a coded chunk is
@@ -482,22 +492,53 @@ class Reader:
                 if scratch is not None:
                     _SCRATCH.give(scratch)
 
-        def reader() -> tuple[list[tuple[int, Future]], tuple[int, BaseException] | None]:
-            futs: list[tuple[int, Future]] = []
-            for i in order:
-                m = misses[i]
-                scratch = None
-                try:
-                    scratch = target(m)
-                    stored = _read_raw(core, m.piece.rec, m.buf if scratch is None else scratch)
-                    futs.append((i, core.helpers.submit(finish, m, stored, scratch)))
-                except BaseException as e:  # finish() was not submitted: it owns nothing
-                    if scratch is not None:
-                        _SCRATCH.give(scratch)
-                    if isinstance(e, CorruptData):
-                        e = _raced(core, m.piece.rec, e)
-                    return futs, (i, e)
-            return futs, None
+        def finish_ahead(m: _Miss, stored: np.ndarray, scratch: np.ndarray) -> None:
+            try:
+                finish(m, stored, scratch)
+            finally:
+                ahead.release()
+
+        def hand_over(m: _Miss, stored: np.ndarray, scratch: np.ndarray | None) -> Future:
+            """Verify and copy out chunk ``m`` (read into ``scratch`` or ``m.buf``) on the
+            other helper, or on this one when too many scratch buffers are out already."""
+            if scratch is None:
+                return core.helpers.submit(finish, m, stored, None)
+            if ahead.acquire(blocking=False):
+                return core.helpers.submit(finish_ahead, m, stored, scratch)
+            f: Future = Future()
+            try:
+                finish(m, stored, scratch)
+                f.set_result(None)
+            except BaseException as e:  # handed to the caller, which waits on f
+                f.set_exception(e)
+            return f
+
+        def why(rec: ChunkRecord, e: BaseException) -> BaseException:
+            if not isinstance(e, CorruptData):
+                return e
+            try:
+                return _raced(core, rec, e)
+            except BaseException as e2:  # the catalog could not be asked: that is the error
+                return e2
+
+        def reader() -> tuple[int, BaseException] | None:
+            try:
+                for i in order:
+                    m = misses[i]
+                    scratch = None
+                    try:
+                        scratch = target(m)
+                        stored = _read_raw(core, m.piece.rec,
+                                           m.buf if scratch is None else scratch)
+                        f = hand_over(m, stored, scratch)
+                    except BaseException as e:  # finish() never got the scratch buffer
+                        if scratch is not None:
+                            _SCRATCH.give(scratch)
+                        return i, why(m.piece.rec, e)
+                    arrived.put((i, f))
+                return None
+            finally:
+                arrived.put(None)
 
         read = core.helpers.submit(reader)
         first: tuple[ChunkRecord | None, BaseException] | None = None
@@ -505,8 +546,8 @@ class Reader:
             meanwhile()
         except BaseException as e:  # a hit that does not decode quarantines itself
             first = (None, e)
-        futs, failed = read.result()  # reader() catches what its reads raise
-        for i, f in futs:
+        while (item := arrived.get()) is not None:
+            i, f = item
             m = misses[i]
             rec = m.piece.rec
             try:
@@ -521,6 +562,7 @@ class Reader:
                 first = first or (rec, e)
                 continue
             ok.add(i)
+        failed = read.result()  # reader() returns what its reads raise
         if failed is not None and first is None:
             first = (misses[failed[0]].piece.rec, failed[1])
         if first is not None:

@@ -6,11 +6,14 @@ into DRAM, from DRAM again; layer-wise loads; row reads; the prefetcher) must gi
 bytes exactly, while the same ``dram_bytes`` hold more chunks.
 """
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
-from kvstore import codecs
+import kvstore
+from kvstore import codecs, extent
 from kvstore.errors import CorruptData
 from kvstore.layout import KVLayout
 from kvstore.verify import verify_store
@@ -163,3 +166,111 @@ def test_a_reopen_with_another_dram_codec_reads_every_chunk(open_small):
         for name, t in toks.items():
             _same(s.get(t), ref[name])
     assert codecs.is_lossy(s.config.codecs["dram"])
+
+
+def _store_with_undecodable_chunk(tmp_path, monkeypatch, name, cfg, dram):
+    """A store whose second chunk's stored bytes pass their checksums but do not decode (a NaN
+    scale, written by the encoder: the checksums cover it), reopened with an empty DRAM tier."""
+    real = extent.encode_layers
+    calls = []
+
+    def encode(layout, codec, parts, n, capacity):
+        out = real(layout, codec, parts, n, capacity)
+        calls.append(n)
+        if len(calls) == 2:  # the second chunk: the last scale of layer 1 becomes NaN
+            out[1] = out[1][:-4] + np.float32(np.nan).tobytes()
+        return out
+
+    toks = list(range(3 * CHUNK))
+    kw = {"layout": WIDE, "chunk_tokens": CHUNK, "disk_bytes": 16 << 20, "policy": "scheduler"}
+    monkeypatch.setattr(extent, "encode_layers", encode)
+    with kvstore.open(tmp_path / name, dram_bytes=0, codecs=cfg, **kw) as s:
+        s.put(toks, *causal_kv(WIDE, toks))
+    monkeypatch.setattr(extent, "encode_layers", real)
+    return kvstore.open(tmp_path / name, dram_bytes=dram, codecs=cfg, **kw), toks
+
+
+def _read_rows(s, toks):
+    rows = s.rows(toks)
+    for layer in range(WIDE.num_layers):
+        rows.read(layer, np.array([[70, 80], [90, 100]]))
+
+
+def _load(s, toks):
+    with s.load_layers(toks) as load:
+        for layer in range(WIDE.num_layers):
+            load.wait(layer)
+
+
+def _prefetch_then_get(s, toks):
+    s.set_queue([toks + [9999]])
+    s.wait_prefetched(30)
+    s.get(toks)
+
+
+@pytest.mark.parametrize("dram_codec", ["int8", "none"])
+@pytest.mark.parametrize("path,dram", [("get", 2 << 20), ("get", 0), ("load", 2 << 20),
+                                       ("rows", 2 << 20), ("prefetch", 2 << 20)])
+def test_stored_bytes_that_do_not_decode_are_corrupt_on_every_read_path(
+        tmp_path, monkeypatch, dram_codec, path, dram):
+    """Bytes that pass their checksum but do not decode, read from disk by a get (into coded or
+    decoded DRAM copies, or with no DRAM room), a layer-wise load, a row read or the
+    prefetcher: CorruptData, never data; the chunk is quarantined and no DRAM copy is left."""
+    s, toks = _store_with_undecodable_chunk(tmp_path, monkeypatch, "bad",
+                                            {"disk": "int8", "dram": dram_codec}, dram)
+    read = {"get": lambda: s.get(toks), "load": lambda: _load(s, toks),
+            "rows": lambda: _read_rows(s, toks),
+            "prefetch": lambda: _prefetch_then_get(s, toks)}[path]
+    # the prefetcher may meet the bad bytes first (decoding them into a decoded DRAM copy):
+    # it quarantines the chunk, and the get is then a miss
+    errors = (CorruptData, KeyError) if path == "prefetch" else CorruptData
+    try:
+        with pytest.raises(errors) as info:
+            read()
+        assert info.type is KeyError or "layer 1" in str(info.value)
+        assert s.match(toks) < CHUNK + 1  # quarantined: the context no longer serves it
+        bad = sorted(s.chunk_records(), key=lambda r: int(r.tokens[0]))
+        assert all(int(r.tokens[0]) != CHUNK for r in bad)
+        with s._core.mutex:
+            assert all(k not in s._core.dram for k in s._core.tree.corrupt)
+    finally:
+        s.close()
+
+
+def test_a_get_whose_reader_fails_waits_for_every_chunk_it_handed_over(tmp_path, monkeypatch):
+    """When the reader stops on an error it cannot even classify (here: a short read, then the
+    catalog cannot be asked whether the chunk changed), the get raises only after the chunks
+    already handed over are verified and copied: nothing writes into its buffers later."""
+    from kvstore import read as read_path
+
+    s, _ = _pair(lambda name, **kw: kvstore.open(tmp_path / name, **kw), "int8")
+    toks = list(range(4 * CHUNK))
+    s.put(toks, *causal_kv(WIDE, toks))
+    s.drop_caches()
+    real_read, real_verify = read_path._read_raw, read_path._verify_stored
+    reads, verified = [], []
+
+    def read_raw(core, rec, buf):
+        reads.append(rec.slot)
+        if len(reads) == 3:
+            raise CorruptData("short read (injected)")
+        return real_read(core, rec, buf)
+
+    def verify(core, rec, stored):
+        time.sleep(0.05)  # the other helper lags behind the reader
+        real_verify(core, rec, stored)
+        verified.append(time.monotonic())
+
+    def is_current(core, rec):
+        raise RuntimeError("the catalog cannot be read (injected)")
+
+    monkeypatch.setattr(read_path, "_read_raw", read_raw)
+    monkeypatch.setattr(read_path, "_verify_stored", verify)
+    monkeypatch.setattr(read_path, "is_current", is_current)
+    try:
+        with pytest.raises(RuntimeError, match="catalog"):
+            s.get(toks)
+        returned = time.monotonic()
+        assert len(verified) == 2 and max(verified) <= returned
+    finally:
+        s.close()
