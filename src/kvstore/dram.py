@@ -138,13 +138,13 @@ class DramTier:
         every slot pending or pinned), ``key`` is being filled already, or ``nbytes`` exceed
         a slot (a chunk the DRAM codec does not size: it is served from disk). A ready entry of
         ``key`` is replaced."""
-        if nbytes > self.slot_stride:
-            return None
         old = self._entries.get(key)
         if old is not None:
             if old.pending:
                 return None
-            self.discard(key)
+            self.discard(key)  # a copy of another generation (or a duplicate): replaced
+        if nbytes > self.slot_stride:
+            return None
         if not self._free:
             if not self._heap:
                 return None
