@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -504,7 +504,11 @@ class Reader:
             if scratch is None:
                 return core.helpers.submit(finish, m, stored, None)
             if ahead.acquire(blocking=False):
-                return core.helpers.submit(finish_ahead, m, stored, scratch)
+                try:
+                    return core.helpers.submit(finish_ahead, m, stored, scratch)
+                except BaseException:
+                    ahead.release()
+                    raise
             f: Future = Future()
             try:
                 finish(m, stored, scratch)
@@ -524,6 +528,8 @@ class Reader:
         def reader() -> tuple[int, BaseException] | None:
             try:
                 for i in order:
+                    if stop.is_set():  # the get fails anyway: no more reads
+                        return None
                     m = misses[i]
                     scratch = None
                     try:
@@ -540,13 +546,27 @@ class Reader:
             finally:
                 arrived.put(None)
 
+        stop = threading.Event()  # set once the get has an error: the reader stops reading
         read = core.helpers.submit(reader)
         first: tuple[ChunkRecord | None, BaseException] | None = None
+
+        def fail(rec: ChunkRecord | None, e: BaseException) -> None:
+            nonlocal first
+            first = first or (rec, e)
+            stop.set()
+
         try:
             meanwhile()
         except BaseException as e:  # a hit that does not decode quarantines itself
-            first = (None, e)
-        while (item := arrived.get()) is not None:
+            fail(None, e)
+        while True:
+            try:
+                item = arrived.get()
+            except BaseException as e:  # an interrupt: still wait for what was handed over
+                fail(None, e)
+                continue
+            if item is None:
+                break
             i, f = item
             m = misses[i]
             rec = m.piece.rec
@@ -559,17 +579,34 @@ class Reader:
                     else:
                         self._copy_out([(m.buf, m.piece)], k_out, v_out, None)
             except BaseException as e:
-                first = first or (rec, e)
+                fail(rec, e)
+                if (cut := _settle(f)) is not None:  # an interrupt cut the wait short
+                    fail(None, cut)
                 continue
             ok.add(i)
+        if (cut := _settle(read)) is not None:
+            fail(None, cut)
         failed = read.result()  # reader() returns what its reads raise
-        if failed is not None and first is None:
-            first = (misses[failed[0]].piece.rec, failed[1])
+        if failed is not None:
+            fail(misses[failed[0]].piece.rec, failed[1])
         if first is not None:
             rec, error = first
             if rec is not None and isinstance(error, CorruptData):
                 quarantine(core, rec, error, self._files)
             raise error
+
+
+def _settle(f: Future) -> BaseException | None:
+    """Wait until ``f`` is done, whatever interrupts the wait (a helper may still be writing
+    into buffers the caller is about to release); returns the first interrupt, if any, for the
+    caller to raise once everything has ended."""
+    cut: BaseException | None = None
+    while not f.done():
+        try:
+            wait([f])
+        except BaseException as e:  # kept and raised by the caller; the wait goes on
+            cut = cut or e
+    return cut
 
 
 class _CudaCopy:

@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
+from kvstore.errors import StoreClosed
+
 
 class Helpers:
     """``n`` helper threads. Thread-safety: every method may be called from any thread."""
@@ -48,15 +50,12 @@ class Helpers:
             with self._lock:
                 self._splitters -= 1
 
-    def _start(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("helpers are closed")
-            while len(self._threads) < self.n:
-                t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
-                                     daemon=True)
-                t.start()
-                self._threads.append(t)
+    def _start_locked(self) -> None:
+        while len(self._threads) < self.n:
+            t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
+                                 daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
@@ -72,12 +71,15 @@ class Helpers:
                     self._busy -= 1
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        if len(self._threads) < self.n:
-            self._start()
+        """Queue ``fn(*args)``; :class:`StoreClosed` once :meth:`close` began. A task queued
+        here is ahead of close()'s stop markers (both happen under the lock), so it runs."""
         fut: Future = Future()
         with self._lock:
+            if self._closed:
+                raise StoreClosed("the store's helper threads are closed")
+            self._start_locked()
             self._busy += 1
-        self._q.put((fn, args, fut))
+            self._q.put((fn, args, fut))
         return fut
 
     def run_all(self, tasks: list[Callable[[], Any]]) -> list[Any]:
@@ -104,8 +106,8 @@ class Helpers:
         with self._lock:
             self._closed = True
             threads, self._threads = self._threads, []
-        for _ in threads:
-            self._q.put(None)
+            for _ in threads:  # behind every task submitted before
+                self._q.put(None)
         for t in threads:
             t.join()
 

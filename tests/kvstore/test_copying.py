@@ -1,12 +1,15 @@
 """The gather copy of a get: the C kernel and the numpy fallback copy the same bytes, to where
 the extents say, over one thread or several."""
 
+import threading
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
 from kvstore import copying, extent
+from kvstore.errors import StoreClosed
 from kvstore.layout import KVLayout
 from kvstore.workers import Helpers
 
@@ -92,3 +95,21 @@ def test_bad_pieces_are_refused_before_any_copy():
     with pytest.raises(ValueError, match="outputs"):
         copying.gather(LAYOUT, k[:2], v[:2], [(buf, n, 0, 4)])
     assert not k.any() and not v.any()
+
+
+def test_helpers_run_every_task_queued_before_close_and_refuse_later_ones():
+    """close() stops the threads behind every task already queued (those still run), and a
+    submit once close() began is refused with StoreClosed, never queued behind the stop
+    markers (where its future would never complete)."""
+    h = Helpers(2, "test-helpers")
+    gate = threading.Event()
+    futs = [h.submit(gate.wait, 30) for _ in range(2)]  # both threads busy
+    futs += [h.submit(lambda i=i: i * i) for i in range(6)]  # queued behind them
+    closer = threading.Thread(target=h.close)
+    closer.start()
+    gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert [f.result(timeout=0) for f in futs[2:]] == [i * i for i in range(6)]
+    with pytest.raises(StoreClosed):
+        h.submit(lambda: None)
