@@ -36,7 +36,7 @@ class LayerShape(Protocol):
     @property
     def raw_bytes(self) -> int: ...
 
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 _DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -76,9 +76,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 _lib, UNAVAILABLE_REASON = _load()
 #: the C decoders are in use (tests and benchmarks may set it to False to force numpy/torch).
 AVAILABLE: bool = _lib is not None
-#: the C decoders may use F16C/AVX2 where the CPU has them (tests set it to False to check the
-#: portable C conversion against the same reference).
-SIMD: bool = True
+#: the vector instructions the C decoders may use, where the CPU has them: 2 the widest
+#: (AVX-512F/BW for the int8/fp8 rows), 1 at most F16C/AVX2, 0 none (tests set each level to
+#: check every path against the same reference).
+SIMD: int = 2
 _ERRORS = {1: "holds a negative or non-finite scale", 2: "holds a NaN"}
 
 

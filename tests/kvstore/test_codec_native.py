@@ -22,7 +22,7 @@ odd_shapes = st.builds(LayerShape, st.sampled_from(sorted(DTYPES)), st.integers(
                        st.integers(1, 80), st.sampled_from([1, 3, 8, 13, 40, 64, 96, 130]))
 
 
-@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+@pytest.fixture(params=[2, 1, 0], ids=["widest", "avx2", "portable"])
 def simd(request, monkeypatch):  # the same for every hypothesis example of a test (on purpose)
     monkeypatch.setattr(codec_native, "SIMD", request.param)
     return request.param
