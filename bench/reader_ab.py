@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def earlier_reader(rev: str):
     """``Reader._read_misses`` as of commit ``rev``."""
     src = subprocess.run(["git", "show", f"{rev}:src/kvstore/read.py"], check=True,
                          capture_output=True, text=True).stdout
-    a, b = src.index("    def _read_misses("), src.index("class _CudaCopy:")
+    a = src.index("    def _read_misses(")
+    b = re.search(r"\n(class|def) \w", src[a:]).start() + a  # the next top-level name
     ns = dict(vars(read_path))
     exec(textwrap.dedent(src[a:b]), ns)  # noqa: S102 - the project's own earlier code
     return ns["_read_misses"]

@@ -3,7 +3,8 @@
 The work lives in parts (see ``docs/store.md``): the catalog (:mod:`kvstore.catalog`) is the
 truth every process shares; :mod:`kvstore.mirror` keeps this process's view of it (the prefix
 tree, :mod:`kvstore.tree`, and the free slots, :mod:`kvstore.slots`) current; puts run the
-pipeline of :mod:`kvstore.write`, gets and layer-wise loads that of :mod:`kvstore.read`;
+pipeline of :mod:`kvstore.write`, gets that of :mod:`kvstore.read`, layer-wise loads that of
+:mod:`kvstore.loads`;
 :mod:`kvstore.hints` holds the scheduler's queue and the prefetcher; :mod:`kvstore.saving` the
 write buffer and the writer thread; :mod:`kvstore.context_indexes` the per-head indexes.
 """
@@ -25,10 +26,11 @@ from kvstore.hints import Hints
 from kvstore.index.context import ContextIndexes
 from kvstore.index.spec import IndexSpec
 from kvstore.layerwise import LayerLoad
+from kvstore.loads import Loads
 from kvstore.lock import DirLock
 from kvstore.mirror import writing
 from kvstore.policy import EvictionPolicy
-from kvstore.read import Loads, Reader, is_current
+from kvstore.read import Reader, is_current
 from kvstore.records import ChunkRecord, ContextRecord
 from kvstore.remote.link import RemoteLink
 from kvstore.remote.tier import RemoteTier
