@@ -116,10 +116,11 @@ class StoreConfig:
         extent without one), page-aligned."""
         return align_up(self.extent_bytes(layout, self.codecs["dram"]))
 
-    def extent_bytes(self, layout: KVLayout, codec: str) -> int:
-        """Bytes of a full chunk's extent stored through ``codec`` (fixed-size codecs)."""
-        shape = LayerShape(layout.dtype, layout.num_kv_heads, self.chunk_tokens,
-                           layout.head_dim)
+    def extent_bytes(self, layout: KVLayout, codec: str, n_tokens: int | None = None) -> int:
+        """Bytes of an extent of ``n_tokens`` (default: a full chunk) stored through ``codec``
+        (fixed-size codecs)."""
+        n = self.chunk_tokens if n_tokens is None else n_tokens
+        shape = LayerShape(layout.dtype, layout.num_kv_heads, n, layout.head_dim)
         size = encoded_size(codec, shape)
         assert size is not None, codec
         return layout.num_layers * size

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from kvstore.buffers import OutputPool
 from kvstore.catalog import Catalog
-from kvstore.codecs import LayerShape, encoded_size
 from kvstore.config import StoreConfig
 from kvstore.confined import Dir
 from kvstore.dram import DramTier
@@ -59,13 +58,7 @@ class Core:
     def staged_bytes(self, n_tokens: int) -> int:
         """Bytes a DRAM copy of a new chunk of ``n_tokens`` takes when a put stages it: its
         raw extent, or with a DRAM codec (the disk codec, of fixed size) its encoded bytes."""
-        if not self.config.dram_coded:
-            return self.extent_bytes(n_tokens)
-        shape = LayerShape(self.layout.dtype, self.layout.num_kv_heads, n_tokens,
-                           self.layout.head_dim)
-        size = encoded_size(self.config.codecs["dram"], shape)
-        assert size is not None
-        return self.layout.num_layers * size
+        return self.config.extent_bytes(self.layout, self.config.codecs["dram"], n_tokens)
 
     def coded_copy(self, rec: ChunkRecord) -> bool:
         """A DRAM copy of ``rec`` holds its coded (stored) bytes, to be decoded when read."""

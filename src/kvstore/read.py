@@ -19,7 +19,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -427,18 +427,10 @@ class Reader:
                 raise
 
         tasks = [(lambda b=b, p=p: decode(b, p)) for b, p in coded]
-        if not parallel or len(tasks) == 1:
-            for t in tasks:
-                t()
-            return
-        with core.helpers.split_work() as alone:
-            if not alone:
-                for t in tasks:
-                    t()
-                return
-            ways = min(1 + core.helpers.n, os.cpu_count() or 1)
+        with core.helpers.split_work() if parallel else nullcontext(False) as alone:
+            ways = min(1 + core.helpers.n, os.cpu_count() or 1, len(tasks)) if alone else 1
             core.helpers.run_all([(lambda part=tasks[i::ways]: [t() for t in part])
-                                  for i in range(min(ways, len(tasks)))])
+                                  for i in range(ways)])
 
     def _read_misses(self, misses: list[_Miss], k_out: torch.Tensor, v_out: torch.Tensor,
                      ok: set[int], meanwhile: Callable[[], None]) -> None:
