@@ -6,6 +6,7 @@ from kvstore.errors import (
     FormatError,
     KVStoreError,
     LayoutMismatch,
+    RotatedKeys,
     StoreClosed,
     StoreLocked,
     UnsafePath,
@@ -22,6 +23,7 @@ __all__ = [
     "StoreClosed",
     "FormatError",
     "UnsafePath",
+    "RotatedKeys",
 ]
 
 from kvstore.config import StoreConfig  # noqa: E402

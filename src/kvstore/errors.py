@@ -34,3 +34,9 @@ class UnsafePath(KVStoreError):
     """A symlink, or something else that is not the store's own regular file or directory,
     sits where the store expects one of its files; the store refuses to use it (it never
     follows a link out of the store directory)."""
+
+
+class RotatedKeys(KVStoreError, ValueError):
+    """A feature that re-positions keys (truncation, RoPE at other positions, per-head indexes,
+    the runtime's sessions) was asked of a layout whose keys are stored rotated, as an engine
+    holds them (``KVLayout(keys="rotated")``)."""

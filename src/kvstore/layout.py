@@ -1,6 +1,19 @@
-"""KVLayout: the shape and numeric format of one model's KV cache.
+"""KVLayout: the shape and numeric format of one model's KV cache, and its key convention.
 
 A layout's fingerprint seeds every chunk address, so KV of one model is never served to another.
+
+Key conventions (``keys``):
+
+* ``"pre_rope"`` (the default): keys are stored before rotary encoding, and RoPE is applied at
+  whatever positions the reader chooses. Truncation, re-positioning and the per-head indexes
+  need this.
+* ``"rotated"``: keys are stored exactly as an inference engine holds them, RoPE applied at
+  their positions 0..T-1 (vLLM, llama.cpp). Reuse is bit-exact at the same positions, and only
+  there: every feature that re-positions keys refuses such a layout
+  (:meth:`KVLayout.require_pre_rope`, :class:`~kvstore.errors.RotatedKeys`). ``engine`` then
+  names what produced the bytes (the engine, its version, its packing or attention mode, its
+  KV type: whatever changes them), so KV is only served to an engine that would have computed
+  those same bytes; both are part of the fingerprint.
 """
 
 from __future__ import annotations
@@ -14,6 +27,9 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore.errors import RotatedKeys
+
+KEY_CONVENTIONS = ("pre_rope", "rotated")
 # dtype name -> (torch dtype, numpy dtype used for raw byte views, bytes per element)
 _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "float16": (torch.float16, np.dtype(np.float16)),
@@ -26,9 +42,11 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 class KVLayout:
     """Shape and format of a model's KV cache.
 
-    Keys are stored before rotary encoding; ``rope_theta`` and ``rope_scaling`` describe how to
-    apply it on load. ``rope_scaling`` is an optional flat mapping (e.g. ``{"type": "linear",
-    "factor": 2.0}``); it is kept as a sorted tuple of pairs so the layout stays hashable.
+    With ``keys="pre_rope"`` (the default) keys are stored before rotary encoding;
+    ``rope_theta`` and ``rope_scaling`` describe how to apply it on load. ``rope_scaling`` is an
+    optional flat mapping (e.g. ``{"type": "linear", "factor": 2.0}``); it is kept as a sorted
+    tuple of pairs so the layout stays hashable. With ``keys="rotated"`` keys are stored as the
+    engine named by ``engine`` holds them (see the module docstring).
     """
 
     num_layers: int
@@ -38,6 +56,8 @@ class KVLayout:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, object], ...] | Mapping[str, object] | None = None
     model_id: str = ""
+    keys: str = "pre_rope"
+    engine: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -70,6 +90,30 @@ class KVLayout:
             object.__setattr__(self, "rope_scaling", pairs or None)
         if not isinstance(self.model_id, str):
             raise ValueError(f"KVLayout.model_id must be a str, got {self.model_id!r}")
+        if self.keys not in KEY_CONVENTIONS:
+            raise ValueError(f"KVLayout.keys must be one of {list(KEY_CONVENTIONS)}, "
+                             f"got {self.keys!r}")
+        if not isinstance(self.engine, str):
+            raise ValueError(f"KVLayout.engine must be a str, got {self.engine!r}")
+        if self.keys == "rotated" and not self.engine:
+            raise ValueError("KVLayout.engine must name the engine (and whatever else changes "
+                             "its bytes) when keys='rotated': rotated keys are only served to "
+                             "an engine that would have computed those same bytes")
+
+    # ---- key convention ------------------------------------------------------------------
+    @property
+    def rotated_keys(self) -> bool:
+        """Whether keys are stored with RoPE applied (as an engine holds them)."""
+        return self.keys == "rotated"
+
+    def require_pre_rope(self, feature: str) -> None:
+        """Raise :class:`~kvstore.errors.RotatedKeys` naming ``feature`` unless keys are stored
+        before rotary encoding."""
+        if self.rotated_keys:
+            raise RotatedKeys(
+                f"{feature} needs keys stored before rotary encoding (KVLayout keys='pre_rope'); "
+                f"this layout holds keys rotated as {self.engine!r} computed them, which are "
+                f"only valid at their own positions")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -126,7 +170,9 @@ class KVLayout:
 
     # ---- identity ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, object]:
-        return {
+        """The canonical fields. ``keys`` and ``engine`` appear only when not the defaults, so
+        a pre-RoPE layout has the fingerprint it had before they existed."""
+        d: dict[str, object] = {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
@@ -135,11 +181,16 @@ class KVLayout:
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "model_id": self.model_id,
         }
+        if self.keys != "pre_rope":
+            d["keys"] = self.keys
+        if self.engine:
+            d["engine"] = self.engine
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> KVLayout:
         known = {"num_layers", "num_kv_heads", "head_dim", "dtype", "rope_theta",
-                 "rope_scaling", "model_id"}
+                 "rope_scaling", "model_id", "keys", "engine"}
         extra = set(d) - known
         if extra:
             raise ValueError(f"unknown KVLayout fields: {sorted(extra)}")

@@ -130,6 +130,7 @@ class Store:
         keys = check_kv(lay, "keys", keys, len(toks))
         values = check_kv(lay, "values", values, len(toks))
         if index is not None:
+            lay.require_pre_rope("per-head indexes (put(index=...))")
             check_spec(index, "index", lay.head_dim)
             check_keys(keys)
         kr = extent.raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
@@ -418,6 +419,7 @@ class Store:
         eviction, a longer put that supersedes it). Existing indexes are replaced. Returns
         False if no context of exactly these tokens is stored (or it left meanwhile).
         Thread-safe; the build runs without the metadata lock."""
+        self.layout.require_pre_rope("per-head indexes (build_indexes)")
         check_spec(spec, "spec", self.layout.head_dim)
         return self._indexes.build(as_tokens(tokens), namespace, spec)
 
@@ -439,6 +441,7 @@ class Store:
         walk). If the context was evicted or a chunk failed its checksum since this call, that
         query raises ``KeyError`` or :class:`CorruptData` (a miss: recompute).
         """
+        self.layout.require_pre_rope("per-head indexes (indexes)")
         return self._indexes.read(as_tokens(tokens), namespace)
 
     def index_dirs(self) -> dict[bytes, str]:
