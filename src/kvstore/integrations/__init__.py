@@ -1,0 +1,10 @@
+"""kvstore under inference engines: vLLM (:mod:`kvstore.integrations.vllm`) and llama.cpp
+(:mod:`kvstore.integrations.llama_cpp`).
+
+Each integration imports its engine only when it is imported itself; nothing else in
+``kvstore`` imports an engine. Engines hold keys after rotary encoding, so the integrations
+store them as the engine holds them (``KVLayout(keys="rotated", engine=...)``): reuse is
+bit-exact at the same positions, and the engine's identity (version, packing, attention mode,
+KV type) is part of the fingerprint. :mod:`kvstore.integrations.shared` lets the parts of one
+process (vLLM's scheduler and worker in single-process mode) share one open store.
+"""
