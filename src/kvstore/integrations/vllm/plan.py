@@ -56,10 +56,11 @@ class StepPlan(KVConnectorMetadata):
 
 @dataclass(kw_only=True)
 class WorkerReport(KVConnectorWorkerMetadata):
-    """Per request: tokens a load delivered, and requests whose load failed (vLLM recomputes
-    their blocks)."""
+    """Per request: the tokens a load delivered, by the tier that held them when it started
+    (``{"dram": n, "disk": n, "remote": n}``), and the requests whose load failed (vLLM
+    recomputes their blocks)."""
 
-    loaded: dict[str, int] = field(default_factory=dict)
+    loaded: dict[str, dict[str, int]] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:

@@ -48,7 +48,7 @@ class _Tracked:
     request: object  # vllm.v1.request.Request
     namespace: str | None
     saved: int = 0  # tokens whose saving was planned (whole blocks)
-    loaded: int = 0  # tokens the worker reported loaded
+    loaded: dict[str, int] | None = None  # tokens the worker loaded, by tier
     load_failed: bool = False
 
 
@@ -143,9 +143,10 @@ class SchedulerSide:
     # ---- outcomes -------------------------------------------------------------------------
     def reported(self, report: WorkerReport) -> None:
         """The worker's account of this step's loads."""
-        for rid, n in report.loaded.items():
+        for rid, tiers in report.loaded.items():
             if (tracked := self._tracked.get(rid)) is not None:
-                tracked.loaded += n
+                tracked.loaded = {k: (tracked.loaded or {}).get(k, 0) + v
+                                  for k, v in tiers.items()}
         for rid in report.failed:
             if (tracked := self._tracked.get(rid)) is not None:
                 tracked.load_failed = True
@@ -161,7 +162,8 @@ class SchedulerSide:
         tracked = self._tracked.pop(rid, None)
         if tracked is None:
             return False, None
-        params = {"kvstore": {"loaded_tokens": tracked.loaded,
+        tiers = tracked.loaded or {}
+        params = {"kvstore": {"loaded_tokens": sum(tiers.values()), "loaded_from": tiers,
                               "load_failed": tracked.load_failed}}
         B = self.block_size
         upto = min(request.num_computed_tokens, len(request.all_token_ids)) // B * B

@@ -45,6 +45,7 @@ class _Load:
     spec: LoadSpec
     handle: LayerLoad
     blocks: torch.Tensor  # [n] int64
+    tiers: dict[str, int]  # where its tokens were when it started
     packed: int = 0  # layers 0..packed-1 are in vLLM's blocks
 
 
@@ -113,13 +114,19 @@ class WorkerSide:
 
     def _start_load(self, spec: LoadSpec) -> None:
         blocks = torch.tensor(spec.block_ids, dtype=torch.int64)
+        tokens = list(spec.tokens)
         try:
-            handle = self.store.load_layers(list(spec.tokens), namespace=spec.namespace,
+            where = self.store.residency(tokens, namespace=spec.namespace)
+            if spec.start:  # the loaded range is the back of the prefix
+                front = self.store.residency(tokens[:spec.start], namespace=spec.namespace)
+                where = {k: where[k] - front[k] for k in where}
+            handle = self.store.load_layers(tokens, namespace=spec.namespace,
                                             start=spec.start, buffer_layers=self.buffer_layers)
         except STORE_ERRORS as e:
             self._fail_load(spec, blocks, e)
             return
-        self._loads.append(_Load(spec, handle, blocks))
+        tiers = {"dram": where["dram"], "disk": where["disk"], "remote": where["missing"]}
+        self._loads.append(_Load(spec, handle, blocks, tiers))
         self.stats.add("loads")
 
     def _fail_load(self, spec: LoadSpec, blocks: torch.Tensor, error: BaseException) -> None:
@@ -189,7 +196,7 @@ class WorkerSide:
             self._pack_upto(len(self._caches))  # layers no attention waited for
             for load in self._loads:
                 load.handle.close()
-                self._report.loaded[load.spec.req_id] = load.spec.num_tokens
+                self._report.loaded[load.spec.req_id] = load.tiers
                 self.stats.add("loaded_tokens", load.spec.num_tokens)
             self._loads = []
         for save in self._saves:
