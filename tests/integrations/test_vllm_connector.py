@@ -46,7 +46,7 @@ def prompts(model_dir) -> dict[str, list[int]]:
     prompt of several whole blocks."""
     tok = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     store_doc = tok.encode(_text("store.md")).ids
-    system = tok.decode(store_doc[:700])
+    system = tok.decode(store_doc[:450])
     long_sys = tok.decode(store_doc[1000:2440])
     return {
         "long": _chat(tok, long_sys, "Summarise the text above in one sentence."),
@@ -54,7 +54,7 @@ def prompts(model_dir) -> dict[str, list[int]]:
         "q2": _chat(tok, system, "How is a crash made safe? Answer briefly."),
         "turn2": tok.encode("<|im_end|>\n<|im_start|>user\nAnd why does that matter?"
                             "<|im_end|>\n<|im_start|>assistant\n").ids,
-        "short": _chat(tok, tok.decode(store_doc[3000:3560]), "Name one error class."),
+        "short": _chat(tok, tok.decode(store_doc[3000:3380]), "Name one error class."),
     }
 
 
@@ -100,12 +100,23 @@ def reference(tmp_path_factory, model_dir, prompts) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory, model_dir, prompts, reference) -> Path:
-    """A store into which one engine saved the long and the short prompt (and answers)."""
+def redis(tmp_path_factory):
+    """A real redis-server the stored fixture's engine writes through to."""
+    from tests.kvstore.redis_servers import Server
+
+    srv = Server(tmp_path_factory.mktemp("redis"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, model_dir, prompts, reference, redis) -> Path:
+    """A store (with a Redis tier) into which one engine saved the long and the short prompt
+    and their answers."""
     tmp = tmp_path_factory.mktemp("stored")
     store = tmp / "store"
     out = run_engine(tmp, model_dir, [{"ids": prompts["long"]}, {"ids": prompts["short"]}],
-                     connector=connector(store))
+                     connector=connector(store, remote=redis.url))
     assert [r["cached"] for r in out] == [0, 0]  # nothing to reuse yet
     assert [r["tokens"] for r in out] == [reference["long"]["tokens"],
                                          reference["short"]["tokens"]]
@@ -117,10 +128,37 @@ def copy_store(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_prompt_stored_by_one_engine_is_reused_by_another_process(
-        tmp_path, model_dir, prompts, stored, reference):
-    (res,) = run_engine(tmp_path, model_dir, [{"ids": prompts["long"]}],
-                        connector=connector(copy_store(stored, tmp_path / "s")))
+def corrupt_context(store: Path, n_tokens: int) -> int:
+    """Flip a byte in every chunk of the stored context of ``n_tokens`` tokens; returns how
+    many chunks were hit."""
+    with kvstore.open(store) as s:
+        (ctx,) = [c for c in s.contexts() if c.n_tokens == n_tokens]
+        recs = {r.key: r for r in s.chunk_records()}
+        places = [s._core.geo.locate(recs[k].slot) for k in ctx.chunks]  # (segment, offset)
+    for seg, off in places:
+        with open(store / "segments" / f"seg-{seg:06d}.kv", "r+b") as f:
+            f.seek(off + 1000)
+            b = f.read(1)
+            f.seek(off + 1000)
+            f.write(bytes([b[0] ^ 0xFF]))
+    return len(places)
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory, model_dir, prompts, stored) -> list[dict]:
+    """A fresh engine (another process, as after a restart) on a copy of the stored directory
+    whose short context was damaged (a flipped byte in each of its chunks): the long prompt,
+    then the short one."""
+    tmp = tmp_path_factory.mktemp("restarted")
+    store = copy_store(stored, tmp / "s")
+    assert corrupt_context(store, whole_blocks(len(prompts["short"]) + 23)) >= 3
+    return run_engine(tmp, model_dir, [{"ids": prompts["long"]}, {"ids": prompts["short"]}],
+                      connector=connector(store))
+
+
+def test_prompt_stored_by_one_engine_is_reused_by_another_process(prompts, restarted,
+                                                                  reference):
+    res = restarted[0]
     n = reused_limit(len(prompts["long"]))
     assert len(prompts["long"]) > 1400 and n >= 1280
     assert res["cached"] == n  # the hit, as vLLM reports it; prefill covers the rest only
@@ -128,6 +166,13 @@ def test_prompt_stored_by_one_engine_is_reused_by_another_process(
     assert kv["loaded_tokens"] == n and not kv["load_failed"]
     assert sum(kv["loaded_from"].values()) == n and kv["loaded_from"]["remote"] == 0
     assert res["tokens"] == reference["long"]["tokens"]  # 24 greedy tokens, as recompute
+
+
+def test_damaged_store_recomputes_and_answers_correctly(restarted, reference):
+    res = restarted[1]
+    assert res["params"]["kvstore"]["load_failed"] is True
+    assert res["tokens"] == reference["short"]["tokens"]
+    assert "vLLM recomputes" in res["log"]
 
 
 def test_shared_system_prompt_reuses_exactly_the_shared_blocks_and_stores_them_once(
@@ -158,49 +203,32 @@ def test_shared_system_prompt_reuses_exactly_the_shared_blocks_and_stores_them_o
         assert s.layout.keys == "rotated" and s.layout.engine.startswith("vllm 0.32.0")
 
 
-def test_damaged_store_recomputes_and_answers_correctly(tmp_path, model_dir, prompts, stored,
-                                                        reference):
-    store = copy_store(stored, tmp_path / "s")
-    for seg in (store / "segments").iterdir():  # a flipped byte in every 64 KiB of KV
-        data = bytearray(seg.read_bytes())
-        for at in range(4096 + 1000, len(data), 64 << 10):
-            data[at] ^= 0xFF
-        seg.write_bytes(bytes(data))
-    (res,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
-                        connector=connector(store))
-    assert res["params"]["kvstore"]["load_failed"] is True
-    assert res["tokens"] == reference["short"]["tokens"]
-    assert "vLLM recomputes" in res["log"]
-
-
 def test_full_disk_never_reaches_the_engine(tmp_path, model_dir, prompts, reference, small_disk):
-    """On a filesystem too small for the KV, saves fail; answers stay right, a later engine
-    reads only what was stored whole."""
+    """On a filesystem too small for the KV, saves fail; answers stay right and nothing
+    half-written is visible."""
+    from kvstore.verify import verify_path
+
     store = small_disk / "s"
     r1, r2 = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}] * 2,
                         connector=connector(store))
     for r in (r1, r2):
         assert r["tokens"] == reference["short"]["tokens"]
+        assert r["cached"] == 0 and not r["params"]["kvstore"]["load_failed"]
     assert "saving request" in r1["log"] and "disk full" in r1["log"]
-    (r3,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
-                       connector=connector(store))
-    assert r3["tokens"] == reference["short"]["tokens"]
-    assert not r3["params"]["kvstore"]["load_failed"]
+    with kvstore.open(store) as s:
+        assert s.match(prompts["short"]) == 0
+    assert verify_path(store)["ok"]
 
 
-def test_two_directories_share_through_one_redis(tmp_path, model_dir, prompts, reference):
-    from tests.kvstore.redis_servers import Server
-
-    srv = Server(tmp_path / "redis")
-    try:
-        (a,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
-                          connector=connector(tmp_path / "a", remote=srv.url))
-        assert a["cached"] == 0
-        (b,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
-                          connector=connector(tmp_path / "b", remote=srv.url))
-    finally:
-        srv.stop()
-    assert b["cached"] == reused_limit(len(prompts["short"])) > 0
+def test_two_directories_share_through_one_redis(tmp_path, model_dir, prompts, reference,
+                                                 stored, redis):
+    """An engine on an empty directory reuses what the stored fixture's engine, on another
+    directory, wrote through to the same redis-server."""
+    (b,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
+                      connector=connector(tmp_path / "b", remote=redis.url))
+    n = reused_limit(len(prompts["short"]))
+    assert b["cached"] == n > 0
+    assert b["params"]["kvstore"]["loaded_from"]["remote"] == n
     assert b["tokens"] == reference["short"]["tokens"]
 
 
