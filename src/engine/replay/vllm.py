@@ -29,9 +29,10 @@ from engine.replay.real import OneJobAtATime
 from engine.replay.server import Job, Method, ServerStats, serve
 from engine.replay.workload import Trace
 
-# vLLM's KV cache: room for one request of the window (GPU memory stands for it: small,
-# so vLLM's own prefix cache keeps only recent contexts, as on an accelerator).
+# vLLM's KV cache: room for one request of the window and two blocks (GPU memory stands for
+# it: small, so vLLM's own prefix cache keeps only recent contexts, as on an accelerator).
 ENGINE_KV_CONTEXTS = 1
+BLOCK = 128  # vLLM's CPU block size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +49,7 @@ class VllmSetup:
     @property
     def kv_cache_bytes(self) -> int:
         token_bytes = 30 * 2 * 3 * 64 * 4  # SmolLM2 in fp32: layers x (K, V) x heads x dims
-        return max(256 << 20, ENGINE_KV_CONTEXTS * (self.window + 64) * token_bytes)
+        return ENGINE_KV_CONTEXTS * (self.window + 2 * BLOCK) * token_bytes
 
 
 class VllmExecutor(OneJobAtATime):
