@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchutil import machine_info  # noqa: E402
+from benchutil import drop_file_cache, machine_info  # noqa: E402
 
 STORE_SIZES = {"dram_bytes": 1 << 30, "disk_bytes": 8 << 30}
 WARMUP = [1, 9690, 198, 2683, 30, 2]  # a few tokens, no whole block: nothing is stored
@@ -98,12 +98,7 @@ def drop_page_cache(root: Path) -> None:
     """Evict every file under ``root`` from the page cache (what a reboot would do)."""
     for p in root.rglob("*"):
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_file_cache(str(p))
 
 
 def disk_usage(root: Path) -> dict[str, int]:
