@@ -8,9 +8,9 @@ measured request.
   prompt of real text: ``recompute`` (no connector); ``example_save`` / ``example_load``
   / ``example_load_cold`` (vLLM's file-based ``ExampleConnector``: the engine that stores, then
   a fresh engine loading with the page cache warm, then dropped); ``kvstore_save`` (the engine
-  that stores), ``kvstore_dram`` (the same engine again, vLLM's prefix cache off, so the worker's
-  DRAM tier serves), ``kvstore_disk`` / ``kvstore_disk_cold`` (a fresh engine, page cache warm /
-  dropped with ``posix_fadvise``), ``kvstore_redis`` (a fresh engine on an empty directory
+  that stores), ``kvstore_dram`` (the same engine again once its save is written, vLLM's
+  prefix cache off, so the worker's DRAM tier serves), ``kvstore_disk`` /
+  ``kvstore_disk_cold`` (a fresh engine, page cache warm / dropped with ``posix_fadvise``), ``kvstore_redis`` (a fresh engine on an empty directory
   sharing a redis-server with the first). Configurations alternate within each repetition;
   ratios are between medians of the same run.
 * ``decode``: decode throughput of ``--new-tokens`` greedy tokens with the connector saving every
@@ -72,6 +72,9 @@ def engine_main(job_path: str) -> None:
     llm.generate([TokensPrompt(prompt_token_ids=WARMUP)],
                  SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     for step in job["steps"]:
+        # The connector saves in the background: a step that reads what the previous one
+        # saved first lets the store's writer finish (a real server's next turn comes later).
+        time.sleep(step.get("pause_s", 0.0))
         sp = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True)
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=step["ids"])], sp, use_tqdm=False)[0]
@@ -178,7 +181,8 @@ def bench_ttft(args, model: str, work: Path) -> dict:
             kv = {"kind": "kvstore", "extra": store}
             record(run_engine({**base, "transfer": kv,
                                "steps": [{**step, "label": "kvstore_save"},
-                                         {**step, "label": "kvstore_dram"}]}, d))
+                                         {**step, "label": "kvstore_dram", "pause_s": 5.0}]},
+                              d))
             record(run_engine({**base, "transfer": kv,
                                "steps": [{**step, "label": "kvstore_disk"}]}, d))
             drop_page_cache(d / "store")
