@@ -10,8 +10,9 @@ measured request.
   a fresh engine loading with the page cache warm, then dropped); ``kvstore_save`` (the engine
   that stores), ``kvstore_dram`` (the same engine again once its save is written, vLLM's
   prefix cache off, so the worker's DRAM tier serves), ``kvstore_disk`` /
-  ``kvstore_disk_cold`` (a fresh engine, page cache warm / dropped with ``posix_fadvise``), ``kvstore_redis`` (a fresh engine on an empty directory
-  sharing a redis-server with the first). Configurations alternate within each repetition;
+  ``kvstore_disk_cold`` (a fresh engine, page cache warm / dropped with ``posix_fadvise``),
+  ``kvstore_redis`` (a fresh engine on an empty directory sharing a redis-server with the
+  first). Configurations alternate within each repetition;
   ratios are between medians of the same run.
 * ``decode``: decode throughput of ``--new-tokens`` greedy tokens with the connector saving every
   new block, against the same engine without a connector (alternating processes).
