@@ -9,6 +9,7 @@ from kvstore.errors import (
     RotatedKeys,
     StoreClosed,
     StoreLocked,
+    StoreTampered,
     UnsafePath,
 )
 from kvstore.layout import KVLayout
@@ -18,6 +19,7 @@ __all__ = [
     "KVStoreError",
     "LayoutMismatch",
     "StoreLocked",
+    "StoreTampered",
     "CorruptData",
     "CapacityError",
     "StoreClosed",

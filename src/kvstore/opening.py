@@ -23,7 +23,7 @@ from kvstore.confined import Dir, UnsafePath
 from kvstore.context_indexes import INDEXES, IndexFiles
 from kvstore.core import Core
 from kvstore.dram import DramTier
-from kvstore.errors import CorruptData, FormatError, LayoutMismatch
+from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
 from kvstore.layout import KVLayout
 from kvstore.lock import DirLock, acquire
 from kvstore.mirror import Mirror
@@ -118,15 +118,16 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     try:
         lock = acquire(root, exclusive=exclusive, readonly=readonly)
         try:
-            catalog = Catalog(root, readonly=readonly, walk=lock.alone)
-            try:
-                layout, config = _settle_format(root, catalog, layout, given, lock, readonly)
-                store = _assemble(root, catalog, lock, layout, config, readonly)
-            except BaseException:
-                catalog.close()
-                raise
+            catalog = _open_catalog(root, lock, readonly)
         except BaseException:
             lock.release()
+            raise
+        try:
+            layout, config = _settle_format(root, catalog, layout, given, lock, readonly)
+            store = _assemble(root, catalog, lock, layout, config, readonly)
+        except BaseException:
+            lock.release()  # first, as Store.close does
+            catalog.close()
             raise
     except BaseException:
         root.close()
@@ -145,6 +146,23 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             store.close()
             raise
     return store
+
+
+def _open_catalog(root: Dir, lock: DirLock, readonly: bool) -> Catalog:
+    """The catalog, opened by this opener (which holds ``OPENING``). A joiner checks that the
+    catalog's lock file is the one the others use (:class:`StoreTampered` otherwise); one that
+    finds nobody using it because the others all closed meanwhile is alone after all."""
+    try:
+        catalog = Catalog(root, readonly=readonly, walk=lock.alone, joining=not lock.alone)
+    except StoreTampered:
+        if lock.alone or not lock.become_alone():
+            raise
+        catalog = Catalog(root, readonly=readonly, walk=True, joining=False)
+    if catalog.unlocked:
+        lock.keep_exclusive()  # read without a lock file: no writer may come in meanwhile
+    if not lock.alone:
+        lock.settle()  # its environment holds LMDB's lock now: later joiners can check it
+    return catalog
 
 
 def _remote_codec(cfg: RemoteConfig, codec: str) -> RemoteConfig:
@@ -263,9 +281,9 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
             procs = root.sub(PROCS, create=True)
             try:
                 if lock.alone:
-                    _repair_alone(procs, catalog, segments, files, geo, layout, config,
-                                  counters)
-                owner = Owner(procs)
+                    _repair_alone(root, procs, catalog, segments, files, geo, layout,
+                                  config, counters)
+                owner = Owner(root, procs)
             except BaseException:
                 procs.close()
                 raise
@@ -290,8 +308,8 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     return store
 
 
-def _repair_alone(procs: Dir, catalog: Catalog, segments: SegmentFiles, files: IndexFiles,
-                  geo: SegmentGeometry, layout: KVLayout, config: StoreConfig,
+def _repair_alone(root: Dir, procs: Dir, catalog: Catalog, segments: SegmentFiles,
+                  files: IndexFiles, geo: SegmentGeometry, layout: KVLayout, config: StoreConfig,
                   counters: Counters) -> None:
     """Repair what crashes left, with no other process using the store."""
     present = segments.existing()
@@ -321,7 +339,7 @@ def _repair_alone(procs: Dir, catalog: Catalog, segments: SegmentFiles, files: I
     counters.evicted_contexts += len(p.evicted)
     counters.collected_orphans += len(p.orphans)
     counters.collected_indexes += files.collect(indexed)
-    collect_dead(procs)
+    collect_dead(root, procs)
     # Segment files are created lazily on first write; existing ones of the wrong size
     # (truncated, or the budget changed) are resized now; files beyond the budget go.
     for seg, size in present.items():
