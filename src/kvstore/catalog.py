@@ -30,7 +30,8 @@ FORMAT_VERSION = 2
 CATALOG = "catalog"
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
-LOG_KEEP = 4096  # change-log entries kept; a process further behind reloads everything
+# change-log entries kept (about 70 bytes each); a process further behind reloads everything
+LOG_KEEP = 1 << 16
 HEADROOM = 256 << 10  # bytes of catalog file kept allocated ahead of use (see Catalog.write)
 TABLES = ("meta", "chunks", "contexts", "reservations", "indexes", "log")
 _KINDS = {b"C": "chunks", b"X": "contexts", b"I": "indexes"}

@@ -29,6 +29,7 @@ from kvstore.lock import DirLock, acquire
 from kvstore.mirror import Mirror
 from kvstore.owners import PROCS, Owner, collect_dead
 from kvstore.policy import make_policy
+from kvstore.recovery import RecoveryPlan
 from kvstore.recovery import apply as apply_recovery
 from kvstore.recovery import plan as recovery_plan
 from kvstore.remote.config import RemoteConfig
@@ -275,14 +276,15 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     segments = SegmentFiles(root, geo, readonly=readonly)
     files = None
     owner = None
+    repaired = None
     try:
         files = IndexFiles(root, readonly=readonly)
         if not readonly:
             procs = root.sub(PROCS, create=True)
             try:
                 if lock.alone:
-                    _repair_alone(root, procs, catalog, segments, files, geo, layout,
-                                  config, counters)
+                    repaired = _repair_alone(root, procs, catalog, segments, files, geo,
+                                             layout, config, counters)
                 owner = Owner(root, procs)
             except BaseException:
                 procs.close()
@@ -295,8 +297,8 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
             _repair_joining(core)
         store = Store(core, lock=lock, policy=policy, files=files)
         with core.mutex:
-            with catalog.read() as txn:
-                mirror.reload(txn)
+            with catalog.read() as txn:  # an opener alone loads what its repair kept
+                mirror.reload(txn, repaired)
     except BaseException:
         segments.close()
         if files is not None:
@@ -310,8 +312,9 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
 
 def _repair_alone(root: Dir, procs: Dir, catalog: Catalog, segments: SegmentFiles,
                   files: IndexFiles, geo: SegmentGeometry, layout: KVLayout, config: StoreConfig,
-                  counters: Counters) -> None:
-    """Repair what crashes left, with no other process using the store."""
+                  counters: Counters) -> RecoveryPlan:
+    """Repair what crashes left, with no other process using the store. Returns the
+    recovery plan it applied (its kept records are what the catalog now holds)."""
     present = segments.existing()
 
     def extent_end(rec):
@@ -349,6 +352,7 @@ def _repair_alone(root: Dir, procs: Dir, catalog: Catalog, segments: SegmentFile
             segments.mark_ready(seg)
         else:
             segments.prepare(seg)
+    return p
 
 
 def _repair_joining(core: Core) -> None:

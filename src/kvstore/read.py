@@ -243,7 +243,7 @@ def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles
             cur = core.tree.chunks.get(rec.key)
             if cur is not None and (cur.slot, cur.gen) == (rec.slot, rec.gen):
                 core.tree.corrupt.add(rec.key)
-                victims = sorted(core.tree.holders.get(rec.key, ()))
+                victims = sorted(core.tree.holders.get(rec.key))
                 keep = {k for r in txn.reservations() for k in r.held}
                 _, dirs = core.mirror.drop_contexts(txn, victims, keep)
                 core.counters.dropped_contexts += len(victims)

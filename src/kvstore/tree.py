@@ -48,6 +48,14 @@ def served(pieces: list[Piece]) -> int:
     return sum(p.use for p in pieces)
 
 
+def _id_bytes(tokens: np.ndarray) -> bytes:
+    """Token ids as bytes: the bytes object a decoded record's array views, else a copy."""
+    base = tokens.base
+    if isinstance(base, bytes) and tokens.dtype == np.uint32 and len(base) == tokens.nbytes:
+        return base
+    return np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()
+
+
 def _common_bytes(a: bytes, b: bytes) -> int:
     """Length of the common prefix of two token-id byte strings, in whole tokens."""
     n = min(len(a), len(b)) // 4
@@ -57,6 +65,57 @@ def _common_bytes(a: bytes, b: bytes) -> int:
     y = np.frombuffer(b, dtype=np.uint32, count=n)
     neq = np.flatnonzero(x != y)
     return int(neq[0]) if neq.size else n
+
+
+class Holders:
+    """Chunk -> the contexts holding it (its refcount is their number). Most chunks have one
+    holder: it is kept as the key itself, a set only from the second on (a set per chunk
+    cost ~200 bytes of each stored chunk's memory)."""
+
+    __slots__ = ("_map",)
+
+    def __init__(self) -> None:
+        self._map: dict[bytes, bytes | set[bytes]] = {}
+
+    def get(self, chunk: bytes, default: tuple = ()) -> tuple[bytes, ...] | set[bytes]:
+        h = self._map.get(chunk)
+        if h is None:
+            return default
+        return (h,) if isinstance(h, bytes) else h
+
+    def count(self, chunk: bytes) -> int:
+        h = self._map.get(chunk)
+        return 0 if h is None else 1 if isinstance(h, bytes) else len(h)
+
+    def add(self, chunk: bytes, context: bytes) -> None:
+        h = self._map.get(chunk)
+        if h is None:
+            self._map[chunk] = context
+        elif isinstance(h, bytes):
+            if h != context:
+                self._map[chunk] = {h, context}
+        else:
+            h.add(context)
+
+    def discard(self, chunk: bytes, context: bytes) -> None:
+        h = self._map.get(chunk)
+        if h is None:
+            return
+        if isinstance(h, bytes):
+            if h == context:
+                del self._map[chunk]
+            return
+        h.discard(context)
+        if len(h) == 1:
+            self._map[chunk] = next(iter(h))
+        elif not h:
+            del self._map[chunk]
+
+    def pop(self, chunk: bytes) -> None:
+        self._map.pop(chunk, None)
+
+    def clear(self) -> None:
+        self._map.clear()
 
 
 class Kids:
@@ -115,7 +174,7 @@ class ContextTree:
         self.priority = priority
         self.chunks: dict[bytes, ChunkRecord] = {}
         self.contexts: dict[bytes, ContextRecord] = {}
-        self.holders: dict[bytes, set[bytes]] = defaultdict(set)  # chunk -> contexts
+        self.holders = Holders()  # chunk -> contexts
         self.kids: dict[bytes, Kids] = {}  # parent -> its children, sorted by token ids
         self.compared = 0  # token comparisons made by lookups (chunk ids, or a child's)
         self.held: dict[bytes, int] = {}  # chunk -> puts/saves of this process needing it
@@ -242,7 +301,7 @@ class ContextTree:
             for c in self.contexts[k].chunks:
                 dec[c] += 1
         return [c for c, d in dec.items()
-                if len(self.holders[c]) == d and c not in keep and c not in self.held]
+                if self.holders.count(c) == d and c not in keep and c not in self.held]
 
     def unheld_orphans(self, candidates: Iterable[bytes],
                        keep: frozenset[bytes] | set[bytes]) -> list[bytes]:
@@ -269,7 +328,10 @@ class ContextTree:
         old = self.chunks.get(rec.key)
         if old is not None:
             self._unlink_child(old)
-        toks = np.ascontiguousarray(rec.tokens, dtype=np.uint32).tobytes()
+        parent = self.chunks.get(rec.parent)
+        if parent is not None:
+            rec.parent = parent.key  # one copy of each key in memory
+        toks = _id_bytes(rec.tokens)
         rec.tokens = np.frombuffer(toks, dtype=np.uint32)  # one copy of the ids: the index's
         self.chunks[rec.key] = rec
         kids = self.kids.get(rec.parent)
@@ -285,14 +347,14 @@ class ContextTree:
         if rec is None:
             return None
         self.corrupt.discard(key)
-        self.holders.pop(key, None)
+        self.holders.pop(key)
         self._unlink_child(rec)
         return rec
 
     def _unlink_child(self, rec: ChunkRecord) -> None:
         kids = self.kids.get(rec.parent)
         if kids is not None:
-            kids.remove(np.ascontiguousarray(rec.tokens, dtype=np.uint32).tobytes(), rec.key)
+            kids.remove(_id_bytes(rec.tokens), rec.key)
             if not kids:
                 del self.kids[rec.parent]
 
@@ -301,11 +363,28 @@ class ContextTree:
         if old is not None:
             rec.last_access = max(rec.last_access, old.last_access)
             for c in old.chunks:
-                self.holders[c].discard(rec.key)
+                self.holders.discard(c, rec.key)
+        self._intern(rec)
         self.contexts[rec.key] = rec
         for c in rec.chunks:
-            self.holders[c].add(rec.key)
+            self.holders.add(c, rec.key)
         self.heap.push(rec.key, self.priority(rec))
+
+    def add_contexts(self, recs: Iterable[ContextRecord]) -> None:
+        """Add many new contexts at once (a full load: the eviction heap is built in one
+        pass, not by a push each)."""
+        holders = self.holders
+        ranked = []
+        for rec in recs:
+            if rec.key in self.contexts:
+                self.add_context(rec)
+                continue
+            self._intern(rec)
+            self.contexts[rec.key] = rec
+            for c in rec.chunks:
+                holders.add(c, rec.key)
+            ranked.append((rec.key, self.priority(rec)))
+        self.heap.extend(ranked)
 
     def remove_context(self, key: bytes) -> ContextRecord | None:
         rec = self.contexts.pop(key, None)
@@ -313,10 +392,16 @@ class ContextTree:
             return None
         self.heap.remove(key)
         for c in rec.chunks:
-            h = self.holders.get(c)
-            if h is not None:
-                h.discard(key)
+            self.holders.discard(c, key)
         return rec
+
+    def _intern(self, rec: ContextRecord) -> None:
+        """Make a context's chunk keys the chunk records' own bytes objects (one copy of each
+        key in memory, however many records name it)."""
+        chunks = self.chunks
+        keys = tuple(chunks[c].key if c in chunks else c for c in rec.chunks)
+        rec.chunks = keys
+        rec.key = keys[-1] if keys and keys[-1] == rec.key else rec.key
 
     def touch(self, key: bytes, clock: int) -> None:
         rec = self.contexts.get(key)
