@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +36,11 @@ LOG_KEEP = 1 << 16
 HEADROOM = 256 << 10  # bytes of catalog file kept allocated ahead of use (see Catalog.write)
 TABLES = ("meta", "chunks", "contexts", "reservations", "indexes", "log")
 _KINDS = {b"C": "chunks", b"X": "contexts", b"I": "indexes"}
+# The catalog directories (device, inode) this process has open. A second open in one process
+# is refused before anything touches lock.mdb: closing any descriptor of that file drops the
+# POSIX locks this process's environment holds on it (a joiner's check opens one).
+_OPEN: set[tuple[int, int]] = set()
+_OPEN_LOCK = threading.Lock()
 _KIND_OF = {v: k for k, v in _KINDS.items()}
 
 
@@ -293,7 +299,15 @@ class Catalog:
         else:
             self.dir = root.sub(CATALOG, create=True)
         self.path = self.dir.path
+        self._ident: tuple[int, int] | None = None
         try:
+            st = os.fstat(self.dir.fd)
+            with _OPEN_LOCK:
+                if (st.st_dev, st.st_ino) in _OPEN:
+                    raise StoreLocked(f"the store catalog {self.path!r} is already open in "
+                                      f"this process")
+                _OPEN.add((st.st_dev, st.st_ino))
+                self._ident = (st.st_dev, st.st_ino)
             if not readonly:
                 root.fsync()  # the catalog directory's own entry is durable
             if joining:
@@ -315,6 +329,7 @@ class Catalog:
                                       f"this process") from None
                 raise FormatError(f"cannot open catalog at {self.path!r}: {e}") from None
         except BaseException:
+            self._forget()
             self.dir.close()
             raise
         try:
@@ -469,8 +484,15 @@ class Catalog:
             txn.put_meta("format", FORMAT_VERSION)
         self._dbs["sessions"] = None
 
+    def _forget(self) -> None:
+        with _OPEN_LOCK:
+            if self._ident is not None:
+                _OPEN.discard(self._ident)
+                self._ident = None
+
     def close(self) -> None:
         env = getattr(self, "_env", None)
         if env is not None:
             env.close()
+        self._forget()
         self.dir.close()

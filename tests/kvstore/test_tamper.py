@@ -164,3 +164,34 @@ def test_a_segment_file_renamed_under_two_writers(tmp_path):
     os.rename(moved, seg)
     _check_nothing_lost(path, writers)
     assert Path(seg).stat().st_size == SLOTS * 4096
+
+
+JOINER = """
+import sys
+import kvstore
+with kvstore.open(sys.argv[1]) as s:
+    print(s.match(list(range(12))))
+"""
+
+
+def test_a_second_open_in_one_process_leaves_the_first_ones_lock_file_lock(tmp_path):
+    """A joiner checks lock.mdb through a descriptor of it; closing a descriptor drops the
+    POSIX locks its process holds on the file. So a second open of a store in one process is
+    refused (StoreLocked) before anything touches lock.mdb: the first open's LMDB lock stays,
+    and another process still joins it (it would be refused as if lock.mdb were planted)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from tests.kvstore.conftest import put_causal
+
+    path = tmp_path / "st"
+    with kvstore.open(path, layout=SMALL, chunk_tokens=4) as s:
+        put_causal(s, list(range(12)))
+        with pytest.raises(kvstore.StoreLocked):
+            kvstore.open(path)
+        r = subprocess.run([sys.executable, "-c", JOINER, str(path)], capture_output=True,
+                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == "12"
