@@ -123,10 +123,8 @@ def bulk_load(store: kvstore.Store, ctxs: Contexts, first: int, last: int,
                 txn.put_chunk(rec)
             for ctx in contexts:
                 txn.put_context(ctx)
-        with core.mutex:
-            core.mirror.stale = True  # reload once the batch is in
     with core.mutex:
-        core.mirror.catch_up()
+        core.mirror.catch_up()  # from the change log the batches' commits wrote
 
 
 def rss(field: str = "RssAnon") -> int:
