@@ -9,6 +9,7 @@ from kvstore.errors import (
     RotatedKeys,
     StoreClosed,
     StoreLocked,
+    StoreTampered,
     UnsafePath,
 )
 from kvstore.layout import KVLayout
@@ -18,6 +19,7 @@ __all__ = [
     "KVStoreError",
     "LayoutMismatch",
     "StoreLocked",
+    "StoreTampered",
     "CorruptData",
     "CapacityError",
     "StoreClosed",
@@ -29,7 +31,7 @@ __all__ = [
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.layerwise import LayerLoad  # noqa: E402
 from kvstore.opening import open_store  # noqa: E402
-from kvstore.remote import RemoteAuthError, RemoteConfig  # noqa: E402
+from kvstore.remote import RemoteAuthError, RemoteConfig, RemoteSetupError  # noqa: E402
 from kvstore.saving import SaveHandle  # noqa: E402
 from kvstore.schedule import Job  # noqa: E402
 from kvstore.store import Store  # noqa: E402
@@ -37,6 +39,6 @@ from kvstore.throttle import ReadThrottle  # noqa: E402
 
 open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sqlite3.connect)
 
-__all__ += ["RemoteAuthError", "RemoteConfig", "Job", "LayerLoad", "ReadThrottle",
-            "SaveHandle", "Store",
+__all__ += ["RemoteAuthError", "RemoteConfig", "RemoteSetupError", "Job", "LayerLoad",
+            "ReadThrottle", "SaveHandle", "Store",
             "StoreConfig", "open", "open_store"]

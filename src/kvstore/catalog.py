@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ import lmdb
 
 from kvstore.catalog_check import check_data_file
 from kvstore.confined import Dir, UnsafePath
-from kvstore.errors import CapacityError, FormatError, KVStoreError, StoreLocked
+from kvstore.errors import CapacityError, FormatError, KVStoreError, StoreLocked, StoreTampered
+from kvstore.filelocks import held_by_other
 from kvstore.hashing import HASH_BYTES
 from kvstore.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
 
@@ -29,10 +31,16 @@ FORMAT_VERSION = 2
 CATALOG = "catalog"
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
-LOG_KEEP = 4096  # change-log entries kept; a process further behind reloads everything
+# change-log entries kept (about 70 bytes each); a process further behind reloads everything
+LOG_KEEP = 1 << 16
 HEADROOM = 256 << 10  # bytes of catalog file kept allocated ahead of use (see Catalog.write)
 TABLES = ("meta", "chunks", "contexts", "reservations", "indexes", "log")
 _KINDS = {b"C": "chunks", b"X": "contexts", b"I": "indexes"}
+# The catalog directories (device, inode) this process has open. A second open in one process
+# is refused before anything touches lock.mdb: closing any descriptor of that file drops the
+# POSIX locks this process's environment holds on it (a joiner's check opens one).
+_OPEN: set[tuple[int, int]] = set()
+_OPEN_LOCK = threading.Lock()
 _KIND_OF = {v: k for k, v in _KINDS.items()}
 
 
@@ -263,30 +271,65 @@ class Catalog:
     something a thread holding a write transaction would need.
     """
 
-    def __init__(self, root: Dir, *, readonly: bool, walk: bool,
+    def __init__(self, root: Dir, *, readonly: bool, walk: bool, joining: bool,
                  map_size: int = 1 << 34) -> None:
         """Open the catalog directory of the store ``root``. Its files are checked before LMDB
         maps them (:mod:`kvstore.catalog_check`): the meta pages always, every page when
-        ``walk`` (an opener that holds the store alone: no commit can run during the walk)."""
+        ``walk`` (an opener that holds the store alone: no commit can run during the walk).
+
+        ``joining``: other processes have the store open (and this opener holds ``OPENING``,
+        so each of them has its environment open). Their LMDB environments share one lock
+        file, whose writer mutex and transaction id keep their commits apart; a joiner that
+        opened another one (``lock.mdb`` deleted or replaced under them: LMDB would create or
+        initialize a fresh one) would commit beside them and corrupt the catalog. So a joiner
+        first checks that the file named ``lock.mdb`` is locked by a live environment, and
+        refuses with :class:`StoreTampered` otherwise, creating nothing.
+
+        Read-only, with no ``lock.mdb`` (a copied store, say), the environment is opened
+        without one (``unlocked``: the opener must keep every writer out while it is open),
+        so that reading a store never writes a file into it."""
         self.readonly = readonly
-        self.dir = root.sub(CATALOG, create=not readonly)
+        self.unlocked = False
+        if readonly:
+            try:
+                self.dir = root.sub(CATALOG)
+            except FileNotFoundError:
+                raise FormatError(f"{root.path!r} holds no initialized kvstore (it has no "
+                                  f"catalog)") from None
+        else:
+            self.dir = root.sub(CATALOG, create=True)
         self.path = self.dir.path
+        self._ident: tuple[int, int] | None = None
         try:
+            st = os.fstat(self.dir.fd)
+            with _OPEN_LOCK:
+                if (st.st_dev, st.st_ino) in _OPEN:
+                    raise StoreLocked(f"the store catalog {self.path!r} is already open in "
+                                      f"this process")
+                _OPEN.add((st.st_dev, st.st_ino))
+                self._ident = (st.st_dev, st.st_ino)
             if not readonly:
                 root.fsync()  # the catalog directory's own entry is durable
-            self.dir.check_file(LOCK_FILE)
+            if joining:
+                self._check_lock_in_use()
+            has_lock = self.dir.check_file(LOCK_FILE) is not None
             data = self._check_data(walk=walk)
+            if readonly and data is None:
+                raise FormatError(f"{root.path!r} holds no initialized kvstore: its catalog "
+                                  f"file {self.dir.show(DATA_FILE)!r} is missing or empty")
+            self.unlocked = readonly and not has_lock
             try:
                 self._env = lmdb.open(
                     self.dir.proc_path, subdir=True, readonly=readonly,
                     max_dbs=len(TABLES) + 1, map_size=map_size, sync=True, metasync=True,
-                    lock=True, create=not readonly)
+                    lock=not self.unlocked, create=not readonly)
             except lmdb.Error as e:
                 if "already open" in str(e):
                     raise StoreLocked(f"the store catalog {self.path!r} is already open in "
                                       f"this process") from None
                 raise FormatError(f"cannot open catalog at {self.path!r}: {e}") from None
         except BaseException:
+            self._forget()
             self.dir.close()
             raise
         try:
@@ -297,6 +340,7 @@ class Catalog:
             if data is None and not readonly:
                 self.dir.fsync()  # LMDB created data.mdb: its entry is durable
             self._env.reader_check()  # reader slots of dead processes pin no old pages
+            self._check_ours()
             self._commits = 0
             self._dbs: dict[str, object] = {}
             self._dbs["meta"] = self._open_db("meta")
@@ -308,8 +352,32 @@ class Catalog:
             raise
         self.keep_headroom()
 
+    def _check_lock_in_use(self) -> None:
+        """:class:`StoreTampered` unless ``lock.mdb`` is there and a live LMDB environment
+        holds its lock (see :mod:`kvstore.filelocks`)."""
+        shown = self.dir.show(LOCK_FILE)
+        try:
+            fd = self.dir.open(LOCK_FILE, os.O_RDONLY)
+        except FileNotFoundError:
+            raise StoreTampered(
+                f"{shown!r} is missing while other processes have the store open: it was "
+                f"deleted under them; opening through a new one would let two writers "
+                f"commit at once. Close every process of the store, then open it again (the "
+                f"first opener recreates it)") from None
+        try:
+            live = held_by_other(fd, 0)
+        finally:
+            os.close(fd)  # before LMDB opens it: no lock of this process is on the file yet
+        if not live:
+            raise StoreTampered(
+                f"{shown!r} is not the lock file the processes that have the store open use "
+                f"(no live environment holds it): it was replaced under them; opening "
+                f"through it would let two writers commit at once. Close every process of "
+                f"the store, then open it again")
+
     def _check_data(self, *, walk: bool) -> tuple[int, int] | None:
-        """(device, inode) of data.mdb after checking it is safe to map; None if absent."""
+        """(device, inode) of data.mdb after checking it is safe to map; None if absent or
+        empty (LMDB initializes it)."""
         try:
             fd = self.dir.open(DATA_FILE, os.O_RDONLY)
         except FileNotFoundError:
@@ -317,9 +385,22 @@ class Catalog:
         try:
             st = os.fstat(fd)
             check_data_file(fd, self.dir.show(DATA_FILE), walk=walk)
-            return st.st_dev, st.st_ino
+            return None if st.st_size == 0 else (st.st_dev, st.st_ino)
         finally:
             os.close(fd)
+
+    def _check_ours(self) -> None:
+        """:class:`FormatError` if the LMDB file holds anything but the catalog's own tables
+        (another program's database): nothing is created in it."""
+        with self._env.begin() as txn:
+            names = [bytes(k) for k, _ in txn.cursor()]
+        ours = {t.encode() for t in (*TABLES, "sessions")}
+        foreign = [n for n in names if n not in ours]
+        if foreign:
+            raise FormatError(
+                f"{self.dir.show(DATA_FILE)!r} is an LMDB database but not a kvstore catalog "
+                f"(it holds {len(foreign)} key(s) that are none of the catalog's tables, e.g. "
+                f"{foreign[0][:40]!r}); refusing to use it")
 
     def _open_db(self, name: str, *, create: bool | None = None) -> object | None:
         create = not self.readonly if create is None else create
@@ -403,8 +484,15 @@ class Catalog:
             txn.put_meta("format", FORMAT_VERSION)
         self._dbs["sessions"] = None
 
+    def _forget(self) -> None:
+        with _OPEN_LOCK:
+            if self._ident is not None:
+                _OPEN.discard(self._ident)
+                self._ident = None
+
     def close(self) -> None:
         env = getattr(self, "_env", None)
         if env is not None:
             env.close()
+        self._forget()
         self.dir.close()

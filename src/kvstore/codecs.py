@@ -287,13 +287,22 @@ def _enc_zstd(layer: object, shape: LayerShape) -> bytes:
 
 
 def _dec_zstd(data: object, shape: LayerShape, out: np.ndarray | None) -> np.ndarray:
+    # Bounded by the raw size the layer must have: a frame that declares another content size
+    # is refused before anything is allocated (a few KB can declare, and inflate to, hundreds
+    # of MB), and one that declares none is decompressed into at most that many bytes.
     try:
-        dobj = _zstd()[1].decompressobj()
-        planes = dobj.decompress(data)
+        declared = zstandard.frame_content_size(data)
     except zstandard.ZstdError as e:
         raise CorruptData(f"zstd data does not decode: {e}") from None
-    if not dobj.eof or dobj.unused_data:
-        raise CorruptData("zstd data is not exactly one complete frame")
+    if declared not in (-1, shape.raw_bytes):
+        raise CorruptData(f"zstd frame declares {declared} bytes, not the layer's "
+                          f"{shape.raw_bytes}")
+    try:
+        planes = _zstd()[1].decompress(data, max_output_size=shape.raw_bytes,
+                                       allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise CorruptData(f"zstd data is not exactly one complete frame of the layer's "
+                          f"{shape.raw_bytes} bytes: {e}") from None
     if len(planes) != shape.raw_bytes:
         raise CorruptData(f"zstd data decodes to {len(planes)} bytes, not {shape.raw_bytes}")
     res = _out(shape, out)

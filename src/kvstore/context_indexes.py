@@ -306,9 +306,7 @@ class ContextIndexStore:
             ends = [last.rec.key]
             if last.use < last.rec.n_tokens:  # the prefix ends inside a chunk: any sibling
                 tail = toks[last.start:]  # chunk that starts with the same tokens will do
-                ends = [c for c in tree.children.get(last.rec.parent, ())
-                        if c not in tree.corrupt
-                        and np.array_equal(tree.chunks[c].tokens[: len(tail)], tail)]
+                ends = tree.children_starting_with(last.rec.parent, tail)
             cands = {k for c in ends for k in tree.holders.get(c, ()) if k in tree.indexed}
             if not cands:
                 return None

@@ -17,7 +17,7 @@ from kvstore.catalog import Catalog
 from kvstore.config import StoreConfig
 from kvstore.confined import Dir
 from kvstore.dram import DramTier
-from kvstore.errors import KVStoreError, StoreClosed
+from kvstore.errors import KVStoreError, StoreClosed, StoreTampered
 from kvstore.layout import KVLayout
 from kvstore.mirror import Mirror
 from kvstore.owners import Owner
@@ -50,7 +50,8 @@ class Core:
     mutex: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
     closing: bool = False  # no new loads, saves or prefetches
-    failed: BaseException | None = None  # a commit failed ambiguously: no more writes
+    failed: BaseException | None = None  # no more writes: a commit failed ambiguously, or
+    # the store was tampered with under this process (StoreTampered)
 
     def extent_bytes(self, n_tokens: int) -> int:
         return n_tokens * self.layout.token_bytes
@@ -80,6 +81,8 @@ class Core:
         self.check_open()
         if self.readonly:
             raise PermissionError(f"store {self.path!r} was opened read-only")
+        if isinstance(self.failed, StoreTampered):
+            raise StoreTampered(f"writes to {self.path!r} are refused: {self.failed}")
         if self.failed is not None:
             raise KVStoreError(f"a catalog commit of {self.path!r} failed ({self.failed!r}); "
                                f"close and reopen the store before writing again")

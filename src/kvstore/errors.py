@@ -18,6 +18,13 @@ class CorruptData(KVStoreError):
     """Stored bytes failed their checksum, or a file is missing or truncated."""
 
 
+class StoreTampered(CorruptData):
+    """A file the store's live processes rely on was deleted, renamed or replaced under them
+    (the catalog's lock file, a segment file): the store refuses to go on through it rather
+    than lose data. Nothing committed was changed; close every process of the store (then the
+    next opener, alone, rebuilds what is missing) or put the file back."""
+
+
 class CapacityError(KVStoreError):
     """The data cannot fit the store's configured capacity."""
 

@@ -9,8 +9,11 @@ store cannot let a second opener in beside a live one (with a ``LOCK`` file, del
 A conflicting opener gets :class:`StoreLocked` at once. Opening itself is serialized by a second
 lock, on the file ``OPENING``, held exclusive for the few milliseconds an opener needs to find
 out whether it is alone (then it may repair and resize the store, and it holds the directory
-lock exclusive while it does) and to settle into its mode; the opener checks, once it holds
-it, that the file it locked is still the one named ``OPENING`` (else it locks the new one).
+lock exclusive while it does) and to settle into its mode (a joiner: until its catalog is
+open, so that every process holding the directory lock has its catalog open while another
+checks the catalog's lock file, see :class:`kvstore.catalog.Catalog`); the opener checks, once
+it holds it, that the file it locked is still the one named ``OPENING`` (else it locks the
+new one). A store closes its catalog only after it has released the directory lock.
 The kernel drops both locks when a process dies.
 """
 
@@ -29,7 +32,9 @@ class DirLock:
     """The lifetime lock of one opener. Build with :func:`acquire`; :meth:`settle` once set
     up; :meth:`release` at close."""
 
-    def __init__(self, fd: int, gate: int | None, *, alone: bool, exclusive: bool) -> None:
+    def __init__(self, fd: int, gate: int | None, *, alone: bool, exclusive: bool,
+                 path: str = "") -> None:
+        self._path = path
         self._fd: int | None = fd
         self._gate = gate
         self.alone = alone  # no other process had the store open when this one opened it
@@ -43,6 +48,31 @@ class DirLock:
         if self._gate is not None:
             os.close(self._gate)  # closing the descriptor drops its lock
             self._gate = None
+
+    def become_alone(self) -> bool:
+        """A joiner that still holds ``OPENING``: take the directory lock exclusive if every
+        other process has closed the store meanwhile (True: this opener is alone now). With
+        ``OPENING`` held no other opener can take it exclusive, so a failed try gets the
+        shared lock back (``flock`` converts a lock by dropping it first)."""
+        if self._gate is None or self._fd is None or self.alone:
+            return False  # a read-only opener of a store without OPENING: cannot tell
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreLocked(f"cannot open {self._path!r}: another process holds it "
+                                  f"open exclusively") from None
+            return False
+        self.alone = True
+        return True
+
+    def keep_exclusive(self) -> None:
+        """Keep the directory lock exclusive for this opener's lifetime (an opener alone that
+        reads the catalog without LMDB's lock file)."""
+        assert self.alone
+        self.exclusive = True
 
     def release(self) -> None:
         self.settle()
@@ -78,7 +108,8 @@ def acquire(root: Dir, *, exclusive: bool, readonly: bool) -> DirLock:
 
     An opener that finds itself alone returns holding the directory lock exclusive and
     ``OPENING`` (no other opener gets in until it calls :meth:`DirLock.settle`); a joining
-    opener returns holding the directory lock shared and nothing else.
+    opener returns holding the directory lock shared and ``OPENING``, which it lets go
+    (:meth:`DirLock.settle`) once its catalog is open.
     """
     gate = _lock_gate(root, readonly=readonly)
     try:
@@ -87,7 +118,7 @@ def acquire(root: Dir, *, exclusive: bool, readonly: bool) -> DirLock:
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return DirLock(fd, gate, alone=True, exclusive=exclusive)
+                return DirLock(fd, gate, alone=True, exclusive=exclusive, path=root.path)
             except BlockingIOError:
                 pass
             if exclusive:
@@ -98,9 +129,9 @@ def acquire(root: Dir, *, exclusive: bool, readonly: bool) -> DirLock:
             except BlockingIOError:
                 raise StoreLocked(f"cannot open {root.path!r}: another process holds it open "
                                   f"exclusively") from None
-            lock = DirLock(fd, gate, alone=False, exclusive=False)
-            lock.settle()
-            return lock
+            # A joiner keeps OPENING until its catalog is open (see Catalog: every process
+            # holding the directory lock then has its LMDB environment open).
+            return DirLock(fd, gate, alone=False, exclusive=False, path=root.path)
         except BaseException:
             os.close(fd)
             raise

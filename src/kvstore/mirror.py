@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from kvstore.catalog import Catalog, ReadTxn, WriteTxn
 from kvstore.dram import DramTier
 from kvstore.records import ChunkRecord, IndexEntry
+from kvstore.recovery import RecoveryPlan
 from kvstore.recovery import plan as recovery_plan
 from kvstore.slots import SlotAllocator
 from kvstore.stats import Counters
@@ -69,7 +70,11 @@ class Mirror:
             self._catch_up(txn)
 
     def _catch_up(self, txn: ReadTxn) -> None:
-        changes = None if self.stale else txn.changes_since(self.seen_gen)
+        # Reading the log costs the commits since the seen generation, a reload the records:
+        # whichever is less.
+        behind = txn.gen - self.seen_gen
+        cheaper = behind > len(self.tree.chunks) + len(self.tree.contexts) + 64
+        changes = None if self.stale or cheaper else txn.changes_since(self.seen_gen)
         if changes is None:
             self.reload(txn)
             return
@@ -107,17 +112,24 @@ class Mirror:
         self._merge_clock(txn)
         self.seen_gen = changes.gen
 
-    def reload(self, txn: ReadTxn) -> None:
-        """Rebuild the view from every record (what recovery would keep)."""
+    def reload(self, txn: ReadTxn, plan: RecoveryPlan | None = None) -> None:
+        """Rebuild the view from every record (what recovery would keep). ``plan``: the
+        recovery plan an opener alone just applied in its own transaction (committed before
+        ``txn`` began): its kept records are the catalog's, and are not read twice."""
         self.counters.full_reloads += 1
-        chunks = {r.key: r for r in txn.chunks()}
-        contexts = {c.key: c for c in txn.contexts()}
-        held = {k for r in txn.reservations() for k in r.held}
-        p = recovery_plan(chunks, contexts, total_slots=self.slots.total, held=held,
-                          chunk_tokens=self.tree.chunk_tokens)
+        if plan is None:
+            chunks = {r.key: r for r in txn.chunks()}
+            contexts = {c.key: c for c in txn.contexts()}
+            held = {k for r in txn.reservations() for k in r.held}
+            p = recovery_plan(chunks, contexts, total_slots=self.slots.total, held=held,
+                              chunk_tokens=self.tree.chunk_tokens)
+            del chunks, contexts
+            problems = p.problems
+        else:
+            p, problems = plan, []  # what it dropped is gone from the catalog
         entries = list(txn.indexes())
         self.problems = [f"{table} record {key.hex()} is unreadable ({why}): ignored"
-                         for table, key, why in txn.malformed] + p.problems
+                         for table, key, why in txn.malformed] + problems
         tree = self.tree
         old_access = {k: c.last_access for k, c in tree.contexts.items()}
         tree.clear()
@@ -125,7 +137,7 @@ class Mirror:
             tree.add_chunk(rec)
         for ctx in p.keep_contexts.values():
             ctx.last_access = max(ctx.last_access, old_access.get(ctx.key, 0))
-            tree.add_context(ctx)
+        tree.add_contexts(p.keep_contexts.values())
         for key, entry in entries:
             if key in tree.contexts:
                 tree.indexed[key] = entry

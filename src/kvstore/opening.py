@@ -23,12 +23,13 @@ from kvstore.confined import Dir, UnsafePath
 from kvstore.context_indexes import INDEXES, IndexFiles
 from kvstore.core import Core
 from kvstore.dram import DramTier
-from kvstore.errors import CorruptData, FormatError, LayoutMismatch
+from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
 from kvstore.layout import KVLayout
 from kvstore.lock import DirLock, acquire
 from kvstore.mirror import Mirror
 from kvstore.owners import PROCS, Owner, collect_dead
 from kvstore.policy import make_policy
+from kvstore.recovery import RecoveryPlan
 from kvstore.recovery import apply as apply_recovery
 from kvstore.recovery import plan as recovery_plan
 from kvstore.remote.config import RemoteConfig
@@ -118,15 +119,16 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     try:
         lock = acquire(root, exclusive=exclusive, readonly=readonly)
         try:
-            catalog = Catalog(root, readonly=readonly, walk=lock.alone)
-            try:
-                layout, config = _settle_format(root, catalog, layout, given, lock, readonly)
-                store = _assemble(root, catalog, lock, layout, config, readonly)
-            except BaseException:
-                catalog.close()
-                raise
+            catalog = _open_catalog(root, lock, readonly)
         except BaseException:
             lock.release()
+            raise
+        try:
+            layout, config = _settle_format(root, catalog, layout, given, lock, readonly)
+            store = _assemble(root, catalog, lock, layout, config, readonly)
+        except BaseException:
+            lock.release()  # first, as Store.close does
+            catalog.close()
             raise
     except BaseException:
         root.close()
@@ -145,6 +147,23 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             store.close()
             raise
     return store
+
+
+def _open_catalog(root: Dir, lock: DirLock, readonly: bool) -> Catalog:
+    """The catalog, opened by this opener (which holds ``OPENING``). A joiner checks that the
+    catalog's lock file is the one the others use (:class:`StoreTampered` otherwise); one that
+    finds nobody using it because the others all closed meanwhile is alone after all."""
+    try:
+        catalog = Catalog(root, readonly=readonly, walk=lock.alone, joining=not lock.alone)
+    except StoreTampered:
+        if lock.alone or not lock.become_alone():
+            raise
+        catalog = Catalog(root, readonly=readonly, walk=True, joining=False)
+    if catalog.unlocked:
+        lock.keep_exclusive()  # read without a lock file: no writer may come in meanwhile
+    if not lock.alone:
+        lock.settle()  # its environment holds LMDB's lock now: later joiners can check it
+    return catalog
 
 
 def _remote_codec(cfg: RemoteConfig, codec: str) -> RemoteConfig:
@@ -257,15 +276,16 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     segments = SegmentFiles(root, geo, readonly=readonly)
     files = None
     owner = None
+    repaired = None
     try:
         files = IndexFiles(root, readonly=readonly)
         if not readonly:
             procs = root.sub(PROCS, create=True)
             try:
                 if lock.alone:
-                    _repair_alone(procs, catalog, segments, files, geo, layout, config,
-                                  counters)
-                owner = Owner(procs)
+                    repaired = _repair_alone(root, procs, catalog, segments, files, geo,
+                                             layout, config, counters)
+                owner = Owner(root, procs)
             except BaseException:
                 procs.close()
                 raise
@@ -277,8 +297,8 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
             _repair_joining(core)
         store = Store(core, lock=lock, policy=policy, files=files)
         with core.mutex:
-            with catalog.read() as txn:
-                mirror.reload(txn)
+            with catalog.read() as txn:  # an opener alone loads what its repair kept
+                mirror.reload(txn, repaired)
     except BaseException:
         segments.close()
         if files is not None:
@@ -290,10 +310,11 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     return store
 
 
-def _repair_alone(procs: Dir, catalog: Catalog, segments: SegmentFiles, files: IndexFiles,
-                  geo: SegmentGeometry, layout: KVLayout, config: StoreConfig,
-                  counters: Counters) -> None:
-    """Repair what crashes left, with no other process using the store."""
+def _repair_alone(root: Dir, procs: Dir, catalog: Catalog, segments: SegmentFiles,
+                  files: IndexFiles, geo: SegmentGeometry, layout: KVLayout, config: StoreConfig,
+                  counters: Counters) -> RecoveryPlan:
+    """Repair what crashes left, with no other process using the store. Returns the
+    recovery plan it applied (its kept records are what the catalog now holds)."""
     present = segments.existing()
 
     def extent_end(rec):
@@ -321,7 +342,7 @@ def _repair_alone(procs: Dir, catalog: Catalog, segments: SegmentFiles, files: I
     counters.evicted_contexts += len(p.evicted)
     counters.collected_orphans += len(p.orphans)
     counters.collected_indexes += files.collect(indexed)
-    collect_dead(procs)
+    collect_dead(root, procs)
     # Segment files are created lazily on first write; existing ones of the wrong size
     # (truncated, or the budget changed) are resized now; files beyond the budget go.
     for seg, size in present.items():
@@ -331,6 +352,7 @@ def _repair_alone(procs: Dir, catalog: Catalog, segments: SegmentFiles, files: I
             segments.mark_ready(seg)
         else:
             segments.prepare(seg)
+    return p
 
 
 def _repair_joining(core: Core) -> None:

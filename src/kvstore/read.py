@@ -31,7 +31,7 @@ from kvstore.context_indexes import IndexFiles
 from kvstore.copying import gather
 from kvstore.core import Core
 from kvstore.dram import Entry
-from kvstore.errors import CorruptData
+from kvstore.errors import CorruptData, StoreTampered
 from kvstore.mirror import writing
 from kvstore.records import ChunkRecord
 from kvstore.tree import Piece, served
@@ -225,7 +225,11 @@ def read_layer(core: Core, rec: ChunkRecord, layer: int, bufs: list[np.ndarray],
 
 def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles) -> None:
     """Drop every context holding a corrupt chunk (durably), so no process claims it again.
-    The chunk is never served by this process again either way."""
+    The chunk is never served by this process again either way. A segment file missing
+    under a live store (:class:`StoreTampered`) is no chunk's corruption: nothing is
+    dropped for it."""
+    if isinstance(err, StoreTampered):
+        return
     with core.mutex:
         core.counters.corrupt_chunks += 1
         core.tree.corrupt.add(rec.key)
@@ -239,7 +243,7 @@ def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles
             cur = core.tree.chunks.get(rec.key)
             if cur is not None and (cur.slot, cur.gen) == (rec.slot, rec.gen):
                 core.tree.corrupt.add(rec.key)
-                victims = sorted(core.tree.holders.get(rec.key, ()))
+                victims = sorted(core.tree.holders.get(rec.key))
                 keep = {k for r in txn.reservations() for k in r.held}
                 _, dirs = core.mirror.drop_contexts(txn, victims, keep)
                 core.counters.dropped_contexts += len(victims)

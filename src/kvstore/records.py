@@ -103,7 +103,8 @@ class ChunkRecord:
         if raw[0] == 3:
             lengths = np.frombuffer(raw, "<u4", nl, o).copy()
             o += 4 * nl
-        tokens = np.frombuffer(raw, "<u4", n, o).copy()
+        # a view of its own bytes: the prefix tree keeps those bytes as the ids' one copy
+        tokens = np.frombuffer(raw[o : o + 4 * n], "<u4")
         return cls(key, parent, n, slot, gen, checks, tokens, codec, lengths)
 
 

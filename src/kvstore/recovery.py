@@ -68,15 +68,18 @@ def plan(chunks: Mapping[bytes, ChunkRecord], contexts: Mapping[bytes, ContextRe
                 bad.add(k)
                 problems.append(f"chunk {k.hex()} lies in a missing or truncated segment file")
     dropped, evicted = [], []
-    for ctx in contexts.values():
-        if ctx.key in broken or any(c in bad for c in ctx.chunks):
-            dropped.append(ctx.key)
-        elif any(c in lost for c in ctx.chunks):
-            evicted.append(ctx.key)
+    if broken or bad or lost:
+        for ctx in contexts.values():
+            if ctx.key in broken or any(c in bad for c in ctx.chunks):
+                dropped.append(ctx.key)
+            elif any(c in lost for c in ctx.chunks):
+                evicted.append(ctx.key)
     gone = set(dropped) | set(evicted)
-    keep_contexts = {k: c for k, c in contexts.items() if k not in gone}
+    keep_contexts = {k: c for k, c in contexts.items() if k not in gone} if gone \
+        else dict(contexts)
     live = {c for ctx in keep_contexts.values() for c in ctx.chunks}
-    referenced = {c for ctx in contexts.values() if ctx.key not in broken for c in ctx.chunks}
+    referenced = live if not broken and not gone else \
+        {c for ctx in contexts.values() if ctx.key not in broken for c in ctx.chunks}
     keep_chunks = {k: r for k, r in chunks.items()
                    if (k in live or (k in held and k not in lost and k not in bad))}
     orphans = [k for k in chunks if k not in referenced and k not in held]
@@ -88,18 +91,23 @@ def plan(chunks: Mapping[bytes, ChunkRecord], contexts: Mapping[bytes, ContextRe
 def _broken(ctx: ContextRecord, chunks: Mapping[bytes, ChunkRecord],
             chunk_tokens: int | None) -> str | None:
     """Why a context cannot be served from these chunk records (None: it can)."""
-    if not ctx.chunks or ctx.chunks[-1] != ctx.key:
+    keys = ctx.chunks
+    if not keys or keys[-1] != ctx.key:
         return "is malformed"
-    recs = [chunks.get(c) for c in ctx.chunks]
-    if any(r is None for r in recs):
-        return "references a missing chunk"
-    full = chunk_tokens or recs[0].n_tokens
-    for i, r in enumerate(recs):
-        if i and (r.parent != recs[i - 1].key or r.n_tokens > full):
+    full, last, total, prev = chunk_tokens, len(keys) - 1, 0, None
+    for i, k in enumerate(keys):
+        r = chunks.get(k)
+        if r is None:
+            return "references a missing chunk"
+        if full is None:
+            full = r.n_tokens
+        if i and (r.parent != prev or r.n_tokens > full):
             return "has chunks that do not form one chain"
-        if i < len(recs) - 1 and r.n_tokens != full:
+        if i < last and r.n_tokens != full:
             return "has an inner chunk that is not full"
-    if sum(r.n_tokens for r in recs) != ctx.n_tokens:
+        total += r.n_tokens
+        prev = k
+    if total != ctx.n_tokens:
         return "records a token count its chunks do not add up to"
     return None
 

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.confined import Dir
-from kvstore.errors import CapacityError, CorruptData
+from kvstore.errors import CapacityError, CorruptData, StoreTampered
 from kvstore.throttle import TokenBucket
 
 PAGE = 4096
@@ -162,7 +162,11 @@ class SegmentFiles:
                     raise FileNotFoundError(self.path(seg))
                 fd = self.dir.open(self.name(seg), flags)
             except FileNotFoundError:
-                raise CorruptData(f"segment file {self.path(seg)!r} is missing") from None
+                # Records point into it (an opener alone drops those of missing files first):
+                # it was deleted or renamed under the store. Not a chunk's corruption: nothing
+                # is quarantined for it.
+                raise StoreTampered(f"segment file {self.path(seg)!r} is missing: it was "
+                                    f"deleted or renamed while the store was in use") from None
             if exact:
                 try:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -200,6 +204,31 @@ class SegmentFiles:
                 with self._prepare_lock:
                     if seg not in self._ready:
                         self.prepare(seg)
+
+    def missing(self, slots: list[int]) -> list[int]:
+        """The segments holding ``slots`` that this process has not found or made ready and
+        whose file is not there (a put then creates it)."""
+        segs = sorted({self.geo.locate(s)[0] for s in slots} - self._ready)
+        return [seg for seg in segs
+                if self.dir is None or self.dir.check_file(self.name(seg)) is None]
+
+    def check_named(self, slots: list[int]) -> None:
+        """:class:`StoreTampered` unless each segment file holding ``slots`` that this process
+        has open is still the file its name leads to (a put checks this before it commits:
+        extents written into a file renamed or replaced meanwhile would be unreachable)."""
+        for seg in sorted({self.geo.locate(s)[0] for s in slots}):
+            fd = self._fds.get(seg)
+            if fd is None:
+                continue
+            mine = os.fstat(fd)
+            named = None if self.dir is None else self.dir.lstat(self.name(seg))
+            if named is None or (named.st_dev, named.st_ino) != (mine.st_dev, mine.st_ino):
+                raise StoreTampered(
+                    f"segment file {self.path(seg)!r} was "
+                    f"{'deleted or renamed' if named is None else 'replaced'} while the store "
+                    f"was in use; what this process wrote into it would be unreachable, so it "
+                    f"stores nothing more (put the file back, or close every process of the "
+                    f"store and reopen it)")
 
     def mark_ready(self, seg: int) -> None:
         """Record that ``seg`` already exists at its full size (checked by the caller)."""

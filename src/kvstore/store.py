@@ -602,12 +602,14 @@ class Store:
         finally:
             core.helpers.close()
             core.segments.close()
-            core.catalog.close()
             self._files.close()
             if core.owner is not None:
                 core.owner.close()
                 core.owner.dir.close()
+            # The directory lock goes first: while a process holds it, its catalog is open
+            # (a joiner relies on it to tell a live lock file from a planted one).
             self._lock.release()
+            core.catalog.close()
             core.root.close()
 
     def __enter__(self) -> Store:

@@ -34,9 +34,14 @@ from kvstore.catalog import WriteTxn
 from kvstore.context_indexes import IndexFiles
 from kvstore.core import Core
 from kvstore.dram import Entry
-from kvstore.errors import CapacityError, CorruptData, KVStoreError, StoreClosed
+from kvstore.errors import (
+    CapacityError,
+    CorruptData,
+    KVStoreError,
+    StoreClosed,
+    StoreTampered,
+)
 from kvstore.mirror import writing
-from kvstore.owners import owner_alive
 from kvstore.policy import EvictionPolicy, Priority, Queued
 from kvstore.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
 from kvstore.tree import served
@@ -56,6 +61,7 @@ class PutPlan:
     staged: dict[bytes, Entry]  # pending DRAM copies of new chunks
     records: list[ChunkRecord] = field(default_factory=list)
     state: str = "planned"  # planned -> committed | unknown (a commit that failed ambiguously)
+    # | lost (another process removed its reservation: its slots are not this put's to free)
 
     @property
     def keys(self) -> list[bytes]:
@@ -83,7 +89,7 @@ def reclaim_dead(core: Core, txn: WriteTxn) -> int:
         return 0  # read-only: reclaims nothing
     mine = core.owner.id
     dead = [r for r in txn.reservations()
-            if r.owner != mine and not owner_alive(core.owner.dir, r.owner)]
+            if r.owner != mine and not core.owner.alive(r.owner)]
     if not dead:
         return 0
     for r in dead:
@@ -139,10 +145,28 @@ class Writer:
             if plan is BYPASSED:
                 return False
             if isinstance(plan, PutPlan):
+                self._check_new_segments(list(plan.reservation.slots))
                 self.core.segments.ensure_ready(list(plan.reservation.slots))
                 self._write_extents(plan, kr, vr, base)
                 self._commit(plan)
         return True
+
+    def _check_new_segments(self, slots: list[int]) -> None:
+        """A missing segment file is created by the put that first needs it, unless committed
+        chunks already live in it: then it was deleted or renamed under the store, and a new
+        file there would hide their bytes from the processes that still read the old one
+        (:class:`StoreTampered`, nothing written)."""
+        core = self.core
+        segs = core.segments.missing(slots)
+        if not segs:
+            return
+        with core.mutex:  # rare: once per segment per process
+            found = {core.geo.locate(r.slot)[0] for r in core.tree.chunks.values()} & set(segs)
+        if found:
+            seg = min(found)
+            raise StoreTampered(f"segment file {core.segments.path(seg)!r} is missing, yet "
+                                f"committed chunks live in it: it was deleted or renamed "
+                                f"while the store was in use; nothing was stored")
 
     def _check_codable(self, toks: np.ndarray, kr: np.ndarray, vr: np.ndarray,
                        base: int) -> None:
@@ -545,15 +569,48 @@ class Writer:
                         else:
                             raise _Refused(CorruptData(f"chunk address collision at "
                                                        f"{rec.key.hex()}"))
-                    others = [r for r in txn.reservations()
-                              if r.key != plan.reservation.key]
-                    keep = set(plan.chain) | {k for r in others for k in r.held}
-                    superseded = tree.prefix_contexts(plan.toks, plan.chain, plan.namespace)
-                    for rec in new:
-                        txn.put_chunk(rec)
-                    txn.put_context(ContextRecord(plan.chain[-1], len(plan.toks), plan.now,
-                                                  plan.now, tuple(plan.chain)))
-                    _, dirs = core.mirror.drop_contexts(txn, superseded, keep, ahead=False)
+                    others = []
+                    mine = None
+                    for r in txn.reservations():
+                        if r.key == plan.reservation.key:
+                            mine = r
+                        else:
+                            others.append(r)
+                    if mine != plan.reservation:
+                        # Reclaimed as if this process were dead: its slots may be another
+                        # put's now. Commit nothing, give nothing back, write no more.
+                        plan.state = "lost"
+                        err = StoreTampered(
+                            f"the reservation of this put was removed from {core.path!r} by "
+                            f"another process while the put was written (was this process "
+                            f"taken for dead?); nothing was stored, and this process writes "
+                            f"no more: close and reopen the store")
+                        core.failed = err
+                        core.mirror.stale = True
+                        raise _Refused(err)
+                    # extents written into a segment file renamed or replaced meanwhile
+                    # would be unreachable
+                    try:
+                        core.segments.check_named(list(plan.reservation.slots))
+                    except StoreTampered as e:
+                        core.failed = e
+                        raise _Refused(e) from None
+                    pieces = tree.resolve(plan.toks, plan.namespace)
+                    if served(pieces) == len(plan.toks):
+                        # Another process committed, since this put was planned, a context
+                        # that serves all of it (an extension of it): storing this one too
+                        # would keep a context the extension supersedes. Nothing new.
+                        dup.update(r.key for r in plan.records)
+                        core.mirror.touch(pieces[-1].rec.key)
+                    else:
+                        keep = set(plan.chain) | {k for r in others for k in r.held}
+                        superseded = tree.prefix_contexts(plan.toks, plan.chain,
+                                                          plan.namespace)
+                        for rec in new:
+                            txn.put_chunk(rec)
+                        txn.put_context(ContextRecord(plan.chain[-1], len(plan.toks),
+                                                      plan.now, plan.now, tuple(plan.chain)))
+                        _, dirs = core.mirror.drop_contexts(txn, superseded, keep, ahead=False)
                     txn.delete_reservation(plan.reservation.key)
                     core.mirror.flush_access(txn)
                 body_done = True
@@ -588,6 +645,8 @@ class Writer:
         core = self.core
         if plan.state == "planned":  # aborted: nothing of it was committed
             core.slots.give_back(plan.reservation.slots)
+        elif plan.state == "lost":  # its reservation was taken away: the free slots of the
+            core.mirror.stale = True  # view are rebuilt from the catalog, never given back
         for e in plan.staged.values():
             core.dram.finish(e, ok=False)
         plan.staged.clear()

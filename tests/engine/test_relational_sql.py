@@ -218,3 +218,22 @@ def test_cli_sql(tmp_path, capsys):
     rc = main(["sql", "--db", str(db), "--store", str(tmp_path / "st"), "SELEC 1"])
     assert rc == 1
     assert "Parser Error" in capsys.readouterr().err
+    # one statement only (before: "SELECT 1; SELECT 2" showed only the last result)
+    rc = main(["sql", "--db", str(db), "--store", str(tmp_path / "st"), "SELECT 1; SELECT 2"])
+    assert rc == 1
+    assert "exactly one statement, got 2" in capsys.readouterr().err
+
+
+def test_cli_sql_db_that_is_not_a_database_is_one_line(tmp_path, capsys):
+    """Before: a Python traceback (duckdb's IOException, or sqlite3's DatabaseError)."""
+    from engine.cli import main
+
+    for name, data in (("junk.bin", b"not a database at all\n"),
+                       ("fake.db", b"SQLite format 3\x00" + b"junk" * 40)):
+        db = tmp_path / name
+        db.write_bytes(data)
+        rc = main(["sql", "--db", str(db), "--store", str(tmp_path / "st"), "SELECT 1"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1, err
+        assert "not a SQLite or DuckDB database" in err and str(db) in err
+        assert not (tmp_path / "st").exists()

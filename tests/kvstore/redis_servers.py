@@ -171,7 +171,10 @@ class Proxy:
     """A TCP proxy on loopback to ``port``. Server-to-client bytes go through ``mode``:
     ``"pass"``; ``"throttle"`` (at most ``rate`` bytes/s, plus ``delay_s`` per burst);
     ``"cut"`` (close the connection after ``cut_after`` bytes of a reply: killed mid-transfer);
-    ``"garbage"`` (replace what the server sends with bytes that are not the protocol).
+    ``"garbage"`` (replace what the server sends with bytes that are not the protocol);
+    ``"trickle"`` (the server's bytes one at a time, ``delay_s`` apart);
+    ``"bighead"`` (instead of each reply, a bulk header announcing 2,000,000,000 bytes, then
+    one byte every ``delay_s``). ``mode`` may be changed while connections are open.
     ``tls``: a server-side SSL context: clients then speak TLS to the proxy (``rediss://``),
     which speaks plain RESP to the server, as a TLS-terminating front of a Redis would."""
 
@@ -230,6 +233,17 @@ class Proxy:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if down and self.mode == "trickle":
+                    for i in range(len(data)):
+                        if self._stop.wait(self.delay_s):
+                            return
+                        dst.sendall(data[i:i + 1])
+                    continue
+                if down and self.mode == "bighead":
+                    dst.sendall(b"$2000000000\r\n")
+                    while not self._stop.wait(self.delay_s):
+                        dst.sendall(b"x")
+                    return
                 if down and self.mode == "throttle":
                     if self.delay_s:
                         time.sleep(self.delay_s)

@@ -6,6 +6,8 @@ Prints "ready" once the store is open, then "ok <seed> <i>" after put number i h
 Between puts it reads contexts of other writers (any earlier seed) and checks their bytes
 ("bad ..." on a mismatch), and hands the store a queue of its next contexts (prefetching).
 It stops, closing the store, when its standard input closes; it prints its counters then.
+A store that finds itself tampered with (:class:`kvstore.StoreTampered`) stops it too, with
+"refused <message>" (at open) or "stopped <message>" (later) first.
 """
 
 import json
@@ -23,9 +25,23 @@ from tests.kvstore.kvgen import SMALL, causal_kv
 def main() -> None:
     path = sys.argv[1]
     seed, slots, max_tokens = (int(x) for x in sys.argv[2:5])
-    s = kvstore.open(path, layout=SMALL, chunk_tokens=4, dram_bytes=8 * 4096,
-                     disk_bytes=slots * 4096)
+    try:
+        s = kvstore.open(path, layout=SMALL, chunk_tokens=4, dram_bytes=8 * 4096,
+                         disk_bytes=slots * 4096)
+    except kvstore.StoreTampered as e:
+        print(f"refused {e}".replace("\n", " "), flush=True)
+        return
     print("ready", flush=True)
+    try:
+        _work(s, seed, max_tokens)
+    except kvstore.StoreTampered as e:
+        print(f"stopped {e}".replace("\n", " "), flush=True)
+    st = s.stats()
+    s.close()
+    print("stats " + json.dumps(st["sharing"]), flush=True)
+
+
+def _work(s, seed: int, max_tokens: int) -> None:
     rng = random.Random(seed)
     i = 0
     while not select.select([sys.stdin], [], [], 0)[0]:
@@ -49,9 +65,6 @@ def main() -> None:
             ek, ev = causal_kv(SMALL, other[:n])
             if not (torch.equal(k, ek) and torch.equal(v, ev)):
                 print(f"bad {other[:n]}", flush=True)
-    st = s.stats()
-    s.close()
-    print("stats " + json.dumps(st["sharing"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ FORGE = textwrap.dedent("""
     from kvstore.confined import Dir
     from kvstore.records import ChunkRecord
     root = Dir.open_root(sys.argv[1], create=False)
-    cat = Catalog(root, readonly=False, walk=False)
+    cat = Catalog(root, readonly=False, walk=False, joining=False)
     n, slot = int(sys.argv[2]), int(sys.argv[3])
     with cat.write() as txn:
         txn.put_chunk(ChunkRecord(bytes([7]) * 16, bytes(16), n, slot, txn.next_gen,

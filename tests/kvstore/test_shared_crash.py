@@ -42,6 +42,7 @@ class Writer:
         self.acked: list[int] = []
         self.bad: list[str] = []
         self.stats: dict | None = None
+        self.ended: str | None = None  # "refused ..." or "stopped ...": a StoreTampered
         self.ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -55,6 +56,8 @@ class Writer:
                 self.acked.append(int(line.split()[2]))
             elif line.startswith("bad "):
                 self.bad.append(line)
+            elif line.startswith(("refused ", "stopped ")):
+                self.ended = line
             elif line.startswith("stats "):
                 self.stats = json.loads(line[6:])
             self.lines.put(line)
@@ -220,4 +223,50 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
         monkeypatch.setattr(read_path, "_read_raw", real)
         theirs = list(range(700, 708))
         assert s.match(theirs) == 8 and _exact(s, theirs)  # their chunks were not dropped
+    assert verify_path(path)["ok"]
+
+
+EXTENDING_WRITER = """
+import sys
+import kvstore
+from tests.kvstore.kvgen import SMALL, causal_kv
+s = kvstore.open(sys.argv[1])
+toks = list(range(1, 10))  # extends the put paused in the other process
+s.put(toks, *causal_kv(SMALL, toks))
+s.close()
+"""
+
+
+def test_a_put_whose_extension_another_process_committed_meanwhile_stores_nothing(
+        tmp_path, monkeypatch):
+    """This process plans a put of 6 tokens; before it commits, another process commits an
+    extension of it (9 tokens). The commit finds its tokens served whole and stores no
+    context of its own (before: both contexts stayed, the shorter one superseded by nothing),
+    as if the two puts had run in the other order."""
+    from kvstore import write as write_path
+
+    path = tmp_path / "st"
+    writing, resume = threading.Event(), threading.Event()
+    real = write_path.Writer._write_extents
+
+    def paused(self, plan, kr, vr, base):
+        writing.set()
+        assert resume.wait(60)
+        return real(self, plan, kr, vr, base)
+
+    with kvstore.open(path, layout=SMALL, chunk_tokens=4, disk_bytes=64 * 4096) as s:
+        monkeypatch.setattr(write_path.Writer, "_write_extents", paused)
+        mine = list(range(1, 7))
+        outcome: list[object] = []
+        t = threading.Thread(target=lambda: outcome.append(s.put(mine, *causal_kv(SMALL, mine))))
+        t.start()
+        assert writing.wait(30)
+        subprocess.run([sys.executable, "-c", EXTENDING_WRITER, str(path)], cwd=ROOT,
+                       check=True, timeout=120)
+        resume.set()
+        t.join(30)
+        assert outcome == [True]
+        assert sorted(c.n_tokens for c in s.contexts()) == [9]
+        assert s.match(mine) == 6 and _exact(s, mine)
+        assert s.stats()["disk"]["chunks"] == 3  # the paused put's partial chunk went back
     assert verify_path(path)["ok"]

@@ -81,14 +81,27 @@ def cmd_sql(args: argparse.Namespace) -> int:
                       render=RenderConfig(max_value_chars=args.max_value_chars),
                       filters_first=not args.no_filters_first)
     run_cfg = RunnerConfig(max_new_tokens=args.max_new_tokens, hint_jobs=args.hint_jobs)
+    import sqlite3
+
     import duckdb
 
-    con = open_database(args.db, args.sql_threads)
     try:
-        con.extract_statements(args.query)  # a syntax error fails before the model loads
+        con = open_database(args.db, args.sql_threads)
+    except (duckdb.Error, sqlite3.Error) as e:  # neither a SQLite nor a DuckDB database
+        print(f"kvstore sql: --db {args.db}: not a SQLite or DuckDB database we can read "
+              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+              file=sys.stderr)
+        return 2
+    try:  # a syntax error fails before the model loads
+        statements = con.extract_statements(args.query)
     except duckdb.Error as e:
         con.close()
         print(str(e), file=sys.stderr)
+        return 1
+    if len(statements) != 1:
+        con.close()
+        print(f"kvstore sql: the query must be exactly one statement, got {len(statements)}",
+              file=sys.stderr)
         return 1
     model = load_model()
     sizes = {k: v for k, v in (("dram_bytes", args.dram), ("disk_bytes", args.disk))

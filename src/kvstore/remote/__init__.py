@@ -8,6 +8,6 @@ worker), :mod:`~kvstore.remote.link` (what the store calls).
 """
 
 from kvstore.remote.config import RemoteConfig
-from kvstore.remote.tier import RemoteAuthError, RemoteTier
+from kvstore.remote.tier import RemoteAuthError, RemoteSetupError, RemoteTier
 
-__all__ = ["RemoteAuthError", "RemoteConfig", "RemoteTier"]
+__all__ = ["RemoteAuthError", "RemoteConfig", "RemoteSetupError", "RemoteTier"]

@@ -21,7 +21,25 @@ def _check_url(name: str, url: object) -> str:
         parts.port  # noqa: B018  (raises ValueError on a bad port)
     except ValueError as e:
         raise ValueError(f"{name} has a bad port: {url!r} ({e})") from None
+    if parts.path not in ("", "/") and not parts.path[1:].isdigit():
+        raise ValueError(f"{name} names database {parts.path[1:]!r}: a Redis database is a "
+                         f"number (redis://host:port/0)")
+    try:  # the options (?ssl_ca_certs=..., a db index): what redis-py makes of them
+        import redis
+
+        pool = redis.ConnectionPool.from_url(url)
+        pool.connection_class(**pool.connection_kwargs)  # builds, connects nothing
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} has options redis-py does not take: {_shown(url)!r} "
+                         f"({e})") from None
     return url
+
+
+def _shown(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,9 +47,16 @@ class RemoteConfig:
     """The remote tier of a store (each process's own; not stored in the store directory).
 
     ``urls``: one ``redis://[:password@]host:port[/db]`` URL (a single server), or several
-    (nodes of one Redis Cluster; the slot map is read from them). ``timeout_s`` bounds every
-    call (connect, and each reply); ``breaker_failures`` consecutive failed calls to a node
-    open its circuit breaker, and a background probe retries it every ``breaker_retry_s``.
+    (nodes of one Redis Cluster; the slot map is read from them). ``timeout_s`` bounds the
+    connect and every single read or send (a server that stalls). ``deadline_s`` bounds each
+    public call as a whole (``match``, ``get``, a layer-wise load, a prefetch, and each
+    write-through batch): every round trip made for it, connect, send and every read
+    included, ends by then, so a server that trickles its replies costs a call at most
+    ``deadline_s`` (what has not arrived is a miss: the caller recomputes). A round trip also
+    receives only the bytes its commands can answer (see :mod:`kvstore.remote.deadline`).
+    ``breaker_failures`` consecutive failed round trips to a node (cut by a deadline or
+    timeout included: slow calls count) open its circuit breaker, and a background probe
+    retries it every ``breaker_retry_s``.
     ``fill``: where chunks fetched from remote go locally, ``"disk"`` (stored as a context in
     the store: DRAM and disk, in the background) or ``"none"`` (served, not kept).
     ``write_through``: puts send their chunks to Redis in the background (``SET NX``).
@@ -44,6 +69,7 @@ class RemoteConfig:
     urls: tuple[str, ...]
     prefix: str = "kvstore:"
     timeout_s: float = 1.0
+    deadline_s: float = 2.0
     breaker_failures: int = 3
     breaker_retry_s: float = 1.0
     fill: str = "disk"
@@ -64,7 +90,7 @@ class RemoteConfig:
         object.__setattr__(self, "cluster", self.cluster or len(urls) > 1)
         if not isinstance(self.prefix, str) or not self.prefix:
             raise TypeError(f"prefix must be a non-empty str, got {self.prefix!r}")
-        for name in ("timeout_s", "breaker_retry_s"):
+        for name in ("timeout_s", "deadline_s", "breaker_retry_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
                     or v <= 0:
@@ -85,9 +111,10 @@ class RemoteConfig:
         """``kvstore.open(remote=...)``: a URL, a list of cluster node URLs, or a RemoteConfig."""
         if isinstance(remote, RemoteConfig):
             return remote
-        if isinstance(remote, str):
-            return cls(urls=(remote,))
-        if isinstance(remote, list | tuple):
-            return cls(urls=tuple(remote))
+        if isinstance(remote, str | list | tuple):
+            try:
+                return cls(urls=(remote,) if isinstance(remote, str) else tuple(remote))
+            except (TypeError, ValueError) as e:  # name the argument the caller gave
+                raise type(e)(f"remote: {e}") from None
         raise TypeError(f"remote must be a redis:// URL, a list of Redis Cluster node URLs or "
                         f"a kvstore.RemoteConfig, got {type(remote).__name__}")

@@ -16,7 +16,9 @@
 
 A remote failure never raises from ``match``/``get``: the chunk is a miss (a ``get`` of tokens
 that only the remote could have served raises ``KeyError`` like any miss), and it is counted in
-``stats()["remote"]``. Local eviction never deletes a remote copy.
+``stats()["remote"]``. Each public call's remote round trips end by one deadline
+(``RemoteConfig.deadline_s``, :mod:`kvstore.remote.deadline`): what has not arrived by then is
+a miss too. Local eviction never deletes a remote copy.
 
 Thread-safety: every method may be called from any thread at once; no method holds the store's
 metadata lock during a remote call.
@@ -41,6 +43,7 @@ from kvstore.hbm import HbmTier
 from kvstore.layerwise import LayerLoad
 from kvstore.records import ChunkRecord
 from kvstore.remote import value as rv
+from kvstore.remote.deadline import call_deadline
 from kvstore.remote.estimate import worth_fetching
 from kvstore.remote.queue import Worker
 from kvstore.remote.tier import RemoteTier
@@ -178,6 +181,10 @@ class RemoteLink:
         base, rest = self._rest(toks, namespace, pieces)
         if base + sum(len(ch.tokens) for ch in rest) <= local:
             return local
+        with self.tier.deadline():
+            return self._match_remote(local, base, rest)
+
+    def _match_remote(self, local: int, base: int, rest: list[_Chunk]) -> int:
         headers, kids = self.tier.headers_and_kids([(ch.key, ch.tokens) for ch in rest],
                                                    [(ch.parent, ch.tokens) for ch in rest])
         self._count("matches")
@@ -215,15 +222,16 @@ class RemoteLink:
         KeyError (a miss) if the remote tier cannot serve the rest."""
         local = self._local(toks, namespace)
         base, rest = self._rest(toks, namespace, local)
-        exts = self.tier.values_and_headers([(ch.key, ch.tokens) for ch in rest])
-        pieces = [(np.asarray(e[0]), len(ch.tokens), ch.start, len(ch.tokens))
-                  for ch, e in zip(rest, exts, strict=True) if e is not None]
-        if exts and exts[-1] is None and all(e is not None for e in exts[:-1]):
-            kid = self._kid_extent(rest[-1])  # the tail inside a longer stored partial chunk
-            if kid is not None:
-                exts[-1] = (kid[0], kid[2])
-                pieces.append((np.asarray(kid[0]), kid[1], rest[-1].start,
-                               len(rest[-1].tokens)))
+        with self.tier.deadline():
+            exts = self.tier.values_and_headers([(ch.key, ch.tokens) for ch in rest])
+            pieces = [(np.asarray(e[0]), len(ch.tokens), ch.start, len(ch.tokens))
+                      for ch, e in zip(rest, exts, strict=True) if e is not None]
+            if exts and exts[-1] is None and all(e is not None for e in exts[:-1]):
+                kid = self._kid_extent(rest[-1])  # the tail inside a longer partial chunk
+                if kid is not None:
+                    exts[-1] = (kid[0], kid[2])
+                    pieces.append((np.asarray(kid[0]), kid[1], rest[-1].start,
+                                   len(rest[-1].tokens)))
         missing = sum(e is None for e in exts)
         if missing:
             self._count("misses")
@@ -380,13 +388,15 @@ class RemoteLink:
         (:func:`layer_groups`)."""
         local = self._local(toks, namespace)
         base, rest = self._rest(toks, namespace, local)
-        headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
-        keys = [ch.key for ch in rest]
-        if headers and headers[-1] is None and all(h is not None for h in headers[:-1]):
-            kid = self._kid(rest[-1])  # the tail inside a longer stored partial chunk
-            if kid is not None:
-                keys[-1] = kid[0]
-                headers[-1] = self.tier.headers([kid])[0]
+        # one deadline for the whole load: its loader thread fetches the layers by it
+        with self.tier.deadline() as expires:
+            headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
+            keys = [ch.key for ch in rest]
+            if headers and headers[-1] is None and all(h is not None for h in headers[:-1]):
+                kid = self._kid(rest[-1])  # the tail inside a longer stored partial chunk
+                if kid is not None:
+                    keys[-1] = kid[0]
+                    headers[-1] = self.tier.headers([kid])[0]
         if any(h is None for h in headers):
             self._count("misses")
             if on_close is not None:
@@ -411,13 +421,15 @@ class RemoteLink:
         def load_layer(layer: int) -> None:
             if layer not in fetched:  # the first layer of its group: fetch the group
                 fetched.clear()
-                fetched.update(self.tier.layers(items, groups[layer]))
+                with call_deadline(expires=expires):
+                    fetched.update(self.tier.layers(items, groups[layer]))
             parts = fetched.pop(layer)
             for ch, part in zip(rest, parts, strict=True):
                 if part is None:
                     self._count("misses")
-                    raise KeyError(f"chunk {ch.key.hex()} was lost from the remote tier during "
-                                   f"a layer-wise load: a miss")
+                    raise KeyError(f"layer {layer} of chunk {ch.key.hex()} did not arrive from "
+                                   f"the remote tier (lost, refused, or past the load's "
+                                   f"deadline): a miss")
                 n, use = len(part) // (lay.layer_token_bytes), len(ch.tokens)
                 x = part.view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
                 np.copyto(kr[layer, :, ch.start:ch.start + use], x[0, :, :use])
@@ -453,7 +465,8 @@ class RemoteLink:
     def _write_batch(self, batch: list[tuple[bytes, bytes]]) -> None:
         tier = self.tier
         keys = [k for k, _ in batch]
-        there = tier.exists(keys)
+        with tier.deadline():
+            there = tier.exists(keys)
         send: list[tuple[bytes, bytes]] = []
         kids: list[tuple[bytes, bytes, np.ndarray]] = []
         c = self.core.config.chunk_tokens
@@ -472,7 +485,9 @@ class RemoteLink:
                     kids.append((rec.parent, rec.key, rec.tokens))
                 send.append((k, self._value(k, rec, ext)))
         if send:
-            for ok in tier.put(send, kids):
+            with tier.deadline():
+                sent = tier.put(send, kids)
+            for ok in sent:
                 tier._count("written_chunks" if ok else "already_present" if ok is False
                             else "write_failed")
 
@@ -514,14 +529,15 @@ class RemoteLink:
 
     def _prefetch_batch(self, jobs: list[Job]) -> None:
         for job in jobs:
-            pieces = self._local(job.tokens, job.namespace)
-            n = self.match(job.tokens, job.namespace, pieces)
-            if n > served(pieces):
-                try:
-                    self._prefetch_get(job.tokens[:n], job.namespace)
-                except KeyError:  # evicted from Redis meanwhile: counted as a miss
-                    continue
-                self._count("prefetched")
+            with self.tier.deadline():  # one deadline for the job's match and get
+                pieces = self._local(job.tokens, job.namespace)
+                n = self.match(job.tokens, job.namespace, pieces)
+                if n > served(pieces):
+                    try:
+                        self._prefetch_get(job.tokens[:n], job.namespace)
+                    except KeyError:  # evicted from Redis meanwhile: counted as a miss
+                        continue
+                    self._count("prefetched")
 
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Block until queued remote prefetches and the local fills they cause are done."""

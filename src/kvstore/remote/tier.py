@@ -2,10 +2,15 @@
 
 Every call is one pipelined round trip per node (a cluster's keys are grouped by the master
 that owns their slot, from the slot map read at open and again after a ``MOVED``). Each node
-has a client with a per-call timeout and no retries, and a circuit breaker
-(:mod:`kvstore.remote.breaker`): a call that fails (timeout, refused connection, a reply that
-is not the protocol) counts against it, and while it is open the node's keys are misses at
-once. A reply that is the protocol but not a usable value (absent, evicted, another type,
+has a client with no retries whose sockets are bounded (:mod:`kvstore.remote.deadline`):
+connect and every read or send end within ``timeout_s`` (a stalled server), every round trip
+of a public call by the call's deadline (``deadline_s``: a server that trickles), and a round
+trip may receive only the bytes its commands can answer (a value
+is never read beyond the size its header allows: ``STRLEN`` and ``GETRANGE`` of that size,
+never a bare ``GET``). Each node has a circuit breaker (:mod:`kvstore.remote.breaker`): a
+round trip that fails (cut by its deadline, refused connection, a reply that is not the
+protocol or longer than asked) counts against it, and while it is open the node's keys are
+misses at once. A reply that is the protocol but not a usable value (absent, evicted, another type,
 truncated, corrupt, another chunk's) is a miss too, counted by kind; nothing unverified is
 returned (:mod:`kvstore.remote.value`).
 
@@ -34,6 +39,13 @@ from kvstore.layout import KVLayout
 from kvstore.remote import value as rv
 from kvstore.remote.breaker import Breaker
 from kvstore.remote.config import RemoteConfig
+from kvstore.remote.deadline import (
+    ReplyTooLarge,
+    bounded_connection,
+    call_deadline,
+    call_expires,
+    round_trip,
+)
 from kvstore.remote.estimate import LinkEstimate
 
 KID_PREFIX = 8  # a stored partial chunk is found by a prompt sharing its first 8 tokens
@@ -43,9 +55,23 @@ KID_PREFIX = 8  # a stored partial chunk is found by a prompt sharing its first 
 READ_SIZE = 1 << 20
 PROBE_START = 64 << 10  # the first bandwidth probe's bytes (see Tier.probe)
 PROBE_ENOUGH_S = 0.02  # a probe round trip this long measures bandwidth well enough
+# Reply bytes a round trip may receive beyond what its commands ask for: per command (a bulk
+# or integer header, an error line such as MOVED or WRONGTYPE) and per round trip (the
+# replies to AUTH/SELECT of a connection made for it).
+REPLY_OVERHEAD = 256
+ROUND_OVERHEAD = 4096
+KIDS_REPLY_BYTES = 4 << 20  # a kids set's reply (SMEMBERS): members are key + a chunk's ids
+SMALL_REPLY = 64  # STRLEN, EXISTS, SET, SADD, PING
+DOC_BYTES = 64 << 20  # a shared document (conversation state) read back
+SLOTS_REPLY_BYTES = 16 << 20  # CLUSTER SLOTS
 
 
-class RemoteAuthError(KVStoreError):
+class RemoteSetupError(KVStoreError):
+    """Redis refused the remote tier's setup when the store opened it (a DB index the server
+    does not have, a command it does not allow); the message names the remote URL."""
+
+
+class RemoteAuthError(RemoteSetupError):
     """The Redis server refused the credentials of the remote URL, or (``rediss://``) its TLS
     certificate is not one this client trusts (raised at open)."""
 
@@ -72,6 +98,9 @@ class RemoteCounters:
     fetched_layers: int = 0  # layer ranges fetched and verified (layer-wise loads)
     fetched_bytes: int = 0
     call_errors: int = 0  # calls that failed (timeouts, connection errors, protocol errors)
+    timeouts: int = 0  # ... of which cut by their round trip's timeout or the call's deadline
+    oversized_replies: int = 0  # ... of which replies longer than their commands can answer
+    deadline_skipped: int = 0  # round trips not started: the public call's deadline passed
     refused_calls: int = 0  # calls not made: the node's breaker was open
     slot_refreshes: int = 0  # cluster slot map reloads (after MOVED)
     written_chunks: int = 0  # write-through SET NX that stored a value
@@ -83,12 +112,24 @@ class RemoteCounters:
 class Node:
     def __init__(self, name: str, url: str, cfg: RemoteConfig) -> None:
         self.name = name
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0, decode_responses=False,
-            socket_read_size=READ_SIZE)
+        self.timeout_s = cfg.timeout_s
+        try:
+            self.client = redis.Redis.from_url(
+                url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+                retry=Retry(NoBackoff(), 0), health_check_interval=0, decode_responses=False,
+                socket_read_size=READ_SIZE)
+            pool = self.client.connection_pool
+            pool.connection_class = bounded_connection(pool.connection_class)
+            pool.connection_class(**pool.connection_kwargs)  # options checked, nothing opened
+        except (TypeError, ValueError) as e:  # an option redis-py does not know, a bad value
+            raise ValueError(f"remote URL {_hide_password(url)!r} is not usable: {e}") from None
         self.breaker = Breaker(name, failures=cfg.breaker_failures, retry_s=cfg.breaker_retry_s,
-                               probe=self.client.ping)
+                               probe=self.ping)
+
+    def ping(self) -> None:
+        """PING within one round trip's limits (the breaker's probe, the check at open)."""
+        with call_deadline(self.timeout_s), round_trip(ROUND_OVERHEAD, self.timeout_s):
+            self.client.ping()
 
     def reset(self) -> None:
         """Drop every pooled connection (after an error a connection may hold a half-read
@@ -126,7 +167,7 @@ class RemoteTier:
         an unreachable node only opens its breaker (the store works locally meanwhile)."""
         for node in list(self._nodes.values()):
             try:
-                node.client.ping()
+                node.ping()
             except (AuthenticationError, redis.exceptions.AuthorizationError) as e:
                 raise RemoteAuthError(f"Redis at {node.name} refused the credentials of the "
                                       f"remote URL: {e}") from None
@@ -134,7 +175,9 @@ class RemoteTier:
                 if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
                     raise RemoteAuthError(f"Redis at {node.name} needs a password (give it in "
                                           f"the URL as redis://:PASSWORD@host:port): {e}") from None
-                raise
+                raise RemoteSetupError(
+                    f"remote {self._shown()}: Redis at {node.name} refused the setup of a "
+                    f"connection: {e}") from None
             except (RedisError, OSError) as e:
                 node.reset()
                 if _untrusted(e):
@@ -147,7 +190,9 @@ class RemoteTier:
                 continue
             if not self.cluster:
                 try:
-                    info = node.client.info("cluster")
+                    with call_deadline(self.cfg.timeout_s), \
+                            round_trip(ROUND_OVERHEAD + (64 << 10), self.cfg.timeout_s):
+                        info = node.client.info("cluster")
                 except (RedisError, OSError) as e:
                     node.reset()
                     self._count("call_errors")
@@ -164,25 +209,34 @@ class RemoteTier:
             if node.breaker.state != "closed":
                 continue
             try:
-                ranges = node.client.execute_command("CLUSTER SLOTS")
+                with call_deadline(self.cfg.timeout_s), \
+                        round_trip(SLOTS_REPLY_BYTES, self.cfg.timeout_s):
+                    ranges = node.client.execute_command("CLUSTER SLOTS")
             except (RedisError, OSError) as e:
-                node.reset()
-                node.breaker.failure(e)
-                self._count("call_errors")
+                self._failed(node, e)
                 continue
             slots: list[Node | None] = [None] * 16384
-            for entry in ranges:
-                lo, hi, master = int(entry[0]), int(entry[1]), entry[2]
-                host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
-                host = host or urlsplit(template).hostname
-                name = f"{host}:{int(master[1])}"
-                with self._lock:
-                    n = self._nodes.get(name)
-                    if n is None:
-                        n = self._nodes[name] = Node(name, _node_url(template, host,
-                                                                     int(master[1])), self.cfg)
-                for s in range(lo, hi + 1):
-                    slots[s] = n
+            try:  # the reply is untrusted: anything but slot ranges of masters is a failure
+                for entry in ranges:
+                    lo, hi, master = int(entry[0]), int(entry[1]), entry[2]
+                    host = master[0].decode() if isinstance(master[0], bytes) \
+                        else str(master[0])
+                    host = host or urlsplit(template).hostname
+                    port = int(master[1])
+                    if not (0 <= lo <= hi < 16384 and 0 < port < 65536):
+                        raise ValueError(f"slot range {lo}-{hi} at port {port}")
+                    name = f"{host}:{port}"
+                    with self._lock:
+                        n = self._nodes.get(name)
+                        if n is None:
+                            n = self._nodes[name] = Node(name, _node_url(template, host, port),
+                                                         self.cfg)
+                    for s in range(lo, hi + 1):
+                        slots[s] = n
+            except (TypeError, ValueError, IndexError, AttributeError,
+                    UnicodeDecodeError) as e:
+                self._failed(node, ValueError(f"CLUSTER SLOTS is not a slot map: {e}"))
+                continue
             with self._lock:
                 self._slots = slots
                 self.counters.slot_refreshes += 1
@@ -211,13 +265,35 @@ class RemoteTier:
         with self._lock:
             setattr(self.counters, name, getattr(self.counters, name) + n)
 
-    def _call(self, keys: Sequence[bytes], build: Callable[[object, int], None], *,
+    def _shown(self) -> str:
+        return ", ".join(_hide_password(u) for u in self.cfg.urls)
+
+    def _failed(self, node: Node, e: BaseException) -> None:
+        """A round trip to ``node`` failed: its connections go (one may hold a half-read
+        reply), the breaker counts it."""
+        node.reset()
+        node.breaker.failure(e)
+        self._count("call_errors")
+        if isinstance(e, ReplyTooLarge):
+            self._count("oversized_replies")
+        elif isinstance(e, redis.exceptions.TimeoutError | TimeoutError):
+            self._count("timeouts")
+
+    def deadline(self) -> object:
+        """A context manager bounding the remote round trips of one public call by the
+        config's ``deadline_s`` (:func:`kvstore.remote.deadline.call_deadline`)."""
+        return call_deadline(self.cfg.deadline_s)
+
+    def _call(self, keys: Sequence[bytes], build: Callable[[object, int], None],
+              reply_bytes: Callable[[int], int], *,
               probe: bool = False, redis_keys: bool = False,
               observe: bool = True) -> dict[int, object]:
         """One pipelined round trip per node for the commands ``build(pipe, i)`` of each
         chunk ``keys[i]`` (Redis keys themselves with ``redis_keys``); returns i -> reply (an
         exception object for a per-command error) for the nodes that answered. Failed and
-        refused nodes' keys are absent from the result."""
+        refused nodes' keys are absent from the result. ``reply_bytes(i)``: the most bytes
+        command i's reply can legitimately carry; a node's round trip may receive their sum
+        (plus protocol overhead) and ends by the public call's deadline."""
         groups: dict[str, tuple[Node, list[int]]] = {}
         unmapped = 0
         for i, k in enumerate(keys):
@@ -230,20 +306,25 @@ class RemoteTier:
             self._count("refused_calls")
         out: dict[int, object] = {}
         moved = False
+        call = call_expires()
         for node, idxs in groups.values():
+            if call is not None and call <= time.monotonic():
+                self._count("deadline_skipped")
+                continue
             if not node.breaker.allow():
                 self._count("refused_calls")
                 continue
             pipe = node.client.pipeline(transaction=False)
+            budget = ROUND_OVERHEAD
             for i in idxs:
                 build(pipe, i)
+                budget += reply_bytes(i) + REPLY_OVERHEAD
             t0 = time.perf_counter()
             try:
-                replies = pipe.execute(raise_on_error=False)
+                with round_trip(budget, self.cfg.deadline_s):
+                    replies = pipe.execute(raise_on_error=False)
             except (RedisError, OSError, ValueError) as e:
-                node.reset()
-                node.breaker.failure(e)
-                self._count("call_errors")
+                self._failed(node, e)
                 continue
             dt = time.perf_counter() - t0
             node.breaker.success()
@@ -308,7 +389,8 @@ class RemoteTier:
         one round trip (``SMEMBERS``)."""
         groups = self._kid_keys(wants)
         rkeys = [k for g in groups for k in g]
-        replies = self._call(rkeys, lambda pipe, i: pipe.smembers(rkeys[i]), redis_keys=True)
+        replies = self._call(rkeys, lambda pipe, i: pipe.smembers(rkeys[i]),
+                             lambda i: KIDS_REPLY_BYTES, redis_keys=True)
         return self._merge_kids(groups, replies, 0)
 
     def _merge_kids(self, groups: list[list[bytes]], replies: dict[int, object],
@@ -349,7 +431,13 @@ class RemoteTier:
             else:
                 pipe.strlen(rkeys[j])
 
-        replies = self._call(rkeys, build, redis_keys=True)
+        def reply_bytes(j: int) -> int:
+            if j >= n2:
+                return KIDS_REPLY_BYTES
+            return rv.header_size(len(items[j // 2][1]), lay.num_layers) if j % 2 == 0 \
+                else SMALL_REPLY
+
+        replies = self._call(rkeys, build, reply_bytes, redis_keys=True)
         self._count("lookups")
         kids = self._merge_kids(groups, replies, n2)
         out: list[rv.Header | None] = []
@@ -381,21 +469,36 @@ class RemoteTier:
                            ) -> list[tuple[np.ndarray, rv.Header] | None]:
         """The verified raw extent of each (key, tokens) with its value's header, None where
         absent or unusable (a value that fails its checksums or does not decode through its
-        codec is counted as bad, never served): one pipelined ``GET`` round trip. Arrays of
-        values stored uncoded may be read-only views of the received bytes (verified in place:
-        no copy before the gather into the caller's output); coded ones are decoded."""
+        codec is counted as bad, never served): one pipelined round trip of ``STRLEN`` and
+        ``GETRANGE`` of at most the size a value of those tokens can have (a value padded with
+        junk is not read beyond it, and its length refuses it). Arrays of values stored
+        uncoded may be read-only views of the received bytes (verified in place: no copy
+        before the gather into the caller's output); coded ones are decoded."""
         lay = self.layout
-        replies = self._call([k for k, _ in items],
-                             lambda pipe, i: pipe.get(self.redis_key(items[i][0])))
+        caps = [rv.max_value_bytes(len(t), lay) for _, t in items]
+
+        def build(pipe: object, j: int) -> None:
+            rk = self.redis_key(items[j // 2][0])
+            if j % 2 == 0:
+                pipe.strlen(rk)
+            else:
+                pipe.getrange(rk, 0, caps[j // 2] - 1)
+
+        replies = self._call([k for k, _ in items for _ in range(2)], build,
+                             lambda j: SMALL_REPLY if j % 2 == 0 else caps[j // 2])
         out: list[tuple[np.ndarray, rv.Header] | None] = []
         for i, (k, t) in enumerate(items):
-            if i not in replies:
+            if 2 * i not in replies or 2 * i + 1 not in replies:
                 out.append(None)
                 continue
-            r = replies[i]
+            n, r = replies[2 * i], replies[2 * i + 1]
+            if n == 0:  # absent (GETRANGE of an absent key is empty)
+                r = None
             try:
                 h = rv.parse_header(r, key=k, tokens=t, num_layers=lay.num_layers,
                                     raw_layer_bytes_per_token=lay.layer_token_bytes, layout=lay)
+                if n != h.value_bytes:
+                    raise rv.BadValue(f"value of {n} bytes, its header says {h.value_bytes}")
                 out.append((rv.decode(h, r), h))
             except rv.BadValue:
                 self._bad(r)
@@ -415,7 +518,11 @@ class RemoteTier:
             a, b = items[i][1].layer_range(layer)
             pipe.getrange(self.redis_key(items[i][0]), a, b)
 
-        replies = self._call([items[i][0] for i, _ in pairs], build)
+        def reply_bytes(j: int) -> int:
+            a, b = items[pairs[j][0]][1].layer_range(pairs[j][1])
+            return b + 1 - a
+
+        replies = self._call([items[i][0] for i, _ in pairs], build, reply_bytes)
         out: dict[int, list[np.ndarray | None]] = {layer: [] for layer in layers}
         for j, (i, layer) in enumerate(pairs):
             r = replies.get(j)
@@ -452,6 +559,7 @@ class RemoteTier:
             got = self._call([k for k, _, _ in ranges],
                              lambda pipe, i, ranges=ranges: pipe.getrange(
                                  self.redis_key(ranges[i][0]), ranges[i][1], ranges[i][2]),
+                             lambda i, ranges=ranges: ranges[i][2] + 1 - ranges[i][1],
                              observe=False)
             dt = time.perf_counter() - t0
             nbytes = sum(len(r) for r in got.values() if isinstance(r, bytes))
@@ -469,20 +577,29 @@ class RemoteTier:
         """Store a small document (e.g. a conversation's state) under ``prefix + "doc:" +
         name``; False if its node did not answer."""
         rk = self._prefix + b"doc:" + name.encode()
-        r = self._call([rk], lambda pipe, i: pipe.set(rk, data), redis_keys=True)
+        with self.deadline():
+            r = self._call([rk], lambda pipe, i: pipe.set(rk, data), lambda i: SMALL_REPLY,
+                           redis_keys=True)
         return r.get(0) is True
 
     def get_doc(self, name: str) -> bytes | None:
-        """A document stored by :meth:`put_doc` (None if absent or the node did not answer).
-        Untrusted bytes: the caller validates them."""
+        """A document stored by :meth:`put_doc` (None if absent, longer than ``DOC_BYTES``,
+        or the node did not answer). Untrusted bytes: the caller validates them."""
         rk = self._prefix + b"doc:" + name.encode()
-        r = self._call([rk], lambda pipe, i: pipe.get(rk), redis_keys=True).get(0)
-        return r if isinstance(r, bytes) else None
+        with self.deadline():
+            got = self._call([rk, rk], lambda pipe, i: pipe.strlen(rk) if i == 0
+                             else pipe.getrange(rk, 0, DOC_BYTES - 1),
+                             lambda i: SMALL_REPLY if i == 0 else DOC_BYTES, redis_keys=True)
+        n, r = got.get(0), got.get(1)
+        if not isinstance(n, int) or not n or not isinstance(r, bytes) or len(r) != n:
+            return None
+        return r
 
     # ------------------------------------------------------------------ writes
     def exists(self, keys: Sequence[bytes]) -> list[bool | None]:
         """Whether each key is in Redis (None: its node did not answer)."""
-        replies = self._call(keys, lambda pipe, i: pipe.exists(self.redis_key(keys[i])))
+        replies = self._call(keys, lambda pipe, i: pipe.exists(self.redis_key(keys[i])),
+                             lambda i: SMALL_REPLY)
         return [None if i not in replies or not isinstance(replies[i], int)
                 else bool(replies[i]) for i in range(len(keys))]
 
@@ -501,7 +618,7 @@ class RemoteTier:
                 _, key, toks = kids[i - n]
                 pipe.sadd(rkeys[i], key + np.ascontiguousarray(toks, dtype="<u4").tobytes())
 
-        replies = self._call(rkeys, build, redis_keys=True)
+        replies = self._call(rkeys, build, lambda i: SMALL_REPLY, redis_keys=True)
         out: list[bool | None] = []
         for i in range(n):
             r = replies.get(i)

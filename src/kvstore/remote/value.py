@@ -64,6 +64,14 @@ def header_size(n_tokens: int, num_layers: int) -> int:
     return _FIXED.size + 4 * n_tokens + _TABLE.itemsize * num_layers + 8
 
 
+def max_value_bytes(n_tokens: int, layout: KVLayout) -> int:
+    """The most bytes a valid value of ``n_tokens`` can have under any codec (a zstd payload
+    may exceed its raw bytes by a frame's overhead; the others do not exceed them): what a
+    reader fetches at most."""
+    return header_size(n_tokens, layout.num_layers) + layout.num_layers * (
+        n_tokens * layout.layer_token_bytes + _ZSTD_SLACK)
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     """A verified header: what the value holds and where each layer's payload is."""
