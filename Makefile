@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 
-.PHONY: test demo lint clean llama-wheel
+.PHONY: test demo lint clean llama-wheel llama
 
 $(VENV)/.installed: pyproject.toml setup.py native/kvindex.c native/kvcopy.c native/kvcodec.c Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,8 @@ demo: $(VENV)/.installed
 
 # ---- llama-cpp-python (the `llama` extra): an sdist, compiled once into a wheel under .whl/
 # (gitignored) that every later .venv installs. Only libllama and libggml are built (no
-# llava/mtmd, no common library, tests, tools, examples or server binaries). GGML_NATIVE=OFF
+# llava/mtmd, no common library, tests, tools, examples or server binaries; libllama at -O1,
+# ggml at -O3: native/llama_cpp_minimal.cmake). GGML_NATIVE=OFF
 # with this CPU's AVX2/AVX-512 features named explicitly and AMX off: ggml's AMX kernels fault
 # (SIGSEGV in ldtilecfg) on this VM. The wheel's directory is named by the flags, so other
 # flags build another wheel.
@@ -44,12 +45,12 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
 LLAMA_CMAKE_HOOK := -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/native/llama_cpp_minimal.cmake
 LLAMA_WHEEL_DIR := .whl/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell \
-	echo '$(LLAMA_CMAKE_ARGS)' | cat - native/llama_cpp_minimal.cmake | md5sum | cut -c1-10)
+	echo '$(LLAMA_CMAKE_ARGS)' | cat - native/llama_cpp_*.cmake | md5sum | cut -c1-10)
 LLAMA_WHEEL := $(LLAMA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_$(shell uname -m).whl
 
 llama-wheel: $(LLAMA_WHEEL)
 
-$(LLAMA_WHEEL): native/llama_cpp_minimal.cmake
+$(LLAMA_WHEEL): native/llama_cpp_minimal.cmake native/llama_cpp_ggml.cmake
 	mkdir -p $(LLAMA_WHEEL_DIR)
 	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS) $(LLAMA_CMAKE_HOOK)' CMAKE_BUILD_PARALLEL_LEVEL=2 \
 		$(PYTHON) -m pip wheel -q --disable-pip-version-check --no-deps --no-cache-dir \
@@ -57,9 +58,13 @@ $(LLAMA_WHEEL): native/llama_cpp_minimal.cmake
 	test -f $@
 
 # What `pip install kvstore[llama]` installs, from the wheel above (never the sdist).
+llama: $(VENV)/.llama-installed
+
 $(VENV)/.llama-installed: $(VENV)/.installed $(LLAMA_WHEEL)
 	$(PIP) install --find-links $(LLAMA_WHEEL_DIR) --only-binary llama-cpp-python \
 		'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+	# this wheel, even over an installed 0.3.36 built with other flags
+	$(PIP) install --force-reinstall --no-deps $(LLAMA_WHEEL)
 	touch $@
 
 clean:

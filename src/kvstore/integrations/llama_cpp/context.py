@@ -5,8 +5,9 @@ llama-cpp-python calls a cache as ``self.cache[prompt_tokens]`` and ``self.cache
 self.save_state()`` from inside ``Llama._create_completion`` and hands it no reference to the
 model, yet the cache must know the model (its GGUF, its llama.cpp build, its context settings)
 to serve only KV that model would have computed, and needs its context to restore into.
-:func:`calling_llama` finds that Llama as the ``self`` of the calling frame, checked to be a
-``llama_cpp.Llama``; a call from anywhere else finds none (the cache then misses).
+:func:`calling_llama` finds that Llama as the ``self`` of the calling frame (or of one a few
+frames up, past a subclass or wrapper of the cache), checked to be a ``llama_cpp.Llama``; a
+call from anywhere else finds none (the cache then misses).
 
 A restore writes the KV through ``llama_state_seq_set_data`` into sequence 0 (the sequence
 llama-cpp-python decodes into), then records the restored tokens in the Llama's own
@@ -29,15 +30,23 @@ from kvstore.integrations.llama_cpp.state import StateBuffer
 SEQ_ID = 0  # llama-cpp-python's batches use sequence 0
 
 
+CALLER_FRAMES = 4  # how far up the cache looks: a subclass or wrapper of the cache adds frames
+
+
 def calling_llama(frame: FrameType | None) -> Any | None:
-    """The ``llama_cpp.Llama`` whose method is running in ``frame``, or None."""
-    if frame is None:
-        return None
+    """The ``llama_cpp.Llama`` whose method is running in ``frame`` or one of the
+    ``CALLER_FRAMES - 1`` frames that called it, or None."""
     llama_cpp = sys.modules.get("llama_cpp")
     if llama_cpp is None:  # nothing imported llama_cpp, so no Llama exists
         return None
-    candidate = frame.f_locals.get("self")
-    return candidate if isinstance(candidate, llama_cpp.Llama) else None
+    for _ in range(CALLER_FRAMES):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, llama_cpp.Llama):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 def held_tokens(llm: Any, tokens: np.ndarray) -> int:

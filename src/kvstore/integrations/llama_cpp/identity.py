@@ -14,7 +14,8 @@ Models and settings whose KV this codec has not been verified against are refuse
 :class:`Unsupported` naming the reason: architectures other than those in
 :data:`SUPPORTED_ARCHS`, sliding-window attention, recurrent and hybrid models, M-RoPE and
 per-layer-embedding models (their cells carry extras), several streams, quantized KV types,
-LoRA adapters, embedding contexts, and a flash-attention mode llama.cpp chooses itself.
+LoRA adapters, embedding contexts, ``logits_all=True`` (a restored prefix has no prompt
+logits for logprobs), and a flash-attention mode llama.cpp chooses itself.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class ModelFacts:
     type_v: int
     flash_attn_type: int  # -1 auto, 0 disabled, 1 enabled
     embeddings: bool
+    logits_all: bool
     lora: bool
     settings: tuple[tuple[str, str], ...]  # context settings that change the bytes, as text
 
@@ -95,6 +97,9 @@ class ModelFacts:
                               f"(kv_unified=False): only one stream is supported")
         if self.embeddings:
             raise Unsupported("an embedding context (embedding=True) computes no reusable KV")
+        if self.logits_all:
+            raise Unsupported("logits_all=True: a restored prefix would have no logits for "
+                              "the prompt's logprobs")
         if self.lora:
             raise Unsupported("a LoRA adapter changes the KV; its content is not part of the "
                               "identity")
@@ -164,6 +169,7 @@ def model_facts(llm: Any) -> ModelFacts:
         type_v=int(cp.type_v),
         flash_attn_type=int(cp.flash_attn_type),
         embeddings=bool(cp.embeddings),
+        logits_all=bool(llm._logits_all),
         lora=llm.lora_path is not None,
         settings=settings,
     )
