@@ -90,11 +90,27 @@ def prompt_tokens(llm, n: int, seed: int, *, bos: bool = True) -> list[int]:
 
 
 def ttft(llm, prompt: list[int]) -> float:
-    """Seconds to the first generated token of a greedy completion (from an empty context)."""
+    """Seconds to the first generated token of a greedy, streamed completion from an empty
+    context (the first chunk carries it); the completion is then finished, so a cache still
+    gets its save, which llama-cpp-python makes after the last token."""
     llm.reset()
     t = time.perf_counter()
-    llm.create_completion(prompt, max_tokens=1, temperature=0.0)
-    return time.perf_counter() - t
+    chunks = llm.create_completion(prompt, max_tokens=1, temperature=0.0, stream=True)
+    next(chunks)
+    first = time.perf_counter() - t
+    for _ in chunks:
+        pass
+    return first
+
+
+def llama_disk_cache(path: Path):
+    """A LlamaDiskCache that keeps everything it is given: its capacity, and that of the
+    diskcache.Cache under it (1 GiB by default, about 8 states of 2K tokens), set to 64 GiB."""
+    import llama_cpp
+
+    disk = llama_cpp.LlamaDiskCache(cache_dir=str(path), capacity_bytes=64 << 30)
+    disk.cache.reset("size_limit", 64 << 30)
+    return disk
 
 
 def timed_cache_class():
@@ -159,7 +175,7 @@ def bench_llama_caches(llm, prompt: list[int], args: argparse.Namespace, work: P
     del ram
     # ---- LlamaDiskCache (its lookup pops the entry: save it again before each restore)
     disk_dir = work / "llama-disk-cache"
-    disk = llama_cpp.LlamaDiskCache(cache_dir=str(disk_dir), capacity_bytes=64 << 30)
+    disk = llama_disk_cache(disk_dir)
     saves, warm_restores, cold_restores = [], [], []
     for _ in range(warm + reps):
         for restores in (warm_restores, cold_restores):
@@ -228,11 +244,14 @@ def bench_llama_caches(llm, prompt: list[int], args: argparse.Namespace, work: P
 
 
 def _drop_page_cache(path: Path) -> None:
-    """Drop ``path``'s files from the OS page cache (POSIX_FADV_DONTNEED)."""
+    """Drop ``path``'s files from the OS page cache: written back first (``fsync``: the kernel
+    keeps dirty pages, and LlamaDiskCache does not sync what it writes), then
+    POSIX_FADV_DONTNEED."""
     for root, _, files in os.walk(path):
         for f in files:
             fd = os.open(os.path.join(root, f), os.O_RDONLY)
             try:
+                os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
@@ -271,13 +290,12 @@ def restart_child(args: argparse.Namespace) -> int:
 def bench_bytes(llm, args: argparse.Namespace, work: Path) -> dict:
     """Bytes on disk for conversations sharing a system prompt: each conversation is the
     system prompt, its own user turn and a reply (greedy, ``--reply-tokens``)."""
-    import llama_cpp
 
     system = prompt_tokens(llm, args.system_tokens, seed=100)
     convs = [system + prompt_tokens(llm, args.user_tokens, seed=200 + i, bos=False)
              for i in range(args.conversations)]
     disk_dir, store_dir = work / "bytes-llama-disk", work / "bytes-kvstore"
-    disk = llama_cpp.LlamaDiskCache(cache_dir=str(disk_dir), capacity_bytes=64 << 30)
+    disk = llama_disk_cache(disk_dir)
     cache = timed_cache_class()(store_dir)
     llm.set_cache(cache)
     for conv in convs:

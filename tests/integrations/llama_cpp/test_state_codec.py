@@ -276,3 +276,20 @@ def test_identity_names_what_changes_the_bytes(plain):
     finally:
         fa.close()
         f32.close()
+
+
+def test_a_state_llama_cpp_refuses_leaves_the_context_empty(plain):
+    """llama.cpp refuses a state of the other V layout; the restore reports it, and the
+    context and the Llama's token count agree that nothing is held (a full recompute)."""
+    from kvstore.integrations.llama_cpp import context
+
+    fmt = identify(plain).format
+    toks = text_tokens(plain, 10, add_bos=True)
+    plain.reset()
+    plain.eval(toks)
+    wrong = dataclasses.replace(fmt, v_trans=not fmt.v_trans).seq_buffer(10)
+    wrong.data[wrong.data.nbytes - 10 * 30 * 3 * 64 * 2 * 2:] = 0  # some KV, all zero
+    assert not context.restore(plain, wrong, np.asarray(toks))
+    assert plain.n_tokens == 0
+    mem = llama_cpp.llama_get_memory(plain.ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == -1

@@ -59,7 +59,7 @@ class CacheCounters:
     lookups: int = 0  # cache[prompt] calls
     hits: int = 0  # lookups that restored a stored prefix
     restored_tokens: int = 0
-    misses: int = 0  # nothing stored beyond what the context held (or than len(prompt) - 2)
+    misses: int = 0  # lookups that restored nothing (failures also count under their cause)
     saves: int = 0  # contexts put (their new chunks written)
     saved_tokens: int = 0
     already_stored: int = 0  # contexts handed over that the store served whole already
@@ -143,18 +143,23 @@ class KVStoreLlamaCache:
         if n <= held:
             self._count("misses")
             raise KeyError(f"no stored prefix longer than the {held} tokens the context holds")
+        # the sequence state, headers written; state.keys / state.values are [L, H, n, D]
+        # views of its K rows and V rows (or V transposed), filled by the get in place
         state = binding.identity.format.seq_buffer(n, seq_id=context.SEQ_ID)
         try:
             binding.store.get(toks[:n], out=(state.keys, state.values))
         except KeyError as e:
             self._failed("raced_misses", "get", e)
+            self._count("misses")
             raise KeyError("the stored prefix went away before it was read") from None
         except STORE_ERRORS as e:
             self._failed("store_errors", "get", e)
+            self._count("misses")
             raise KeyError("the stored prefix could not be read") from None
         if not context.restore(llm, state, toks[:n]):
             self._failed("refused_restores", "restore",
                          StateError(f"llama.cpp refused a sequence state of {n} tokens"))
+            self._count("misses")
             raise KeyError("llama.cpp refused the stored state")
         with self._lock:
             self._counters.hits += 1
@@ -188,7 +193,7 @@ class KVStoreLlamaCache:
             self._failed("store_errors", "match", e)
             return
         try:
-            kv = binding.identity.format.parse_context(value.llama_state)
+            kv = binding.identity.format.parse_context(value.llama_state)  # [L, H, n, D]
             if kv.num_tokens != n:
                 raise StateError(f"the state holds {kv.num_tokens} cells for {n} tokens")
         except StateError as e:

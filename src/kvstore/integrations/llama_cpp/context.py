@@ -35,7 +35,8 @@ CALLER_FRAMES = 4  # how far up the cache looks: a subclass or wrapper of the ca
 
 def calling_llama(frame: FrameType | None) -> Any | None:
     """The ``llama_cpp.Llama`` whose method is running in ``frame`` or one of the
-    ``CALLER_FRAMES - 1`` frames that called it, or None."""
+    ``CALLER_FRAMES - 1`` frames that called it, or None. Thread-safe (reads the calling
+    thread's own frames)."""
     llama_cpp = sys.modules.get("llama_cpp")
     if llama_cpp is None:  # nothing imported llama_cpp, so no Llama exists
         return None
@@ -50,7 +51,8 @@ def calling_llama(frame: FrameType | None) -> Any | None:
 
 
 def held_tokens(llm: Any, tokens: np.ndarray) -> int:
-    """How many leading tokens of ``tokens`` ``llm``'s context holds KV for already."""
+    """How many leading tokens of ``tokens`` ``llm``'s context holds KV for already.
+    Thread-safety: as any call on ``llm``: from the thread running its completion."""
     n = min(int(llm.n_tokens), len(tokens))
     if n == 0:
         return 0

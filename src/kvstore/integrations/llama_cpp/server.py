@@ -53,7 +53,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The server's ASGI app with the model loaded and the cache set; returns (app, cache)."""
+    """The server's ASGI app with the model loaded and the cache set; returns (app, cache).
+    llama-cpp-python's app keeps its model in a module global: one app per process."""
     from fastapi.responses import JSONResponse
     from llama_cpp.server import app as server_app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
@@ -95,7 +96,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, open the cache, listen, and serve until SIGINT/SIGTERM; prints
-    ``kvstore serve: listening on http://HOST:PORT`` once connections are accepted."""
+    ``kvstore serve: listening on http://HOST:PORT`` once connections are accepted. Runs in
+    the main thread (uvicorn installs its signal handlers there); the cache is closed when
+    the server stops."""
     import uvicorn
 
     check_args(args)

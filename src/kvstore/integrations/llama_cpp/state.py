@@ -62,7 +62,10 @@ class StateFormat:
     """Everything that decides the bytes of a KV state, for one llama.cpp context: the model's
     architecture name (the whole-context state's tag), its layers, kv-heads and head size, the
     KV type (one ggml type for K and V: f32, f16 or bf16) and whether V is stored transposed
-    (``v_trans``: flash attention off). One stream, each cell in exactly one sequence."""
+    (``v_trans``: flash attention off). One stream, each cell in exactly one sequence.
+
+    Thread-safety: immutable; every method may be called from any number of threads (each
+    reads only its arguments and writes only the buffers it returns)."""
 
     arch: str
     num_layers: int
