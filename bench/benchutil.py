@@ -17,6 +17,16 @@ def new_tokens(rng: np.random.Generator, n: int, first: int) -> np.ndarray:
     return toks
 
 
+def drop_file_cache(path: str) -> None:
+    """Write back and drop the page cache of one file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def cpu_busy_s() -> float:
     """CPU seconds all processes of the machine have spent busy (from /proc/stat)."""
     try:

@@ -47,7 +47,14 @@ import safetensors
 import safetensors.torch
 import torch
 import xxhash
-from benchutil import cpu_busy_s, machine_info, new_tokens, own_cpu_s, summarize
+from benchutil import (
+    cpu_busy_s,
+    drop_file_cache,
+    machine_info,
+    new_tokens,
+    own_cpu_s,
+    summarize,
+)
 
 import kvstore
 from kvstore import KVLayout
@@ -79,16 +86,6 @@ COMPARISONS: list[tuple[str, str, float | None, str]] = [
 
 
 # ---------------------------------------------------------------------------------- helpers
-def drop_file_cache(path: str) -> None:
-    """Write back and drop the page cache of one file."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

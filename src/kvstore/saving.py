@@ -258,7 +258,7 @@ class Saver:
         self._release = release
         self._cond = threading.Condition()
         self._used = 0  # bytes of write buffer held by open or queued saves
-        self._errors: list[BaseException] = []
+        self._error: BaseException | None = None  # the first since the last flush
         self._queue: collections.deque[_Job] = collections.deque()
         self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
@@ -267,15 +267,23 @@ class Saver:
         self.saved = 0
         self.failed = 0
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, *, wait: bool = True) -> None:
         """Wait for ``nbytes`` of write buffer (a save bigger than the buffer waits until the
-        buffer is empty). Refuses a save larger than this machine's memory."""
+        buffer is empty); with ``wait=False``, :class:`CapacityError` at once if there is no
+        room now. Refuses a save larger than this machine's memory."""
         if nbytes > physical_memory():
             raise CapacityError(f"a save of {nbytes} bytes does not fit this machine's memory "
                                 f"({physical_memory()} bytes)")
         with self._cond:
-            self._cond.wait_for(lambda: self._closed or self._used == 0
-                                or self._used + nbytes <= self.capacity_bytes)
+            def room() -> bool:
+                return self._closed or self._used == 0 \
+                    or self._used + nbytes <= self.capacity_bytes
+            if wait:
+                self._cond.wait_for(room)
+            elif not room():
+                raise CapacityError(f"the write buffer is full ({self._used} of "
+                                    f"{self.capacity_bytes} bytes held by saves not yet "
+                                    f"written); a save of {nbytes} bytes would wait")
             if self._closed:
                 raise StoreClosed("the store is closing")
             self._used += nbytes
@@ -341,8 +349,8 @@ class Saver:
                 self.saved += 1
             else:
                 self.failed += 1
-                if not isinstance(error, StoreClosed):
-                    self._errors.append(error)
+                if not isinstance(error, StoreClosed) and self._error is None:
+                    self._error = error  # later ones are in their futures (and counted)
             if self._writing is job:
                 self._writing = None
             self._cond.notify_all()
@@ -367,9 +375,9 @@ class Saver:
         flush (the other failed saves' futures hold theirs)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._queue and self._writing is None)
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def close(self, *, abandon: bool) -> None:
         """Finish (or with ``abandon``, drop) queued saves and wait for the writer. A save

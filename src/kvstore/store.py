@@ -165,21 +165,26 @@ class Store:
         return ctx is not None
 
     def begin_save(self, tokens: object, *, namespace: str | None = None,
-                   max_new_tokens: int = 0) -> SaveHandle:
+                   max_new_tokens: int = 0, wait: bool = True) -> SaveHandle:
         """Start saving the context ``tokens`` asynchronously (AttentionStore §3.2.2).
 
         Give each layer's KV to :meth:`SaveHandle.layer` as soon as it exists (during prefill),
         decode-step KV of up to ``max_new_tokens`` more tokens to :meth:`SaveHandle.append`, then
         :meth:`SaveHandle.finish`: a writer thread stores the context (crash-safe, all or
         nothing) and the returned future completes when it is durable. Only tokens after the
-        already stored full chunks are copied; this process does not evict those chunks until
-        the save ends (another process may: the save then fails with a clear error).
-        Thread-safe; waits while the write buffer (``write_buffer_bytes``) is full.
+        already stored full chunks are copied (``SaveHandle.base``; when it is ``len(tokens)``
+        there is nothing new to store); this process does not evict those chunks until the
+        save ends (another process may: the save then fails with a clear error).
+        Thread-safe; waits while the write buffer (``write_buffer_bytes``) is full, or with
+        ``wait=False`` raises :class:`CapacityError` at once (a caller that must not block
+        drops the save).
         """
         toks = as_tokens(tokens)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
                 or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(wait, bool):
+            raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
         core = self._core
         c = core.config.chunk_tokens
         with core.mutex:
@@ -194,7 +199,7 @@ class Store:
         capacity = len(toks) + max_new_tokens - base
         nbytes = capacity * self.layout.token_bytes
         try:
-            self._saver.reserve(nbytes)
+            self._saver.reserve(nbytes, wait=wait)
         except BaseException:
             self._release_held(held)
             raise

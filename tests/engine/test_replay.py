@@ -275,3 +275,32 @@ def test_idle_disk_bandwidth_is_not_banked_for_a_late_arrival():
     jobs, _ = serve(tr, SimulatedExecutor(Method("as"), cost))
     a2 = next(j for j in jobs if j.conv.index == 0 and j.turn == 1)
     assert a2.start_s == a2.arrival_s and a2.hit == "disk"
+
+
+def test_vllm_replay_reuses_exactly(model, tmp_path):
+    """``--engine vllm``: RE is vLLM alone, AS vLLM with the KVStoreConnector, each on a fresh
+    engine. AS reuses every whole block of each history (from vLLM's own cache or the store,
+    whichever still holds it) and samples the first token RE samples."""
+    table = real_table(model)
+    wl = WorkloadConfig(conversations=2, max_turns=2, context_window=1024, warmup_fraction=0.0,
+                        think_s=1.0, arrival_rate=0.5)
+    cfg = ReplayConfig(mode="real", engine="vllm", methods=(Method("re"), Method("as")),
+                       workload=wl, store_dir=str(tmp_path / "store"))
+    summary = replay(cfg, str(tmp_path / "out"), model=model, table=table, progress=False)
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(tmp_path / "out" / "turns.parquet").to_pylist()
+    by = {(r["method"], r["conv"], r["turn"]): r for r in t}
+    assert len(t) == 2 * 4 and set(summary["methods"]) == {"RE", "AS-scheduler"}
+    for r in t:
+        if r["method"] != "AS-scheduler" or r["turn"] == 0:
+            continue
+        re = by[("RE", r["conv"], r["turn"])]
+        assert re["prompt_tokens"] == r["prompt_tokens"] and not r["truncated"]
+        assert r["first_token"] == re["first_token"]  # reused KV is exact
+        assert r["reused_tokens"] == r["history_tokens"] // 128 * 128
+        assert r["hit"] == ("miss" if r["reused_tokens"] == 0 else r["hit"])
+        assert r["hit"] in ("miss", "engine", "dram", "disk")
+    assert summary["methods"]["AS-scheduler"]["store"]["disk"]["chunks"] > 0
+    with pytest.raises(ValueError, match="--mode real"):
+        ReplayConfig(mode="simulated", engine="vllm")

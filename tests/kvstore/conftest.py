@@ -1,9 +1,8 @@
-import subprocess
-
 import pytest
 
 import kvstore
 from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.tmpfs import mounted_tmpfs
 
 
 @pytest.fixture
@@ -57,16 +56,8 @@ def assert_get_exact(store, tokens, namespace=None):
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 1.5 MiB tmpfs mounted under tmp_path (needs root, else the test is skipped)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "1536k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("system")
     s.add_argument("--mode", choices=("simulated", "real"), default="simulated")
+    s.add_argument("--engine", choices=("kvstore", "vllm"), default="kvstore",
+                   help="real mode: serve with the project's runtime (kvstore) or a real vLLM "
+                        "engine (vllm: RE is vLLM alone, AS vLLM with the KVStoreConnector)")
     s.add_argument("--preset", choices=sorted(PRESETS), default="llama-13b",
                    help="simulated mode's cost model")
     s.add_argument("--dram", type=_size, default=None, help="DRAM capacity, e.g. 128GB")
@@ -105,7 +108,8 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
     return ReplayConfig(mode=args.mode, methods=methods, workload=workload_of(args),
                         preset=args.preset, dram_bytes=args.dram, disk_bytes=args.disk,
                         store_dir=args.store, data_path=args.data, scale=scale,
-                        disk_read_bps=getattr(args, "disk_read_bps", None))
+                        disk_read_bps=getattr(args, "disk_read_bps", None),
+                        engine=getattr(args, "engine", "kvstore"))
 
 
 def _fmt(v: float, unit: str = "") -> str:
@@ -143,7 +147,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     model = load_model()
     table = load_table(model, cfg, cache)
     summary = replay(cfg, args.out, model=model, table=table, progress=not args.no_progress)
-    print(f"{summary['mode']} replay: {summary['conversations']} conversations, "
+    engine = " through vLLM" if cfg.engine == "vllm" else ""
+    print(f"{summary['mode']} replay{engine}: {summary['conversations']} conversations, "
           f"{summary['turns']} turns ({next(iter(summary['methods'].values()))['turns']} "
           f"measured after warm-up), context window {summary['context_window']}")
     print(format_table(summary))

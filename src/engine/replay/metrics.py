@@ -58,7 +58,8 @@ def summarize(cols: dict[str, list], stats: ServerStats, *, cost: dict[str, floa
         "turns": int(m.sum()),
         "turns_with_history": n_later,
         "warmup_turns": int((~m).sum()),
-        "hit_rate": rate("dram", "disk", "remote"),
+        "hit_rate": rate("dram", "disk", "remote", "engine"),
+        "engine_hit_rate": rate("engine"),  # an engine's own prefix cache (vLLM's)
         "dram_hit_rate": rate("dram"),
         "disk_hit_rate": rate("disk"),
         "remote_hit_rate": rate("remote"),

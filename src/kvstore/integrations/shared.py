@@ -25,6 +25,9 @@ class _Entry:
     leases: set[int] = field(default_factory=set)
 
 
+# Options that only a store's creation uses: a store open already satisfies them if it has them.
+CREATION_ONLY = ("chunk_tokens", "slot_codec")
+
 _lock = threading.Lock()
 _open: dict[str, _Entry] = {}
 _next_id = 0
@@ -62,7 +65,8 @@ class Lease:
 def acquire(path: str | os.PathLike[str], **options: object) -> Lease:
     """A lease on the store at ``path``, opened with ``kvstore.open(path, **options)`` unless
     this process has it open through :func:`acquire` already; then ``options`` must equal the
-    first opener's (ValueError naming the first that differs). Thread-safe."""
+    first opener's (ValueError naming the first that differs), except the creation-only ones
+    (``chunk_tokens``, ``slot_codec``), which the open store must have if given. Thread-safe."""
     global _next_id
     key = os.path.realpath(os.fspath(path))
     with _lock:
@@ -71,14 +75,19 @@ def acquire(path: str | os.PathLike[str], **options: object) -> Lease:
             entry = _Entry(store=kvstore.open(key, **options), options=dict(options))
             _open[key] = entry
         else:
-            _check_same(key, entry.options, options)
+            _check_same(key, entry, options)
         _next_id += 1
         entry.leases.add(_next_id)
         return Lease(key, _next_id, entry.store)
 
 
-def _check_same(key: str, first: Mapping[str, object], now: Mapping[str, object]) -> None:
-    for name in sorted(set(first) | set(now)):
+def _check_same(key: str, entry: _Entry, now: Mapping[str, object]) -> None:
+    first = entry.options
+    for name in CREATION_ONLY:
+        if now.get(name) is not None and getattr(entry.store.config, name) != now[name]:
+            raise ValueError(f"the store {key!r} has {name}="
+                             f"{getattr(entry.store.config, name)!r}; asked for {now[name]!r}")
+    for name in sorted((set(first) | set(now)) - set(CREATION_ONLY)):
         if first.get(name) != now.get(name):
             raise ValueError(f"the store {key!r} is open in this process with {name}="
                              f"{first.get(name)!r}; a second user asked for {now.get(name)!r}")

@@ -29,6 +29,7 @@ from tests.integrations.llama_cpp.helpers import (  # noqa: E402
     perturbed_gguf,
     text_tokens,
 )
+from tests.support.tmpfs import mounted_tmpfs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 CHUNK = 256
@@ -181,16 +182,8 @@ def test_a_context_larger_than_the_disk_budget_is_not_stored(llm, prompts, oracl
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 4 MiB tmpfs mounted under tmp_path (needs root, else the test is skipped)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_full_device_fails_the_save_not_the_completion(llm, prompts, oracle, small_fs):

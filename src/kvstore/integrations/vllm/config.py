@@ -1,0 +1,125 @@
+"""The connector's settings: ``kv_connector_extra_config`` checked into one typed object.
+
+vLLM hands the connector a plain dict (``KVTransferConfig.kv_connector_extra_config``). Every
+key is checked here, by name, before anything is opened; an unknown key is an error (a typo
+would otherwise silently leave a default in place).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kvstore.config import check_codecs, check_size
+from kvstore.policy import make_policy
+from kvstore.remote.config import RemoteConfig
+
+SIZE_KEYS = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorConfig:
+    """What ``kv_connector_extra_config`` may hold (only ``store_dir`` is required).
+
+    * ``store_dir``: the store directory (created on first use); every vLLM instance, process
+      and role that names it shares it.
+    * ``dram_bytes``, ``disk_bytes``, ``hbm_bytes``, ``write_buffer_bytes``, ``policy``,
+      ``codecs``: as :func:`kvstore.open` takes them (omitted: the stored or default values).
+    * ``chunk_tokens``: the store's chunk size when the connector creates it (default: vLLM's
+      block size; an existing store keeps its own).
+    * ``remote``: a Redis URL (or a list of Redis Cluster node URLs): the tier shared by
+      machines.
+    * ``namespace``: KV is served only within its namespace (a request's ``cache_salt`` is
+      mixed in too).
+    * ``model_id``: the model's identity in the fingerprint (default: a digest of the model
+      directory's config and weight files).
+    * ``buffer_layers``: the layer-wise load's read buffer (default: no bound).
+    * ``save``: whether to save new blocks (default True; False only reads the store).
+    """
+
+    store_dir: str
+    dram_bytes: int | None = None
+    disk_bytes: int | None = None
+    hbm_bytes: int | None = None
+    write_buffer_bytes: int | None = None
+    policy: str | None = None
+    codecs: Mapping[str, str] | None = None
+    chunk_tokens: int | None = None
+    remote: str | tuple[str, ...] | None = None
+    namespace: str | None = None
+    model_id: str | None = None
+    buffer_layers: int | None = None
+    save: bool = True
+    extra: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object] | None) -> ConnectorConfig:
+        """Check every key of ``kv_connector_extra_config`` (ValueError/TypeError naming it)."""
+        if not isinstance(extra, Mapping):
+            raise TypeError("kv_connector_extra_config must be a mapping with at least "
+                            f"'store_dir', got {type(extra).__name__}")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; the "
+                             f"KVStoreConnector takes {sorted(known)}")
+        store_dir = extra.get("store_dir")
+        if not isinstance(store_dir, str | os.PathLike) or not os.fspath(store_dir):
+            raise ValueError("kv_connector_extra_config['store_dir'] must name the store "
+                             f"directory, got {store_dir!r}")
+        kw: dict[str, object] = {"store_dir": os.fspath(store_dir)}
+        for name in SIZE_KEYS:
+            kw[name] = check_size(f"kv_connector_extra_config[{name!r}]", extra.get(name))
+        if (policy := extra.get("policy")) is not None:
+            if not isinstance(policy, str):
+                raise TypeError(f"kv_connector_extra_config['policy'] must be a str, "
+                                f"got {policy!r}")
+            make_policy(policy)
+            kw["policy"] = policy
+        if (codecs := extra.get("codecs")) is not None:
+            kw["codecs"] = check_codecs(codecs)
+        kw["chunk_tokens"] = _positive(extra, "chunk_tokens")
+        kw["buffer_layers"] = _positive(extra, "buffer_layers", minimum=0)
+        if (remote := extra.get("remote")) is not None:
+            if isinstance(remote, list | tuple):
+                remote = tuple(remote)
+            RemoteConfig.of(remote)  # checks the URL(s) without connecting
+            kw["remote"] = remote
+        for name in ("namespace", "model_id"):
+            v = extra.get(name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be a non-empty "
+                                 f"str, got {v!r}")
+            kw[name] = v
+        save = extra.get("save", True)
+        if not isinstance(save, bool):
+            raise TypeError(f"kv_connector_extra_config['save'] must be a bool, got {save!r}")
+        kw["save"] = save
+        return cls(**kw, extra=MappingProxyType(dict(extra)))
+
+    def open_options(self, *, block_size: int) -> dict[str, object]:
+        """Keyword arguments of :func:`kvstore.open` (without the layout)."""
+        opts: dict[str, object] = {name: getattr(self, name) for name in SIZE_KEYS
+                                   if getattr(self, name) is not None}
+        if self.policy is not None:
+            opts["policy"] = self.policy
+        if self.codecs is not None:
+            opts["codecs"] = self.codecs
+        if self.remote is not None:
+            opts["remote"] = list(self.remote) if isinstance(self.remote, tuple) \
+                else self.remote
+        if not os.path.isdir(os.path.join(self.store_dir, "catalog")):
+            opts["chunk_tokens"] = self.chunk_tokens or block_size  # only a new store takes it
+        return opts
+
+
+def _positive(extra: Mapping[str, object], name: str, minimum: int = 1) -> int | None:
+    v = extra.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"kv_connector_extra_config[{name!r}] must be an int >= {minimum}, "
+                         f"got {v!r}")
+    return v

@@ -1,0 +1,171 @@
+"""``KVStoreConnector``: vLLM's v1 KV connector API over a kvstore directory.
+
+vLLM creates the connector twice: once in the EngineCore process for its scheduler
+(:class:`~kvstore.integrations.vllm.scheduler.SchedulerSide`) and once in each worker
+(:class:`~kvstore.integrations.vllm.worker.WorkerSide`); without multiprocessing both live in
+one process and share one open store (:mod:`kvstore.integrations.shared`). Turn it on with::
+
+    from vllm.config import KVTransferConfig
+    KVTransferConfig(kv_connector="KVStoreConnector",
+                     kv_connector_module_path="kvstore.integrations.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={"store_dir": DIR})
+
+(the other keys: :class:`~kvstore.integrations.vllm.config.ConnectorConfig`). A store that
+cannot be opened (damaged, unreadable) leaves the connector inert: logged at startup, every
+lookup a miss, vLLM serves as without it. A configuration the connector cannot serve exactly
+(a GPU, tensor parallelism, quantized KV, an unknown block packing) is refused at startup.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.errors import KVStoreError, LayoutMismatch
+from kvstore.integrations import shared
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.identity import vllm_layout
+from kvstore.integrations.vllm.plan import StepPlan, WorkerReport
+from kvstore.integrations.vllm.scheduler import SchedulerSide
+from kvstore.integrations.vllm.stats import KVStoreConnectorStats
+from kvstore.integrations.vllm.worker import WorkerSide
+
+log = logging.getLogger("vllm.kvstore")
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM's KV connector backed by :func:`kvstore.open`: loads whole blocks the store holds
+    beyond vLLM's own prefix cache, layer by layer, and saves every new full block
+    asynchronously. Thread-safety: as vLLM calls it (its scheduler thread, its forward
+    thread)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        layout, isa = vllm_layout(vllm_config, model_id=cfg.model_id)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # A load that fails (a damaged store, an evicted chunk) is a cache miss: vLLM
+            # must recompute those blocks, not fail the request.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self._lease = _open_store(cfg, layout, block_size)
+        store = None if self._lease is None else self._lease.store
+        if store is not None and store.config.chunk_tokens % block_size:
+            log.warning("kvstore: the store's chunks (%d tokens) are not whole vLLM blocks "
+                        "(%d); saves rewrite partial chunks", store.config.chunk_tokens,
+                        block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(store, block_size=block_size,
+                                            namespace=cfg.namespace, save=cfg.save,
+                                            block_ids_of=self._block_ids)
+        else:
+            self._worker = WorkerSide(store, block_size=block_size, isa=isa,
+                                      buffer_layers=cfg.buffer_layers)
+        log.info("kvstore: %s connector on %s (%s; block %d tokens, packing %s)%s",
+                 role.name.lower(), cfg.store_dir, layout.engine, block_size, isa,
+                 "" if store is not None else ": the store could not be opened, every "
+                 "lookup is a miss")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss
+
+    # ==== scheduler side =====================================================================
+    def _block_ids(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None
+        return self._kv_cache_manager.get_block_ids(req_id)[0]
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._scheduler.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.allocated(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.plan(scheduler_output.num_scheduled_tokens,
+                                    scheduler_output.scheduled_spec_decode_tokens)
+
+    def update_connector_output(self, connector_output) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, WorkerReport):
+            self._scheduler.reported(report)
+
+    def request_finished(self, request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request, block_ids)
+
+    # ==== worker side ========================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, StepPlan)
+            self._worker.begin(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        plan = self._get_connector_metadata()
+        assert isinstance(plan, StepPlan)
+        self._worker.start_loads(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.end()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.take_sent() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid()
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        # vLLM asks both roles; the counters are the worker's.
+        return None if self._worker is None else self._worker.take_stats()
+
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        return self._worker.take_report()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVStoreConnectorStats:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
+
+
+def _open_store(cfg: ConnectorConfig, layout, block_size: int) -> shared.Lease | None:
+    """A lease on the store, or None if it cannot be opened (logged): the connector then
+    serves nothing. A store of another layout is a configuration error and raises."""
+    try:
+        return shared.acquire(cfg.store_dir, layout=layout,
+                              **cfg.open_options(block_size=block_size))
+    except LayoutMismatch:
+        raise
+    except (KVStoreError, OSError) as e:
+        log.error("kvstore: cannot open the store %s (the connector serves nothing): %s: %s",
+                  cfg.store_dir, type(e).__name__, e)
+        return None

@@ -1,0 +1,98 @@
+"""What vLLM's KV bytes are: the store's layout for one vLLM configuration.
+
+The keys are stored as vLLM holds them (rotated, ``KVLayout(keys="rotated")``) in vLLM's KV
+cache dtype, so reuse is bit-exact. What else makes the bytes is named in the layout's
+``engine`` (vLLM's version, platform, attention ISA and compute dtype) and ``model_id`` (a
+digest of the model's config and weight files): KV is only served to a vLLM that would have
+computed those same bytes. Both connector roles (scheduler and worker processes) derive the
+same layout from the same configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import xxhash
+
+from kvstore.integrations.vllm.packing import check_packing
+from kvstore.layout import KVLayout
+
+# Files whose bytes decide the KV a model computes from token ids.
+_MODEL_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CONFIG_FILES = ("config.json",)
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@functools.lru_cache(maxsize=8)
+def _dir_digest(path: str, stamp: tuple[tuple[str, int, int], ...]) -> str:
+    """xxh3-128 of a model directory's config and weight files (names, sizes and bytes).
+    ``stamp`` (names, sizes, mtimes) keys the cache: a changed file is hashed again."""
+    h = xxhash.xxh3_128()
+    for name, size, _ in stamp:
+        h.update(f"{name}\0{size}\0".encode())
+        with open(os.path.join(path, name), "rb") as f:
+            while block := f.read(16 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def model_digest(model: str, revision: str | None = None) -> str:
+    """The identity of ``model`` (vLLM's ``model_config.model``): for a local directory, a
+    digest of its config and weight files; otherwise (a hub id) its name and revision."""
+    if not os.path.isdir(model):
+        return f"{model}@{revision or 'default'}"
+    names = sorted(n for n in os.listdir(model)
+                   if n.endswith(_MODEL_FILES) or n in _CONFIG_FILES)
+    stamp = []
+    for n in names:
+        st = os.stat(os.path.join(model, n))
+        stamp.append((n, st.st_size, st.st_mtime_ns))
+    return "xxh3:" + _dir_digest(os.path.realpath(model), tuple(stamp))
+
+
+def attention_isa(vllm_config) -> str:
+    """The CPU attention ISA vLLM picks for this configuration (its block packing)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+
+
+def vllm_layout(vllm_config, *, model_id: str | None = None) -> tuple[KVLayout, str]:
+    """The store layout of ``vllm_config``'s KV cache and its packing. ValueError, naming the
+    setting, for a configuration the connector does not serve (it would store wrong bytes)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    if not current_platform.is_cpu():
+        raise ValueError(f"the KVStoreConnector packs vLLM's CPU attention blocks; this vLLM "
+                         f"runs on {current_platform.device_type!r}")
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise ValueError("the KVStoreConnector serves tensor_parallel_size=1 and "
+                         "pipeline_parallel_size=1 only (each rank would hold a slice)")
+    if cc.cache_dtype != "auto":
+        raise ValueError(f"the KVStoreConnector stores unquantized KV; kv_cache_dtype is "
+                         f"{cc.cache_dtype!r}")
+    if mc.use_mla:
+        raise ValueError("the KVStoreConnector stores per-head K and V; MLA models are not "
+                         "served")
+    dtype = _DTYPE_NAMES.get(mc.dtype)
+    if dtype is None:
+        raise ValueError(f"the KVStoreConnector stores float16, bfloat16 or float32 KV; the "
+                         f"model dtype is {mc.dtype}")
+    isa = check_packing(attention_isa(vllm_config), block_size=cc.block_size,
+                        head_dim=mc.get_head_size(), dtype=mc.dtype)
+    rope = getattr(mc.hf_config, "rope_theta", None) or \
+        (getattr(mc.hf_config, "rope_parameters", None) or {}).get("rope_theta") or 10000.0
+    engine = f"vllm {vllm.__version__} cpu isa={isa} dtype={dtype}"
+    if mc.hf_overrides:
+        engine += f" hf_overrides={mc.hf_overrides!r}"
+    layout = KVLayout(num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+                      head_dim=mc.get_head_size(), dtype=dtype, rope_theta=float(rope),
+                      model_id=model_id or model_digest(mc.model, mc.revision),
+                      keys="rotated", engine=engine)
+    return layout, isa

@@ -1,0 +1,69 @@
+"""What passes between the connector's two roles each engine step.
+
+The scheduler side sends a :class:`StepPlan` (vLLM's ``KVConnectorMetadata``) to the worker:
+which blocks to fill from the store before the forward, and which requests' full blocks to save
+after it. The worker answers with a :class:`WorkerReport` (vLLM's
+``KVConnectorWorkerMetadata``): what each load delivered. Both are plain picklable records:
+vLLM ships them between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadSpec:
+    """Fill positions [start, len(tokens)) of a request from the store: block
+    ``block_ids[i]`` receives positions start + i*B .. start + (i+1)*B - 1."""
+
+    req_id: str
+    tokens: tuple[int, ...]  # the stored prefix the load reads (its chain address)
+    start: int  # a multiple of the block size: vLLM computed (or cached) what is before
+    block_ids: tuple[int, ...]
+    namespace: str | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) - self.start
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveSpec:
+    """Save the KV of ``tokens`` (whole blocks) from the request's blocks ``block_ids`` (one per
+    block of ``tokens``, in order). The store writes only what it does not hold yet.
+    ``final``: the request has finished; vLLM frees its blocks once the worker reports it."""
+
+    req_id: str
+    tokens: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    namespace: str | None
+    final: bool = False
+
+
+@dataclass(kw_only=True)
+class StepPlan(KVConnectorMetadata):
+    """The connector's work in one engine step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Per request: the tokens a load delivered, by the tier that held them when it started
+    (``{"dram": n, "disk": n, "remote": n}``), and the requests whose load failed (vLLM
+    recomputes their blocks)."""
+
+    loaded: dict[str, dict[str, int]] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
+        assert isinstance(other, WorkerReport)
+        return WorkerReport(loaded={**self.loaded, **other.loaded},
+                            failed=self.failed | other.failed)

@@ -1,0 +1,173 @@
+"""The scheduler side: what the store can serve, and what each step loads and saves.
+
+Runs in vLLM's EngineCore process, beside its scheduler. It answers how many tokens beyond
+vLLM's own prefix cache the store holds (``Store.match``, whole blocks, never the prompt's last
+token: vLLM computes at least one), and plans each step: the blocks to fill before the forward,
+and the requests whose KV has grown by whole blocks, to save after it. It never reads KV.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
+from kvstore.store import Store
+
+log = logging.getLogger("vllm.kvstore")
+
+
+def request_namespace(base: str | None, cache_salt: str | None) -> str | None:
+    """The store namespace of a request: the configured one, with vLLM's per-request
+    ``cache_salt`` mixed in (a salted request shares KV only with the same salt)."""
+    if cache_salt is None:
+        return base
+    return json.dumps([base, cache_salt])
+
+
+def skip_reason(request) -> str | None:
+    """Why a request's KV is not a function of its token ids alone (then it is neither loaded
+    nor saved), or None."""
+    if request.prompt_token_ids is None:
+        return "prompt embeddings"
+    if request.lora_request is not None:
+        return "a LoRA adapter"
+    if request.mm_features:
+        return "multimodal inputs"
+    if request.pooling_params is not None:
+        return "a pooling request"
+    return None
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """A request the connector follows from its allocation to its end."""
+
+    request: object  # vllm.v1.request.Request
+    namespace: str | None
+    saved: int = 0  # tokens whose saving was planned (whole blocks)
+    loaded: dict[str, int] | None = None  # tokens the worker loaded, by tier
+    load_failed: bool = False
+
+
+class SchedulerSide:
+    """Thread-safety: vLLM calls it from its scheduler thread only."""
+
+    def __init__(self, store: Store | None, *, block_size: int, namespace: str | None,
+                 save: bool, block_ids_of) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.namespace = namespace
+        self.save = save
+        self._block_ids_of = block_ids_of  # req_id -> the request's block ids (group 0)
+        self._tracked: dict[str, _Tracked] = {}
+        self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (start, tokens) last answered
+        self._loads: list[tuple[str, int, int]] = []  # allocated, not planned yet
+        self._final: list[SaveSpec] = []
+
+    # ---- lookups --------------------------------------------------------------------------
+    def matched(self, request, num_computed: int) -> int:
+        """Tokens after ``num_computed`` (block-aligned) that the store can fill, in whole
+        blocks, leaving at least the last token to compute. A failing store is a miss."""
+        if self.store is None or skip_reason(request) is not None:
+            return 0
+        B = self.block_size
+        tokens = request.all_token_ids
+        limit = (len(tokens) - 1) // B * B
+        if limit <= num_computed:
+            return 0
+        ns = request_namespace(self.namespace, request.cache_salt)
+        try:
+            n = self.store.match(tokens[:limit], namespace=ns)
+        except (KVStoreError, OSError) as e:
+            log.warning("kvstore: lookup of request %s failed (a miss): %s",
+                        request.request_id, e)
+            return 0
+        ext = max(0, n // B * B - num_computed)
+        self._lookups[request.request_id] = (num_computed, ext)
+        return ext
+
+    def allocated(self, request, num_external: int) -> None:
+        """vLLM allocated the request's blocks; ``num_external`` tokens are to be loaded."""
+        rid = request.request_id
+        tracked = self._tracked.get(rid)
+        if tracked is None and skip_reason(request) is None:
+            tracked = self._tracked[rid] = _Tracked(
+                request, request_namespace(self.namespace, request.cache_salt))
+        start, _ = self._lookups.pop(rid, (0, 0))
+        if num_external <= 0 or tracked is None:
+            return
+        self._loads.append((rid, start, num_external))
+
+    # ---- planning -------------------------------------------------------------------------
+    def plan(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]
+             ) -> StepPlan:
+        """This step's plan: the loads allocated since the last step, and a save for every
+        scheduled request whose computed KV (after this step) has grown by whole blocks."""
+        B = self.block_size
+        plan = StepPlan(saves=self._final)
+        self._final = []
+        for rid, start, n in self._loads:
+            tracked = self._tracked[rid]
+            blocks = self._block_ids_of(rid)
+            toks = tracked.request.all_token_ids
+            plan.loads.append(LoadSpec(req_id=rid, tokens=tuple(toks[:start + n]), start=start,
+                                       block_ids=tuple(blocks[start // B:(start + n) // B]),
+                                       namespace=tracked.namespace))
+        self._loads = []
+        if not self.save or self.store is None:
+            return plan
+        for rid, n in num_scheduled.items():
+            tracked = self._tracked.get(rid)
+            if tracked is None:
+                continue
+            req = tracked.request
+            # Tokens whose KV exists after this step (draft tokens may be rejected) and
+            # whose ids are known (async scheduling appends sampled ids later).
+            done = req.num_computed_tokens + n - len(spec_tokens.get(rid, ()))
+            upto = min(done, len(req.all_token_ids)) // B * B
+            if upto > tracked.saved:
+                plan.saves.append(self._save(rid, tracked, upto, self._block_ids_of(rid)))
+        return plan
+
+    def _save(self, rid: str, tracked: _Tracked, upto: int, blocks, *, final: bool = False
+              ) -> SaveSpec:
+        B = self.block_size
+        tracked.saved = upto
+        return SaveSpec(req_id=rid, tokens=tuple(tracked.request.all_token_ids[:upto]),
+                        block_ids=tuple(blocks[:upto // B]), namespace=tracked.namespace,
+                        final=final)
+
+    # ---- outcomes -------------------------------------------------------------------------
+    def reported(self, report: WorkerReport) -> None:
+        """The worker's account of this step's loads."""
+        for rid, tiers in report.loaded.items():
+            if (tracked := self._tracked.get(rid)) is not None:
+                tracked.loaded = {k: (tracked.loaded or {}).get(k, 0) + v
+                                  for k, v in tiers.items()}
+        for rid in report.failed:
+            if (tracked := self._tracked.get(rid)) is not None:
+                tracked.load_failed = True
+                log.warning("kvstore: the load of request %s failed; vLLM recomputes it", rid)
+
+    def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """The request ended. If blocks computed in its last steps were not planned for saving
+        yet (async scheduling learns sampled ids a step late), plan a final save and keep its
+        blocks until the worker has copied them (returns True: vLLM frees them when the
+        worker reports the request)."""
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        tracked = self._tracked.pop(rid, None)
+        if tracked is None:
+            return False, None
+        tiers = tracked.loaded or {}
+        params = {"kvstore": {"loaded_tokens": sum(tiers.values()), "loaded_from": tiers,
+                              "load_failed": tracked.load_failed}}
+        B = self.block_size
+        upto = min(request.num_computed_tokens, len(request.all_token_ids)) // B * B
+        if self.save and self.store is not None and upto > tracked.saved:
+            self._final.append(self._save(rid, tracked, upto, block_ids, final=True))
+            return True, params
+        return False, params

@@ -1,0 +1,252 @@
+"""The worker side: fills vLLM's blocks from the store layer by layer, and saves new blocks.
+
+Runs in vLLM's worker process, on its forward thread. Per step (a :class:`StepPlan`):
+
+* before the forward, each load starts a layer-wise load of the store
+  (``Store.load_layers(tokens, start=...)``): the store's loader thread reads and verifies
+  layer after layer; ``wait_for_layer_load(l)``, called by each attention layer before it
+  attends, waits for layer l only and packs it into the request's blocks;
+* each save opens an asynchronous save of the store (``Store.begin_save``, which skips the
+  chunks already stored); after layer l has attended, its new blocks are unpacked into the
+  save's write buffer; at the end of the step the save goes to the store's writer thread.
+  The forward never waits for the disk: a save that finds the write buffer full is dropped
+  (a future miss), never waited for.
+
+A store that fails (a miss since the lookup, a corrupt extent, an IO error, a full disk) is a
+miss: the load's blocks are reported to vLLM, which recomputes them; the error is logged and
+counted, never raised into the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm import packing
+from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
+from kvstore.integrations.vllm.stats import KVStoreConnectorStats
+from kvstore.layerwise import LayerLoad
+from kvstore.saving import SaveHandle
+from kvstore.store import Store
+
+log = logging.getLogger("vllm.kvstore")
+
+# What a store can fail with: a miss (KeyError), its own errors, the OS's.
+STORE_ERRORS = (KeyError, KVStoreError, OSError)
+
+
+@dataclass(eq=False)
+class _Load:
+    spec: LoadSpec
+    handle: LayerLoad
+    blocks: torch.Tensor  # [n] int64
+    tiers: dict[str, int]  # where its tokens were when it started
+    packed: int = 0  # layers 0..packed-1 are in vLLM's blocks
+
+
+@dataclass(eq=False)
+class _Save:
+    spec: SaveSpec
+    handle: SaveHandle
+    first_block: int  # the first block holding tokens the store does not have
+    blocks: torch.Tensor  # [n] int64, from first_block on
+    given: set[int] = field(default_factory=set)  # layers copied into the write buffer
+
+
+class WorkerSide:
+    """Thread-safety: vLLM calls it from its forward thread only (the store's loader and
+    writer threads work behind the store's own handles)."""
+
+    def __init__(self, store: Store | None, *, block_size: int, isa: str,
+                 buffer_layers: int | None) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.isa = isa
+        self.buffer_layers = buffer_layers
+        self.stats = KVStoreConnectorStats()
+        self._caches: list[torch.Tensor] = []  # per layer [NB, H, B, 2D]
+        self._index: dict[str, int] = {}  # layer name -> layer
+        self._loads: list[_Load] = []
+        self._saves: list[_Save] = []
+        self._invalid: set[int] = set()  # block ids whose load failed this step
+        self._report = WorkerReport()
+        self._sent: set[str] = set()  # requests whose final save was copied
+        # Outcomes of saves, appended by the store's writer thread, counted on the forward's.
+        self._written_saves: collections.deque[str] = collections.deque()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's per-layer KV caches, in layer order of their names."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        shapes = {tuple(kv_caches[n].shape) for n in names}
+        if len(shapes) != 1:
+            raise ValueError(f"the KVStoreConnector needs one KV cache shape for every layer, "
+                             f"got {sorted(shapes)}")
+        if self.store is not None and len(names) != self.store.layout.num_layers:
+            raise ValueError(f"vLLM registered {len(names)} KV caches; the layout has "
+                             f"{self.store.layout.num_layers} layers")
+        self._caches = [kv_caches[n] for n in names]
+        self._index = {n: i for i, n in enumerate(names)}
+
+    # ---- one step -------------------------------------------------------------------------
+    def begin(self, plan: StepPlan) -> None:
+        """The step's plan is bound (before the forward): open its saves."""
+        if self.store is None:
+            return
+        for spec in plan.saves:
+            self._open_save(spec)
+
+    def start_loads(self, plan: StepPlan) -> None:
+        """Before the forward (vLLM calls it then when a step has loads): start the plan's
+        layer-wise loads."""
+        if self.store is None:
+            for spec in plan.loads:  # a lookup cannot have matched, but never serve nothing
+                self._fail_load(spec, torch.tensor(spec.block_ids), KeyError("no store"))
+            return
+        for spec in plan.loads:
+            self._start_load(spec)
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        blocks = torch.tensor(spec.block_ids, dtype=torch.int64)
+        tokens = list(spec.tokens)
+        try:
+            where = self.store.residency(tokens, namespace=spec.namespace)
+            if spec.start:  # the loaded range is the back of the prefix
+                front = self.store.residency(tokens[:spec.start], namespace=spec.namespace)
+                where = {k: where[k] - front[k] for k in where}
+            handle = self.store.load_layers(tokens, namespace=spec.namespace,
+                                            start=spec.start, buffer_layers=self.buffer_layers)
+        except STORE_ERRORS as e:
+            self._fail_load(spec, blocks, e)
+            return
+        tiers = {"dram": where["dram"], "disk": where["disk"], "remote": where["missing"]}
+        self._loads.append(_Load(spec, handle, blocks, tiers))
+        self.stats.add("loads")
+
+    def _fail_load(self, spec: LoadSpec, blocks: torch.Tensor, error: BaseException) -> None:
+        log.warning("kvstore: loading %d tokens of request %s failed, vLLM recomputes them: "
+                    "%s: %s", spec.num_tokens, spec.req_id, type(error).__name__, error)
+        self._invalid.update(blocks.tolist())
+        self._report.failed.add(spec.req_id)
+        self.stats.add("load_failures")
+
+    def _open_save(self, spec: SaveSpec) -> None:
+        try:
+            handle = self.store.begin_save(list(spec.tokens), namespace=spec.namespace,
+                                           wait=False)
+        except STORE_ERRORS as e:
+            log.info("kvstore: not saving request %s now: %s", spec.req_id, e)
+            self.stats.add("saves_refused")
+            self._sent_if_final(spec)
+            return
+        if handle.base >= len(spec.tokens):  # every chunk is stored already
+            handle.abort()
+            self.stats.add("saves_already_stored")
+            self._sent_if_final(spec)
+            return
+        first = handle.base // self.block_size
+        self._saves.append(_Save(spec, handle, first,
+                                 torch.tensor(spec.block_ids[first:], dtype=torch.int64)))
+
+    def _sent_if_final(self, spec: SaveSpec) -> None:
+        if spec.final:
+            self._sent.add(spec.req_id)
+
+    def wait_layer(self, name: str) -> None:
+        """Before layer ``name`` attends: its loaded KV is in vLLM's blocks."""
+        if not self._loads:
+            return
+        t0 = time.perf_counter()
+        self._pack_upto(self._index[name] + 1)
+        self.stats.add("load_seconds", time.perf_counter() - t0)
+
+    def _pack_upto(self, layers: int) -> None:
+        for load in list(self._loads):
+            try:
+                while load.packed < layers:
+                    k, v = load.handle.wait(load.packed)  # [H, n, D] each
+                    packing.pack(self.isa, self._caches[load.packed], load.blocks, k, v)
+                    load.packed += 1
+            except STORE_ERRORS as e:
+                self._loads.remove(load)
+                load.handle.close()
+                self._fail_load(load.spec, load.blocks, e)
+
+    def save_layer(self, name: str) -> None:
+        """After layer ``name`` attended: copy its new blocks into each save's write buffer."""
+        layer = self._index[name]
+        for save in self._saves:
+            self._copy_layer(save, layer)
+
+    def _copy_layer(self, save: _Save, layer: int) -> None:
+        k, v = packing.unpack(self.isa, self._caches[layer], save.blocks)  # [H, n*B, D]
+        save.handle.layer(layer, k, v)  # takes the tokens from its base on (right-aligned)
+        save.given.add(layer)
+
+    def end(self) -> None:
+        """After the forward (or a step without one): finish the loads, hand the saves to the
+        store's writer (layers the forward did not visit are copied now)."""
+        if self._loads:
+            self._pack_upto(len(self._caches))  # layers no attention waited for
+            for load in self._loads:
+                load.handle.close()
+                self._report.loaded[load.spec.req_id] = load.tiers
+                self.stats.add("loaded_tokens", load.spec.num_tokens)
+            self._loads = []
+        for save in self._saves:
+            for layer in range(len(self._caches)):
+                if layer not in save.given:
+                    self._copy_layer(save, layer)
+            new = len(save.spec.tokens) - save.handle.base
+            future = save.handle.finish()
+            future.add_done_callback(lambda f, rid=save.spec.req_id: self._written(rid, f))
+            self.stats.add("saves")
+            self.stats.add("saved_tokens", new)
+            self._sent_if_final(save.spec)
+        self._saves = []
+
+    def _written(self, req_id: str, future) -> None:
+        """On the store's writer thread: a save is durable, refused or failed."""
+        error = future.exception()
+        if error is not None:
+            log.warning("kvstore: saving request %s failed (its KV will be recomputed when "
+                        "needed): %s: %s", req_id, type(error).__name__, error)
+            self._written_saves.append("save_failures")
+        elif future.result() is False:
+            self._written_saves.append("saves_refused")
+
+    # ---- what vLLM collects after a step --------------------------------------------------
+    def take_invalid(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_report(self) -> WorkerReport | None:
+        report, self._report = self._report, WorkerReport()
+        return report if (report.loaded or report.failed) else None
+
+    def take_sent(self) -> set[str]:
+        out, self._sent = self._sent, set()
+        return out
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        while self._written_saves:
+            self.stats.add(self._written_saves.popleft())
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KVStoreConnectorStats()
+        return out
+
+    def close(self) -> None:
+        """Cancel loads in flight (engine shutdown); saves already handed over are written
+        by the store's close."""
+        for load in self._loads:
+            load.handle.close()
+        for save in self._saves:
+            save.handle.abort()
+        self._loads, self._saves = [], []

@@ -1,0 +1,1 @@
+"""Helpers the test folders share (no test module imports another test module for them)."""
