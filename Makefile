@@ -8,7 +8,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 export KVSTORE_CACHE_DIR := $(CURDIR)/.cache
 HF_MODEL := $(KVSTORE_CACHE_DIR)/smollm2-135m-instruct-hf/.complete
 
-.PHONY: test demo lint clean
+.PHONY: test demo lint clean llama-wheel llama
 
 $(VENV)/.installed: pyproject.toml setup.py native/kvindex.c native/kvcopy.c native/kvcodec.c Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,54 @@ $(HF_MODEL): | $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench
 
-test: lint $(HF_MODEL)
+test: lint $(HF_MODEL) $(VENV)/.llama-installed
 	$(VENV)/bin/pytest -q
 
 demo: $(VENV)/.installed
 	$(PY) -m engine.replay.demo
+
+# ---- llama-cpp-python (the `llama` extra): an sdist, compiled once into a wheel under .whl/
+# (gitignored) that every later .venv installs. Only libllama and libggml are built (no
+# llava/mtmd, no common library, tests, tools, examples or server binaries; libllama at -O1,
+# ggml at -O3: native/llama_cpp_minimal.cmake). GGML_NATIVE=OFF
+# with this CPU's AVX2/AVX-512 features named explicitly and AMX off: ggml's AMX kernels fault
+# (SIGSEGV in ldtilecfg) on this VM. The wheel's directory is named by the flags, so other
+# flags build another wheel.
+LLAMA_CPP_VERSION := 0.3.36
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+cpu_has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) \
+	-DGGML_AVX2=$(call cpu_has,avx2) -DGGML_FMA=$(call cpu_has,fma) \
+	-DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) \
+	-DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) \
+	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
+	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+	-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+LLAMA_CMAKE_HOOK := -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/native/llama_cpp_minimal.cmake
+LLAMA_WHEEL_DIR := .whl/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell \
+	echo '$(LLAMA_CMAKE_ARGS)' | cat - native/llama_cpp_*.cmake | md5sum | cut -c1-10)
+LLAMA_WHEEL := $(LLAMA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_$(shell uname -m).whl
+
+llama-wheel: $(LLAMA_WHEEL)
+
+$(LLAMA_WHEEL): native/llama_cpp_minimal.cmake native/llama_cpp_ggml.cmake
+	mkdir -p $(LLAMA_WHEEL_DIR)
+	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS) $(LLAMA_CMAKE_HOOK)' CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(PYTHON) -m pip wheel -q --disable-pip-version-check --no-deps --no-cache-dir \
+		--no-binary llama-cpp-python -w $(LLAMA_WHEEL_DIR) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	test -f $@
+
+# What `pip install kvstore[llama]` installs, from the wheel above (never the sdist).
+llama: $(VENV)/.llama-installed
+
+$(VENV)/.llama-installed: $(VENV)/.installed $(LLAMA_WHEEL)
+	$(PIP) install --find-links $(LLAMA_WHEEL_DIR) --only-binary llama-cpp-python \
+		'llama-cpp-python[server]==$(LLAMA_CPP_VERSION)'
+	# this wheel, even over an installed 0.3.36 built with other flags
+	$(PIP) install --force-reinstall --no-deps $(LLAMA_WHEEL)
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis kvstore-demo-store kvstore-demo-out .cache

@@ -145,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_chat)
     from engine.relational.cli import add_commands as add_sql_commands
     from engine.replay.cli import add_commands
+    from kvstore.integrations.llama_cpp.server import add_serve_command
 
     add_commands(sub)
     add_sql_commands(sub)
+    add_serve_command(sub)
     return p
 
 

@@ -1,0 +1,19 @@
+"""llama.cpp (through llama-cpp-python) on top of the store.
+
+``llm.set_cache(KVStoreLlamaCache(DIR))`` gives a ``llama_cpp.Llama`` a persistent prompt
+cache shared by every process that names ``DIR``; ``kvstore serve --model GGUF --store DIR``
+runs llama-cpp-python's OpenAI-compatible server with it. Parts: :mod:`.state` (llama.cpp's
+KV state, field by field), :mod:`.identity` (what computed a context's bytes, hence the store
+layout), :mod:`.context` (a live Llama: who asks, what it holds, restoring into it),
+:mod:`.cache` (:class:`KVStoreLlamaCache`), :mod:`.server` (``kvstore serve``).
+
+Importing this package does not import ``llama_cpp``; the cache imports it when a Llama
+first calls it.
+"""
+
+from kvstore.integrations.llama_cpp.cache import CacheCounters, KVStoreLlamaCache, RestoredPrefix
+from kvstore.integrations.llama_cpp.identity import Unsupported
+from kvstore.integrations.llama_cpp.state import StateError, StateFormat
+
+__all__ = ["CacheCounters", "KVStoreLlamaCache", "RestoredPrefix", "StateError", "StateFormat",
+           "Unsupported"]

@@ -1,0 +1,386 @@
+"""``KVStoreLlamaCache``: llama-cpp-python's prompt cache on top of the store.
+
+``llm.set_cache(KVStoreLlamaCache(DIR))`` is all a user does. llama-cpp-python then asks the
+cache before each completion (``cache[prompt]``) and hands it the context after (``cache[prompt
++ completion] = llm.save_state()``):
+
+* **Lookup** is the store's ``match``: the longest stored prefix of the prompt, in one tree
+  walk (no scan of stored keys), from any process that shares the directory. At most
+  ``len(prompt) - 2`` tokens are served, and only if that is more than the context holds
+  already: llama-cpp-python re-evaluates the last prompt token alone when a whole prompt is
+  served, and a one-token batch gives other logits than the batched run; with two or more
+  tokens left they are evaluated as one batch and the output stays the same as without a cache.
+* **Restore** reads the prefix's chunks straight into a llama.cpp sequence state and loads it
+  with ``llama_state_seq_set_data`` (:mod:`.context`): no 100 MB ``scores`` copy.
+* **Save** parses the whole-context state llama-cpp-python gives (:mod:`.state`, every field
+  checked) and puts it: only chunks the store does not hold yet are written (a shared system
+  prompt is stored once), durable before the completion returns.
+* **Identity** (:mod:`.identity`): a directory stores the KV of one GGUF file under one
+  llama.cpp build and context setup. A Llama whose KV differs (another GGUF, build, attention
+  mode or KV type) gets no KV from it and stores none in it (counted in :meth:`stats` as
+  ``unsupported``, with the reason logged); models the codec does not understand likewise.
+* **Failures** never reach the completion: a damaged store, a full disk, a state llama.cpp
+  refuses, KV evicted by another process between match and read: each is a miss or a skipped
+  save, counted by cause in :meth:`stats` and logged, and the prompt is computed as without
+  a cache. Wrong bytes are never served: every chunk is checksummed by the store, and the
+  layout fingerprint in every chunk address keeps other builds' KV apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import KVStoreError, LayoutMismatch
+from kvstore.hashing import as_tokens
+from kvstore.integrations.llama_cpp import context
+from kvstore.integrations.llama_cpp.identity import Identity, Unsupported, identify
+from kvstore.integrations.llama_cpp.state import StateError
+from kvstore.integrations.shared import Lease, acquire
+from kvstore.store import Store
+
+log = logging.getLogger("kvstore.integrations.llama_cpp")
+
+KEEP_UNSERVED = 2  # prompt tokens always evaluated, as one batch (see the module docstring)
+STORE_ERRORS = (KVStoreError, OSError)  # what a store call may raise that is not a bug
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """This cache object's counters (one process)."""
+
+    lookups: int = 0  # cache[prompt] calls
+    hits: int = 0  # lookups that restored a stored prefix
+    restored_tokens: int = 0
+    misses: int = 0  # lookups that restored nothing (failures also count under their cause)
+    saves: int = 0  # contexts put (their new chunks written)
+    saved_tokens: int = 0
+    already_stored: int = 0  # contexts handed over that the store served whole already
+    unsupported: int = 0  # calls for a Llama whose KV this cache does not store
+    not_from_llama: int = 0  # calls not made by a llama_cpp.Llama (nothing to bind to)
+    store_errors: int = 0  # match, get or put failed (damaged store, full disk, IO error)
+    raced_misses: int = 0  # the prefix was evicted (by any process) between match and get
+    state_errors: int = 0  # states the codec refused (see state.StateError)
+    refused_restores: int = 0  # states llama.cpp refused to load (prompt then recomputed)
+
+
+@dataclass(eq=False)
+class _Binding:
+    """What the cache knows about one Llama: its identity and store, or why it has none."""
+
+    identity: Identity | None = None
+    store: Store | None = None
+    refused: str | None = None
+
+
+class KVStoreLlamaCache:
+    """A drop-in for ``Llama.set_cache(...)`` whose prompt cache lives in a kvstore directory.
+
+    ``store`` is a directory (created on first use; opened through
+    :func:`kvstore.integrations.shared.acquire`, so other parts of this process share it) or
+    an open :class:`kvstore.Store` (its layout must be the Llama's, see :mod:`.identity`).
+    ``dram_bytes`` / ``disk_bytes`` size a directory's store as :func:`kvstore.open` does.
+    Several processes may use one directory at once; each sees the others' KV.
+
+    Thread-safety: every method may be called from any thread; llama-cpp-python calls the
+    cache from the thread running the completion, under its own lock for that Llama.
+    """
+
+    def __init__(self, store: str | os.PathLike[str] | Store, *, dram_bytes: int | None = None,
+                 disk_bytes: int | None = None) -> None:
+        if isinstance(store, Store):
+            if dram_bytes is not None or disk_bytes is not None:
+                raise ValueError("dram_bytes/disk_bytes size a store the cache opens; an open "
+                                 "Store was given as store")
+            self._path: str | None = None
+        elif isinstance(store, str | os.PathLike):
+            self._path = os.fspath(store)
+            if not self._path:
+                raise ValueError("store must be a store directory path or an open "
+                                 "kvstore.Store, got an empty path")
+        else:
+            raise TypeError(f"store must be a store directory path or an open kvstore.Store, "
+                            f"got {type(store).__name__}")
+        self._options = {k: v for k, v in (("dram_bytes", dram_bytes),
+                                           ("disk_bytes", disk_bytes)) if v is not None}
+        self._given = store if isinstance(store, Store) else None
+        self._lease: Lease | None = None
+        self._lock = threading.Lock()
+        self._bindings: dict[int, _Binding] = {}
+        self._counters = CacheCounters()
+        self._errors: dict[str, int] = {}
+        self._last_error: str | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ llama-cpp-python
+    def __getitem__(self, key: object) -> RestoredPrefix:
+        """Restore the longest stored prefix of the prompt ``key`` (at most ``len(key) - 2``
+        tokens) into the calling Llama's context, if longer than what it holds; KeyError
+        otherwise (llama-cpp-python's miss). Never raises anything else for a store or
+        state problem. Thread-safe."""
+        llm = context.calling_llama(sys._getframe(1))
+        self._count("lookups")
+        binding = self._binding(llm)
+        if binding is None:
+            raise KeyError("no stored KV for this Llama (see KVStoreLlamaCache.stats())")
+        assert llm is not None and binding.store is not None and binding.identity is not None
+        toks = as_tokens(key, "key").astype(np.int64)
+        limit = len(toks) - KEEP_UNSERVED
+        held = context.held_tokens(llm, toks)
+        n = 0
+        if limit > held:
+            try:
+                n = min(binding.store.match(toks), limit)
+            except STORE_ERRORS as e:
+                self._failed("store_errors", "match", e)
+        if n <= held:
+            self._count("misses")
+            raise KeyError(f"no stored prefix longer than the {held} tokens the context holds")
+        # the sequence state, headers written; state.keys / state.values are [L, H, n, D]
+        # views of its K rows and V rows (or V transposed), filled by the get in place
+        state = binding.identity.format.seq_buffer(n, seq_id=context.SEQ_ID)
+        try:
+            binding.store.get(toks[:n], out=(state.keys, state.values))
+        except KeyError as e:
+            self._failed("raced_misses", "get", e)
+            self._count("misses")
+            raise KeyError("the stored prefix went away before it was read") from None
+        except STORE_ERRORS as e:
+            self._failed("store_errors", "get", e)
+            self._count("misses")
+            raise KeyError("the stored prefix could not be read") from None
+        if not context.restore(llm, state, toks[:n]):
+            self._failed("refused_restores", "restore",
+                         StateError(f"llama.cpp refused a sequence state of {n} tokens"))
+            self._count("misses")
+            raise KeyError("llama.cpp refused the stored state")
+        with self._lock:
+            self._counters.hits += 1
+            self._counters.restored_tokens += n
+        return RestoredPrefix(input_ids=toks[:n].astype(np.intc), n_tokens=n)
+
+    def __setitem__(self, key: object, value: Any) -> None:
+        """Store the context of a finished completion: ``key`` is prompt + completion,
+        ``value`` the calling Llama's ``save_state()``. Only the tokens its context holds
+        (``value.n_tokens``) are stored, and only chunks the store lacks are written; durable
+        when this returns. Never raises for a store or state problem (counted, logged).
+        Thread-safe."""
+        llm = context.calling_llama(sys._getframe(1))
+        binding = self._binding(llm)
+        if binding is None:
+            return
+        assert binding.store is not None and binding.identity is not None
+        n = int(value.n_tokens)
+        toks = as_tokens(key, "key").astype(np.int64)
+        ids = np.asarray(value.input_ids[:n], dtype=np.int64)
+        if n == 0 or n > len(toks) or not np.array_equal(ids, toks[:n]):
+            self._failed("state_errors", "save", StateError(
+                f"the state holds {n} tokens that are not the first tokens of the key"))
+            return
+        store = binding.store
+        try:
+            if store.match(ids) >= n:
+                self._count("already_stored")
+                return
+        except STORE_ERRORS as e:
+            self._failed("store_errors", "match", e)
+            return
+        try:
+            kv = binding.identity.format.parse_context(value.llama_state)  # [L, H, n, D]
+            if kv.num_tokens != n:
+                raise StateError(f"the state holds {kv.num_tokens} cells for {n} tokens")
+        except StateError as e:
+            self._failed("state_errors", "save", e)
+            return
+        try:
+            stored = store.put(ids, kv.keys, kv.values)
+        except STORE_ERRORS as e:
+            self._failed("store_errors", "put", e)
+            return
+        if stored:
+            with self._lock:
+                self._counters.saves += 1
+                self._counters.saved_tokens += n
+
+    def __contains__(self, key: object) -> bool:
+        """Whether a lookup of ``key`` by the calling Llama would restore something (no IO
+        but the store's match). Thread-safe."""
+        llm = context.calling_llama(sys._getframe(1))
+        binding = self._binding(llm, count=False)
+        if binding is None or binding.store is None:
+            return False
+        toks = as_tokens(key, "key").astype(np.int64)
+        limit = len(toks) - KEEP_UNSERVED
+        held = context.held_tokens(llm, toks)
+        try:
+            return min(binding.store.match(toks), limit) > held
+        except STORE_ERRORS as e:
+            self._failed("store_errors", "match", e)
+            return False
+
+    @property
+    def cache_size(self) -> int:
+        """Bytes of KV the store holds on disk (0 before the store is open). Thread-safe."""
+        store = self._open_store()
+        return 0 if store is None else int(store.stats()["disk"]["bytes"])
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The store's disk budget (0 before the store is open). Thread-safe."""
+        store = self._open_store()
+        return 0 if store is None else int(store.config.disk_bytes)
+
+    # ------------------------------------------------------------------ the rest
+    def stats(self) -> dict[str, object]:
+        """This cache's counters (see :class:`CacheCounters`), store errors by class, the
+        last error, and the reasons Llamas were refused. Thread-safe."""
+        with self._lock:
+            out: dict[str, object] = asdict(self._counters)
+            out["errors"] = dict(self._errors)
+            out["last_error"] = self._last_error
+            out["refused"] = sorted({b.refused for b in self._bindings.values() if b.refused})
+        return out
+
+    @property
+    def store(self) -> Store | None:
+        """The store in use (None until a Llama first used a directory). Thread-safe."""
+        return self._open_store()
+
+    def close(self) -> None:
+        """Let go of the store opened for a directory (an open Store given stays open).
+        Idempotent; thread-safe. A closed cache misses and stores nothing."""
+        with self._lock:
+            self._closed = True
+            lease, self._lease = self._lease, None
+            self._bindings.clear()
+        if lease is not None:
+            lease.close()
+
+    def __enter__(self) -> KVStoreLlamaCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = self._path if self._path is not None else repr(self._given)
+        return f"KVStoreLlamaCache({where!r})"
+
+    # ------------------------------------------------------------------ internals
+    def _open_store(self) -> Store | None:
+        with self._lock:
+            if self._given is not None:
+                return self._given
+            return None if self._lease is None else self._lease.store
+
+    def _binding(self, llm: Any | None, *, count: bool = True) -> _Binding | None:
+        """The calling Llama's binding if its KV is served (None otherwise, counted)."""
+        if llm is None:
+            if count:
+                self._count("not_from_llama")
+            return None
+        with self._lock:
+            if self._closed:
+                return None
+            b = self._bindings.get(id(llm))
+        if b is None:
+            b = self._bind(llm)
+        if b.refused is not None:
+            if count:
+                self._count("unsupported")
+            return None
+        return b
+
+    def _bind(self, llm: Any) -> _Binding:
+        b = _Binding()
+        try:
+            b.identity = identify(llm)
+        except Unsupported as e:
+            b.refused = str(e)
+        except OSError as e:  # the GGUF file cannot be read to hash it
+            b.refused = f"cannot hash the model file: {e}"
+        if b.refused is None:
+            assert b.identity is not None
+            b.store, b.refused = self._store_for(b.identity)
+        if b.refused is not None:
+            log.warning("KVStoreLlamaCache(%s): not caching for %s: %s", self._where(),
+                        getattr(llm, "model_path", "this Llama"), b.refused)
+        with self._lock:
+            if self._closed:
+                b = _Binding(refused="the cache is closed")
+            else:
+                self._bindings[id(llm)] = b
+                weakref.finalize(llm, self._forget, id(llm))
+        return b
+
+    def _store_for(self, ident: Identity) -> tuple[Store | None, str | None]:
+        """The store for a Llama of identity ``ident``, or the reason there is none."""
+        mismatch = ("the store holds KV of another model, llama.cpp build or context setup "
+                    "(use another directory for this one)")
+        if self._given is not None:
+            if self._given.layout != ident.layout:
+                return None, mismatch
+            return self._given, None
+        with self._lock:
+            lease = self._lease
+        if lease is None:
+            assert self._path is not None
+            try:
+                lease = acquire(self._path, layout=ident.layout, **self._options)
+            except LayoutMismatch:
+                return None, mismatch
+            except STORE_ERRORS as e:
+                return None, f"cannot open the store: {type(e).__name__}: {e}"
+            except ValueError as e:  # open in this process by another user with other options
+                return None, str(e)
+            with self._lock:
+                if self._lease is None and not self._closed:
+                    self._lease, lease = lease, None
+            if lease is not None:  # another thread won the race, or the cache closed
+                lease.close()
+            with self._lock:
+                lease = self._lease
+            if lease is None:
+                return None, "the cache is closed"
+        if lease.store.layout != ident.layout:
+            return None, mismatch
+        return lease.store, None
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._bindings.pop(key, None)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self._counters, name, getattr(self._counters, name) + 1)
+
+    def _failed(self, counter: str, what: str, e: BaseException) -> None:
+        """Count and log a failure the completion goes on without."""
+        msg = f"{what}: {type(e).__name__}: {e}"
+        with self._lock:
+            setattr(self._counters, counter, getattr(self._counters, counter) + 1)
+            self._errors[type(e).__name__] = self._errors.get(type(e).__name__, 0) + 1
+            self._last_error = msg
+        log.warning("KVStoreLlamaCache(%s): %s; the prompt is computed without it",
+                    self._where(), msg)
+
+    def _where(self) -> str:
+        return self._path if self._path is not None else str(getattr(self._given, "path", ""))
+
+
+@dataclass(frozen=True)
+class RestoredPrefix:
+    """What a lookup restored into the asking Llama: its tokens (``input_ids``, as a
+    ``LlamaState`` has them) and their count. The KV is in the Llama's context already, so
+    llama-cpp-python, finding the prefix no longer than what the context holds, loads no
+    state of its own on top."""
+
+    input_ids: np.ndarray
+    n_tokens: int

@@ -1,0 +1,126 @@
+"""``kvstore serve --model GGUF --store DIR``: llama-cpp-python's OpenAI-compatible server with
+:class:`~kvstore.integrations.llama_cpp.KVStoreLlamaCache` as its prompt cache.
+
+Any OpenAI client points at ``http://HOST:PORT/v1``. Every completion's KV goes to the store
+before its response is sent, so a conversation continues from stored KV after the server
+restarts (or dies), and servers sharing ``DIR`` share their prompts' KV. ``GET
+/kvstore/stats`` returns the cache's counters as JSON. The model runs with
+``logits_all=False`` (llama-cpp-python's default for a ``Llama``; its server's default,
+``True``, copies n_tokens x vocabulary floats into every saved state and has no use here
+but prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Any
+
+
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
+    """Register ``serve`` on the ``kvstore`` command's subparsers."""
+    s = sub.add_parser("serve", help="llama-cpp-python's OpenAI-compatible server, with its "
+                                     "prompt cache in a store directory")
+    s.add_argument("--model", required=True, help="GGUF model file")
+    s.add_argument("--store", required=True, help="store directory (created if missing)")
+    s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="listen port (default 8000; 0 picks a free one, printed at start)")
+    s.add_argument("--n-ctx", type=int, default=4096, help="context window in tokens")
+    s.add_argument("--n-threads", type=int, default=None,
+                   help="threads (default: llama-cpp-python's)")
+    s.add_argument("--flash-attn", action="store_true", help="use flash attention")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    s.add_argument("--disk-bytes", type=int, default=None,
+                   help="the store's disk budget when it is created (default 16 GiB)")
+    s.set_defaults(func=run_serve)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first bad option."""
+    if not os.path.isfile(args.model):
+        raise ValueError(f"--model: no such GGUF file: {args.model!r}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.n_ctx <= 0:
+        raise ValueError(f"--n-ctx must be positive, got {args.n_ctx}")
+    if args.n_threads is not None and args.n_threads <= 0:
+        raise ValueError(f"--n-threads must be positive, got {args.n_threads}")
+    if args.disk_bytes is not None and args.disk_bytes <= 0:
+        raise ValueError(f"--disk-bytes must be positive, got {args.disk_bytes}")
+
+
+def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The server's ASGI app with the model loaded and the cache set; returns (app, cache).
+    llama-cpp-python's app keeps its model in a module global: one app per process."""
+    from fastapi.responses import JSONResponse
+    from llama_cpp.server import app as server_app
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+    from kvstore.integrations.llama_cpp.cache import KVStoreLlamaCache
+
+    model = {"model": args.model, "n_ctx": args.n_ctx, "flash_attn": args.flash_attn,
+             "seed": args.seed, "logits_all": False, "cache": False, "verbose": False}
+    if args.n_threads is not None:
+        model["n_threads"] = model["n_threads_batch"] = args.n_threads
+    app = server_app.create_app(
+        server_settings=ServerSettings(host=args.host, port=args.port),
+        model_settings=[ModelSettings(**model)])
+    cache = KVStoreLlamaCache(args.store, disk_bytes=args.disk_bytes)
+    # create_app loaded the one model into its proxy; calling the proxy returns it
+    llm = server_app._llama_proxy()
+    llm.set_cache(cache)
+
+    @app.get("/kvstore/stats")
+    def kvstore_stats() -> JSONResponse:
+        return JSONResponse(cache.stats())
+
+    return app, cache
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket (``port`` 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, open the cache, listen, and serve until SIGINT/SIGTERM; prints
+    ``kvstore serve: listening on http://HOST:PORT`` once connections are accepted. Runs in
+    the main thread (uvicorn installs its signal handlers there); the cache is closed when
+    the server stops."""
+    import uvicorn
+
+    check_args(args)
+    app, cache = build_app(args)
+    try:
+        sock = listening_socket(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"kvstore serve: listening on http://{shown}:{port}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[sock])
+    finally:
+        cache.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore")
+    add_serve_command(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
