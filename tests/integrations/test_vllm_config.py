@@ -20,6 +20,10 @@ def test_extra_config_is_checked_by_name(tmp_path):
     assert cfg.dram_bytes == 1 << 20 and cfg.codecs["remote"] == "zstd"
     opts = cfg.open_options(block_size=128)
     assert opts["chunk_tokens"] == 128  # a new store gets vLLM's block size
+    slow = ConnectorConfig.from_extra_config({"store_dir": str(tmp_path), "remote_deadline_s": 9,
+                                              "remote": "redis://127.0.0.1:1/0"})
+    remote = slow.open_options(block_size=128)["remote"]
+    assert remote.deadline_s == 9.0 and remote.urls == ("redis://127.0.0.1:1/0",)
     for extra, word in [({}, "store_dir"), ({"store_dir": ""}, "store_dir"),
                         ({"store_dir": "x", "dram_byte": 1}, "dram_byte"),
                         ({"store_dir": "x", "disk_bytes": -1}, "disk_bytes"),
@@ -27,7 +31,10 @@ def test_extra_config_is_checked_by_name(tmp_path):
                         ({"store_dir": "x", "remote": "http://nope"}, "redis"),
                         ({"store_dir": "x", "buffer_layers": -2}, "buffer_layers"),
                         ({"store_dir": "x", "save": "yes"}, "save"),
-                        ({"store_dir": "x", "namespace": 3}, "namespace")]:
+                        ({"store_dir": "x", "namespace": 3}, "namespace"),
+                        ({"store_dir": "x", "remote_deadline_s": 1}, "remote_deadline_s"),
+                        ({"store_dir": "x", "remote": "redis://h:1", "remote_deadline_s": 0},
+                         "remote_deadline_s")]:
         with pytest.raises((ValueError, TypeError), match=word):
             ConnectorConfig.from_extra_config(extra)
     with pytest.raises(TypeError, match="mapping"):

@@ -31,6 +31,9 @@ class ConnectorConfig:
       block size; an existing store keeps its own).
     * ``remote``: a Redis URL (or a list of Redis Cluster node URLs): the tier shared by
       machines.
+    * ``remote_deadline_s``: the remote tier's deadline per call (``RemoteConfig.deadline_s``;
+      default 2 s): a layer-wise load of a long prompt from Redis must arrive within it, or
+      what has not arrived is recomputed.
     * ``namespace``: KV is served only within its namespace (a request's ``cache_salt`` is
       mixed in too).
     * ``model_id``: the model's identity in the fingerprint (default: a digest of the model
@@ -48,6 +51,7 @@ class ConnectorConfig:
     codecs: Mapping[str, str] | None = None
     chunk_tokens: int | None = None
     remote: str | tuple[str, ...] | None = None
+    remote_deadline_s: float | None = None
     namespace: str | None = None
     model_id: str | None = None
     buffer_layers: int | None = None
@@ -87,6 +91,16 @@ class ConnectorConfig:
                 remote = tuple(remote)
             RemoteConfig.of(remote)  # checks the URL(s) without connecting
             kw["remote"] = remote
+        if (deadline := extra.get("remote_deadline_s")) is not None:
+            if kw.get("remote") is None:
+                raise ValueError("kv_connector_extra_config['remote_deadline_s'] needs "
+                                 "'remote'")
+            try:
+                RemoteConfig(urls=kw["remote"], deadline_s=deadline)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"kv_connector_extra_config['remote_deadline_s']: {e}") \
+                    from None
+            kw["remote_deadline_s"] = float(deadline)
         for name in ("namespace", "model_id"):
             v = extra.get(name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -107,7 +121,9 @@ class ConnectorConfig:
             opts["policy"] = self.policy
         if self.codecs is not None:
             opts["codecs"] = self.codecs
-        if self.remote is not None:
+        if self.remote is not None and self.remote_deadline_s is not None:
+            opts["remote"] = RemoteConfig(urls=self.remote, deadline_s=self.remote_deadline_s)
+        elif self.remote is not None:
             opts["remote"] = list(self.remote) if isinstance(self.remote, tuple) \
                 else self.remote
         if not os.path.isdir(os.path.join(self.store_dir, "catalog")):
