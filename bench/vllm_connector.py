@@ -16,8 +16,8 @@ measured request.
   ratios are between medians of the same run.
 * ``decode``: decode throughput of ``--new-tokens`` greedy tokens with the connector saving every
   new block, against the same engine without a connector (alternating processes).
-* ``disk``: bytes on disk after ``--conversations`` prompts sharing a system prompt, this
-  connector against ``ExampleConnector``.
+* ``disk``: bytes on disk after ``--conversations`` prompts sharing a 1,024-token system
+  prompt, each with its own ``--turn-tokens`` turn, this connector against ``ExampleConnector``.
 
     python bench/vllm_connector.py ttft --tokens 2048 --reps 3 --out ttft.json
     python bench/vllm_connector.py decode --new-tokens 1024 --reps 3 --out decode.json
@@ -83,7 +83,9 @@ def engine_main(job_path: str) -> None:
         print("RESULT " + json.dumps({"label": step["label"], "seconds": dt,
                                       "cached": out.num_cached_tokens,
                                       "new_tokens": len(out.outputs[0].token_ids),
-                                      "first": out.outputs[0].token_ids[:1]}), flush=True)
+                                      "first": out.outputs[0].token_ids[:1],
+                                      "kvstore": (out.kv_transfer_params or {}).get("kvstore")}),
+              flush=True)
 
 
 def run_engine(job: dict, workdir: Path) -> list[dict]:
@@ -155,12 +157,14 @@ def bench_ttft(args, model: str, work: Path) -> dict:
     step = {"ids": ids, "max_tokens": 1}
     samples: dict[str, list[float]] = {}
     cached: dict[str, list[int]] = {}
+    loads: dict[str, list[object]] = {}
     firsts: set[int] = set()
 
     def record(results: list[dict]) -> None:
         for r in results:
             samples.setdefault(r["label"], []).append(r["seconds"])
             cached.setdefault(r["label"], []).append(r["cached"])
+            loads.setdefault(r["label"], []).append(r["kvstore"])
             firsts.add(tuple(r["first"])[0])
 
     srv = Server(work / "redis")
@@ -199,7 +203,7 @@ def bench_ttft(args, model: str, work: Path) -> dict:
     re = summary["recompute"]["p50_s"]
     ratios = {k: v["p50_s"] / re for k, v in summary.items()}
     return {"tokens": args.tokens, "reps": args.reps, "summary": summary,
-            "ratio_to_recompute": ratios, "cached_tokens": cached,
+            "ratio_to_recompute": ratios, "cached_tokens": cached, "kvstore_loads": loads,
             "same_first_token_everywhere": len(firsts) == 1}
 
 
@@ -231,14 +235,17 @@ def bench_decode(args, model: str, work: Path) -> dict:
 def bench_disk(args, model: str, work: Path) -> dict:
     tok = tokenizer(model)
     text = tok.decode(tok.encode((ROOT / "docs" / "store.md").read_text()).ids[:1024])
-    questions = [f"Question {i}: explain the part about {w} in two sentences."
-                 for i, w in enumerate("chunks extents segments catalog slots tiers codecs "
-                                       "eviction prefetch loads saves sharing processes "
-                                       "locks recovery verify namespaces indexes remote "
-                                       "breaker".split()[: args.conversations])]
-    steps = [{"ids": chat(tok, text, q), "max_tokens": 1, "label": f"c{i}"}
-             for i, q in enumerate(questions)]
-    base = {"model": model, "max_model_len": 2048, "steps": steps}
+    # Each conversation's own turn: a distinct --turn-tokens passage of the other docs and a
+    # question, so every prompt has whole blocks of its own after the shared system prompt.
+    other = tok.encode("\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))
+                                 if p.name != "store.md")).ids
+    n = args.turn_tokens
+    assert len(other) >= n * args.conversations, "not enough text for distinct turns"
+    steps = [{"ids": chat(tok, text, tok.decode(other[i * n:(i + 1) * n])
+                          + f"\nQuestion {i}: what does this say, in two sentences?"),
+              "max_tokens": 1, "label": f"c{i}"} for i in range(args.conversations)]
+    base = {"model": model, "max_model_len": 2048, "steps": steps,
+            "kv_cache_bytes": 256 << 20}
     run_engine({**base, "transfer": {"kind": "example", "path": str(work / "example")}}, work)
     run_engine({**base, "transfer": {"kind": "kvstore", "extra": {
         "store_dir": str(work / "store"), **STORE_SIZES}}}, work)
@@ -248,7 +255,8 @@ def bench_disk(args, model: str, work: Path) -> dict:
         st = s.stats()
         chunks = len(s.chunk_records())
     ex, ours = disk_usage(work / "example"), disk_usage(work / "store" / "segments")
-    return {"conversations": len(steps), "prompt_tokens": [len(s["ids"]) for s in steps],
+    return {"conversations": len(steps), "turn_tokens": args.turn_tokens,
+            "prompt_tokens": [len(s["ids"]) for s in steps],
             "example": ex, "kvstore_segments": ours,
             "kvstore_store_dir": disk_usage(work / "store"), "kvstore_chunks": chunks,
             "kvstore_disk_stats": st.get("disk"),
@@ -264,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--conversations", type=int, default=20)
+    p.add_argument("--turn-tokens", type=int, default=320,
+                   help="disk: each conversation's own turn after the shared system prompt")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--model", default=None, help="HF model dir (default: the exported SmolLM2)")
     p.add_argument("--out", default=None)
