@@ -14,6 +14,7 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.request import Request
 
 import kvstore
+from kvstore.integrations.vllm.plan import WorkerReport
 from kvstore.integrations.vllm.scheduler import SchedulerSide, request_namespace, skip_reason
 from tests.kvstore.kvgen import SMALL, causal_kv
 
@@ -94,6 +95,31 @@ def test_a_step_plans_the_allocated_load_and_the_saves_of_grown_requests(store):
     delay, params = s.finished(req, blocks["a"])
     assert not delay and params == {"kvstore": {"loaded_tokens": 0, "loaded_from": {},
                                                 "load_failed": False}}
+
+
+def test_a_request_that_ends_in_its_loading_step_still_reports_its_load(store):
+    """vLLM asks request_finished before it hands the scheduler that step's worker report
+    (and sends the params after both): a one-token request's load is still in its params."""
+    ids = list(range(100, 111))
+    store.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
+    s = side(store, {"a": [7, 3, 9], "b": [1, 2, 5]})
+    req, other = request("a", ids), request("b", list(range(300, 311)))
+    for r, hit in ((req, 8), (other, 0)):
+        assert s.matched(r, 0) == hit
+        s.allocated(r, hit)
+    req.num_computed_tokens = 8
+    other.num_computed_tokens = 0
+    (load,) = s.plan({"a": 3, "b": 11}, {}).loads
+    req.num_computed_tokens = other.num_computed_tokens = 11
+    _, params = s.finished(req, [7, 3, 9])
+    _, failed = s.finished(other, [1, 2, 5])
+    s.reported(WorkerReport(loaded={"a": {"dram": 0, "disk": 8, "remote": 0}}, failed={"b"}))
+    assert params["kvstore"] == {"loaded_tokens": 8, "load_failed": False,
+                                 "loaded_from": {"dram": 0, "disk": 8, "remote": 0}}
+    assert failed["kvstore"]["load_failed"] and failed["kvstore"]["loaded_tokens"] == 0
+    s.plan({}, {})  # the next step: the ended requests' params have left
+    s.reported(WorkerReport(loaded={"a": {"dram": 8, "disk": 0, "remote": 0}}))
+    assert params["kvstore"]["loaded_tokens"] == 8
 
 
 def test_blocks_computed_before_their_ids_arrived_get_a_final_save(store):

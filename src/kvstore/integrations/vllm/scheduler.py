@@ -66,6 +66,10 @@ class SchedulerSide:
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (start, tokens) last answered
         self._loads: list[tuple[str, int, int]] = []  # allocated, not planned yet
         self._final: list[SaveSpec] = []
+        # req_id -> the kv_transfer_params["kvstore"] given to vLLM for a request that ended in
+        # this step: vLLM asks request_finished before it hands over the step's worker report,
+        # and serializes the params only after both, so the report still completes them.
+        self._ended: dict[str, dict] = {}
 
     # ---- lookups --------------------------------------------------------------------------
     def matched(self, request, num_computed: int) -> int:
@@ -109,6 +113,7 @@ class SchedulerSide:
         B = self.block_size
         plan = StepPlan(saves=self._final)
         self._final = []
+        self._ended.clear()  # the previous step's outputs have left
         for rid, start, n in self._loads:
             tracked = self._tracked[rid]
             blocks = self._block_ids_of(rid)
@@ -147,10 +152,15 @@ class SchedulerSide:
             if (tracked := self._tracked.get(rid)) is not None:
                 tracked.loaded = {k: (tracked.loaded or {}).get(k, 0) + v
                                   for k, v in tiers.items()}
+            elif (ended := self._ended.get(rid)) is not None:  # it ended in this step
+                merged = {k: ended["loaded_from"].get(k, 0) + v for k, v in tiers.items()}
+                ended.update(loaded_from=merged, loaded_tokens=sum(merged.values()))
         for rid in report.failed:
             if (tracked := self._tracked.get(rid)) is not None:
                 tracked.load_failed = True
-                log.warning("kvstore: the load of request %s failed; vLLM recomputes it", rid)
+            elif (ended := self._ended.get(rid)) is not None:
+                ended["load_failed"] = True
+            log.warning("kvstore: the load of request %s failed; vLLM recomputes it", rid)
 
     def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """The request ended. If blocks computed in its last steps were not planned for saving
@@ -163,8 +173,9 @@ class SchedulerSide:
         if tracked is None:
             return False, None
         tiers = tracked.loaded or {}
-        params = {"kvstore": {"loaded_tokens": sum(tiers.values()), "loaded_from": tiers,
+        params = {"kvstore": {"loaded_tokens": sum(tiers.values()), "loaded_from": dict(tiers),
                               "load_failed": tracked.load_failed}}
+        self._ended[rid] = params["kvstore"]
         B = self.block_size
         upto = min(request.num_computed_tokens, len(request.all_token_ids)) // B * B
         if self.save and self.store is not None and upto > tracked.saved:
