@@ -241,16 +241,21 @@ class Mirror:
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """The cyclic garbage collector off while a full load makes millions of objects (records,
-    keys, tuples) that form no cycles: it would otherwise scan them all again and again as
-    they pile up. Back to its previous state after. (It is one switch for the process: a
-    thread that allocates meanwhile only has its collection later.)"""
+    keys, tuples) that form no cycles: left on, it would scan them again and again as they
+    pile up. On the way out of the outermost pause the young generations are collected once,
+    so that what the load made reaches the oldest generation in one pass, here, and not in
+    the first operations after it; then the collector is back on. (It is one switch for the
+    process: a thread that allocates meanwhile only has its collection later.)"""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was:
-            gc.enable()
+            try:
+                gc.collect(1)
+            finally:
+                gc.enable()
 
 
 @contextmanager

@@ -278,28 +278,29 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     owner = None
     repaired = None
     try:
-        files = IndexFiles(root, readonly=readonly)
-        if not readonly:
-            procs = root.sub(PROCS, create=True)
-            try:
-                if lock.alone:
-                    with gc_paused():
+        with gc_paused():  # one pass of the collector over what the repair and load made
+            files = IndexFiles(root, readonly=readonly)
+            if not readonly:
+                procs = root.sub(PROCS, create=True)
+                try:
+                    if lock.alone:
                         repaired = _repair_alone(root, procs, catalog, segments, files, geo,
                                                  layout, config, counters)
-                owner = Owner(root, procs)
-            except BaseException:
-                procs.close()
-                raise
-        core = Core(path=path, root=root, layout=layout, config=config, readonly=readonly, geo=geo,
-                    catalog=catalog, segments=segments, tree=tree, slots=slots, dram=dram,
-                    mirror=mirror, counters=counters, helpers=Helpers(2, "kvstore-io"),
-                    buffers=OutputPool(BUFFER_POOL_BYTES), owner=owner)
-        if not readonly and not lock.alone:
-            _repair_joining(core)
-        store = Store(core, lock=lock, policy=policy, files=files)
-        with core.mutex:
-            with catalog.read() as txn:  # an opener alone loads what its repair kept
-                mirror.reload(txn, repaired)
+                    owner = Owner(root, procs)
+                except BaseException:
+                    procs.close()
+                    raise
+            core = Core(path=path, root=root, layout=layout, config=config, readonly=readonly,
+                        geo=geo, catalog=catalog, segments=segments, tree=tree, slots=slots,
+                        dram=dram, mirror=mirror, counters=counters,
+                        helpers=Helpers(2, "kvstore-io"),
+                        buffers=OutputPool(BUFFER_POOL_BYTES), owner=owner)
+            if not readonly and not lock.alone:
+                _repair_joining(core)
+            store = Store(core, lock=lock, policy=policy, files=files)
+            with core.mutex:
+                with catalog.read() as txn:  # an opener alone loads what its repair kept
+                    mirror.reload(txn, repaired)
     except BaseException:
         segments.close()
         if files is not None:

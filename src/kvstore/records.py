@@ -179,6 +179,20 @@ class ChunkRecord:
 
 _KEYS: dict[int, struct.Struct] = {}
 _KEY_OF = attrgetter("key")
+# Token counts of contexts repeat (a million contexts have far fewer distinct lengths): one
+# int object per count (for the first 65,536 counts seen), shared by every record of that
+# length.
+_COUNTS: dict[int, int] = {}
+_COUNTS_MAX = 1 << 16
+
+
+def _shared_count(n: int) -> int:
+    got = _COUNTS.get(n)
+    if got is not None:
+        return got
+    if len(_COUNTS) < _COUNTS_MAX:
+        _COUNTS[n] = n
+    return n
 
 
 def _keys(n: int) -> struct.Struct:
@@ -227,7 +241,7 @@ class ContextRecord:
                               for c, r in zip(keys, map(chunks.get, keys), strict=True)])
             if keys[-1] == key:
                 key = keys[-1]
-        return cls(key, n, created, last, keys)
+        return cls(key, _shared_count(n), created, last, keys)
 
 
 @dataclass(frozen=True, slots=True)
