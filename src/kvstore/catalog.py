@@ -128,6 +128,36 @@ class ReadTxn:
             if rec is not None:
                 yield rec
 
+    def chunk_map(self) -> dict[bytes, ChunkRecord]:
+        """Every readable chunk record by key (what :meth:`chunks` yields, decoded in one
+        loop: a full load reads a million of them)."""
+        out = {}
+        decode = ChunkRecord.decode
+        for k, v in self._txn.cursor(db=self._dbs["chunks"]):
+            k = bytes(k)
+            try:
+                out[k] = decode(k, bytes(v))
+            except FormatError as e:
+                self.malformed.append(("chunks", k, str(e)))
+        return out
+
+    def context_map(self, chunks: dict[bytes, ChunkRecord] | None = None
+                    ) -> dict[bytes, ContextRecord]:
+        """Every readable context record by key. With ``chunks`` (:meth:`chunk_map`'s
+        dict), the keys a context holds, and its own, are the chunk records' key objects
+        where those exist: one copy of each key in memory, however many records name it."""
+        out = {}
+        decode = ContextRecord.decode
+        for k, v in self._txn.cursor(db=self._dbs["contexts"]):
+            k = bytes(k)
+            try:
+                rec = decode(k, bytes(v), chunks)
+            except FormatError as e:
+                self.malformed.append(("contexts", k, str(e)))
+                continue
+            out[rec.key] = rec
+        return out
+
     def indexes(self) -> Iterator[tuple[bytes, IndexEntry]]:
         for k, v in self._items("indexes"):
             entry = self._decode("indexes", IndexEntry.decode, k, v)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import struct
 
+import numpy as np
+
 from kvstore.errors import CorruptData
 
 MAGIC = 0xBEEFC0DE
@@ -118,10 +120,31 @@ class _Walk:
         self.node(root, depth, named=named, dupsort=bool(flags & 0x04))
 
     def node(self, pgno: int, depth: int, *, named: bool, dupsort: bool) -> None:
+        self.visit(pgno)
+        self.check_page(pgno, self.page(pgno), depth, named=named, dupsort=dupsort)
+
+    def visit(self, pgno: int) -> None:
         if pgno in self.seen:
             raise self.bad(f"page {pgno} is reachable twice")
         self.seen.add(pgno)
-        p = self.page(pgno)
+
+    def leaves(self, pgnos: list[int], *, named: bool, dupsort: bool) -> None:
+        """Check the leaf pages ``pgnos`` (the children of one branch page) as
+        :meth:`node` would, most of them at once: a page whose every node is a plain one
+        (key and data inside the page) is accepted by a vectorized check; any other page,
+        whatever looks wrong or special in it, goes through :meth:`check_page` (which
+        accepts it or raises, exactly as for a page checked alone)."""
+        pages = []
+        for pgno in pgnos:
+            self.visit(pgno)
+            pages.append(self.page(pgno))
+        slow = set(range(len(pages))) if named or not pages else _unplain(
+            pages, self.psize, dupsort)
+        for i in sorted(slow):
+            self.check_page(pgnos[i], pages[i], 1, named=named, dupsort=dupsort)
+
+    def check_page(self, pgno: int, p: bytes, depth: int, *, named: bool,
+                   dupsort: bool) -> None:
         flags, lower, upper = struct.unpack_from("<HHH", p, 10)
         if flags & P_LEAF2:
             raise self.bad(f"page {pgno}: fixed-size leaf pages are not used by the store")
@@ -136,6 +159,7 @@ class _Walk:
         if n == 0:
             raise self.bad(f"page {pgno} is empty")
         ptrs = struct.unpack_from(f"<{n}H", p, PAGEHDR)
+        children: list[int] = []  # of a branch page above leaves: checked together
         for i, off in enumerate(ptrs):
             if not upper <= off <= self.psize - NODEHDR:
                 raise self.bad(f"page {pgno}, node {i}: offset {off} outside the page")
@@ -146,7 +170,10 @@ class _Walk:
                 raise self.bad(f"page {pgno}, node {i}: key runs past the page")
             if want == P_BRANCH:
                 child = dsize | (nflags << 32)  # a branch node's child page number
-                self.node(child, depth - 1, named=named, dupsort=dupsort)
+                if depth == 2:
+                    children.append(child)
+                else:
+                    self.node(child, depth - 1, named=named, dupsort=dupsort)
                 continue
             if nflags & F_DUPDATA and not dupsort:
                 raise self.bad(f"page {pgno}, node {i}: duplicate data in a plain database")
@@ -160,6 +187,8 @@ class _Walk:
                 if not named or nflags & F_BIGDATA or dsize != DB_SIZE:
                     raise self.bad(f"page {pgno}, node {i}: an invalid named-database record")
                 self.tree(_DB.unpack_from(p, kend), named=False)
+        if children:
+            self.leaves(children, named=named, dupsort=dupsort)
 
     def overflow(self, pgno: int, dsize: int) -> None:
         if pgno in self.seen:
@@ -171,3 +200,34 @@ class _Walk:
                 or PAGEHDR + dsize > pages * self.psize:
             raise self.bad(f"overflow page {pgno} is invalid ({pages} pages for {dsize} bytes)")
         self.seen.update(range(pgno, pgno + pages))
+
+
+_HDR = np.arange(NODEHDR)
+
+
+def _unplain(pages: list[bytes], psize: int, dupsort: bool) -> set[int]:
+    """Indexes of the leaf pages among ``pages`` that a vectorized check cannot accept: all
+    but those flagged as plain leaf pages with valid bounds whose every node offset lies
+    inside the page and whose every node is a plain key and value inside the page (no
+    overflow data, no named database, no duplicates unless ``dupsort``)."""
+    buf = np.frombuffer(b"".join(pages), np.uint8).reshape(len(pages), psize)
+    hdr = np.ascontiguousarray(buf[:, 10:16]).view("<u2").astype(np.int64)
+    flags, lower, upper = hdr[:, 0], hdr[:, 1], hdr[:, 2]
+    ok = ((flags & (P_BRANCH | P_LEAF | P_OVERFLOW | P_META | P_LEAF2)) == P_LEAF) \
+        & (PAGEHDR < lower) & (lower <= upper) & (upper <= psize) & ((lower - PAGEHDR) % 2 == 0)
+    n = np.where(ok, (lower - PAGEHDR) // 2, 0)
+    width = int(n.max()) if len(n) else 0
+    if width:
+        ptrs = np.ascontiguousarray(buf[:, PAGEHDR : PAGEHDR + 2 * width]).view("<u2")
+        rows, cols = np.nonzero(np.arange(width) < n[:, None])
+        off = ptrs[rows, cols].astype(np.int64)
+        inside = (upper[rows] <= off) & (off <= psize - NODEHDR)
+        at = rows * psize + np.where(inside, off, 0)
+        node = buf.reshape(-1)[at[:, None] + _HDR].view("<u2").astype(np.int64)
+        nflags, ksize = node[:, 2], node[:, 3]
+        dsize = node[:, 0] | (node[:, 1] << 16)
+        kend = off + NODEHDR + ksize
+        special = F_BIGDATA | F_SUBDATA | (0 if dupsort else F_DUPDATA)
+        plain = inside & (kend <= psize) & (kend + dsize <= psize) & ((nflags & special) == 0)
+        ok[rows[~plain]] = False
+    return {int(i) for i in np.flatnonzero(~ok)}

@@ -59,8 +59,9 @@ class Hints:
             self.learner.now()
             stats = self.learner.stats(rec)
         else:
-            stats = AccessStats(inserted=rec.created, last_access=rec.last_access)
-        return self.policy.priority(stats, self.context_queued(rec.key))
+            stats = AccessStats(rec.created, rec.last_access)
+        pos = self._context_pos.get(rec.key)  # context_queued, inlined: a load calls it per
+        return self.policy.priority(stats, None if pos is None else self._queued(pos))
 
     def arriving(self, toks, chain: list[bytes], namespace: str | None, *, learn: bool = True
                  ) -> Callable[[], Priority | None]:

@@ -15,6 +15,7 @@ No lock of its own: the store calls it with its metadata lock held.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -116,10 +117,14 @@ class Mirror:
         """Rebuild the view from every record (what recovery would keep). ``plan``: the
         recovery plan an opener alone just applied in its own transaction (committed before
         ``txn`` began): its kept records are the catalog's, and are not read twice."""
+        with gc_paused():
+            self._reload(txn, plan)
+
+    def _reload(self, txn: ReadTxn, plan: RecoveryPlan | None) -> None:
         self.counters.full_reloads += 1
         if plan is None:
-            chunks = {r.key: r for r in txn.chunks()}
-            contexts = {c.key: c for c in txn.contexts()}
+            chunks = txn.chunk_map()
+            contexts = txn.context_map(chunks)
             held = {k for r in txn.reservations() for k in r.held}
             p = recovery_plan(chunks, contexts, total_slots=self.slots.total, held=held,
                               chunk_tokens=self.tree.chunk_tokens)
@@ -133,11 +138,10 @@ class Mirror:
         tree = self.tree
         old_access = {k: c.last_access for k, c in tree.contexts.items()}
         tree.clear()
-        for rec in p.keep_chunks.values():
-            tree.add_chunk(rec)
-        for ctx in p.keep_contexts.values():
-            ctx.last_access = max(ctx.last_access, old_access.get(ctx.key, 0))
-        tree.add_contexts(p.keep_contexts.values())
+        if old_access:
+            for ctx in p.keep_contexts.values():
+                ctx.last_access = max(ctx.last_access, old_access.get(ctx.key, 0))
+        tree.load(p.keep_chunks, p.keep_contexts)  # the tree takes over the plan's dicts
         for key, entry in entries:
             if key in tree.contexts:
                 tree.indexed[key] = entry
@@ -232,6 +236,26 @@ class Mirror:
                 txn.put_context(stored)
         self.dirty.clear()
         txn.advance_clock(self.clock)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a full load makes millions of objects (records,
+    keys, tuples) that form no cycles: left on, it would scan them again and again as they
+    pile up. On the way out of the outermost pause the young generations are collected once,
+    so that what the load made reaches the oldest generation in one pass, here, and not in
+    the first operations after it; then the collector is back on. (It is one switch for the
+    process: a thread that allocates meanwhile only has its collection later.)"""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            try:
+                gc.collect(1)
+            finally:
+                gc.enable()
 
 
 @contextmanager

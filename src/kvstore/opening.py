@@ -26,7 +26,7 @@ from kvstore.dram import DramTier
 from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
 from kvstore.layout import KVLayout
 from kvstore.lock import DirLock, acquire
-from kvstore.mirror import Mirror
+from kvstore.mirror import Mirror, gc_paused
 from kvstore.owners import PROCS, Owner, collect_dead
 from kvstore.policy import make_policy
 from kvstore.recovery import RecoveryPlan
@@ -278,27 +278,29 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     owner = None
     repaired = None
     try:
-        files = IndexFiles(root, readonly=readonly)
-        if not readonly:
-            procs = root.sub(PROCS, create=True)
-            try:
-                if lock.alone:
-                    repaired = _repair_alone(root, procs, catalog, segments, files, geo,
-                                             layout, config, counters)
-                owner = Owner(root, procs)
-            except BaseException:
-                procs.close()
-                raise
-        core = Core(path=path, root=root, layout=layout, config=config, readonly=readonly, geo=geo,
-                    catalog=catalog, segments=segments, tree=tree, slots=slots, dram=dram,
-                    mirror=mirror, counters=counters, helpers=Helpers(2, "kvstore-io"),
-                    buffers=OutputPool(BUFFER_POOL_BYTES), owner=owner)
-        if not readonly and not lock.alone:
-            _repair_joining(core)
-        store = Store(core, lock=lock, policy=policy, files=files)
-        with core.mutex:
-            with catalog.read() as txn:  # an opener alone loads what its repair kept
-                mirror.reload(txn, repaired)
+        with gc_paused():  # one pass of the collector over what the repair and load made
+            files = IndexFiles(root, readonly=readonly)
+            if not readonly:
+                procs = root.sub(PROCS, create=True)
+                try:
+                    if lock.alone:
+                        repaired = _repair_alone(root, procs, catalog, segments, files, geo,
+                                                 layout, config, counters)
+                    owner = Owner(root, procs)
+                except BaseException:
+                    procs.close()
+                    raise
+            core = Core(path=path, root=root, layout=layout, config=config, readonly=readonly,
+                        geo=geo, catalog=catalog, segments=segments, tree=tree, slots=slots,
+                        dram=dram, mirror=mirror, counters=counters,
+                        helpers=Helpers(2, "kvstore-io"),
+                        buffers=OutputPool(BUFFER_POOL_BYTES), owner=owner)
+            if not readonly and not lock.alone:
+                _repair_joining(core)
+            store = Store(core, lock=lock, policy=policy, files=files)
+            with core.mutex:
+                with catalog.read() as txn:  # an opener alone loads what its repair kept
+                    mirror.reload(txn, repaired)
     except BaseException:
         segments.close()
         if files is not None:
@@ -316,18 +318,19 @@ def _repair_alone(root: Dir, procs: Dir, catalog: Catalog, segments: SegmentFile
     """Repair what crashes left, with no other process using the store. Returns the
     recovery plan it applied (its kept records are what the catalog now holds)."""
     present = segments.existing()
+    layer_token_bytes = layout.layer_token_bytes
 
     def extent_end(rec):
         seg, off = geo.locate(rec.slot)
-        return seg, off + rec.stored_bytes(rec.n_tokens * layout.layer_token_bytes)
+        return seg, off + rec.stored_bytes(rec.n_tokens * layer_token_bytes)
 
     with catalog.write() as txn:
         stale = txn.reservations()  # every owner is gone: nobody else has the store open
         for r in stale:
             txn.delete_reservation(r.key)
         counters.reclaimed_reservations += len(stale)
-        chunks = {r.key: r for r in txn.chunks()}
-        contexts = {c.key: c for c in txn.contexts()}
+        chunks = txn.chunk_map()
+        contexts = txn.context_map(chunks)
         p = recovery_plan(chunks, contexts, total_slots=geo.total_slots, extent_end=extent_end,
                           segment_sizes=present, chunk_tokens=config.chunk_tokens)
         apply_recovery(p, txn)

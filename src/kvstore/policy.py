@@ -411,7 +411,9 @@ class PriorityHeap:
 
     def __init__(self) -> None:
         self._heap: list[tuple[Priority, int, Hashable]] = []
-        self._live: dict[Hashable, tuple[Priority, int]] = {}
+        # key -> its live entry: the very tuple in the heap (one object per key, not two);
+        # an entry in the heap that is not its key's live entry is stale
+        self._live: dict[Hashable, tuple[Priority, int, Hashable]] = {}
         self._seq = itertools.count()
 
     def __len__(self) -> int:
@@ -421,27 +423,33 @@ class PriorityHeap:
         return key in self._live
 
     def push(self, key: Hashable, priority: Priority) -> None:
-        entry = (priority, next(self._seq))
+        entry = (priority, next(self._seq), key)
         self._live[key] = entry
-        heapq.heappush(self._heap, (*entry, key))
+        heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._live) + 64:
             self._compact()
 
     def extend(self, items: Iterable[tuple[Hashable, Priority]]) -> None:
-        """push() of many keys at once: one heapify instead of a sift each."""
+        """push() of many keys at once: one heapify instead of a sift each. They share one
+        sequence number (one object, not one each: a full load extends by a million), so
+        among themselves equal priorities rank by key (the keys must be comparable): the
+        order of pushes one by one in ascending key order. On equal priority they rank after
+        every key pushed before and before every key pushed after, as pushes do."""
+        live, seq = self._live, next(self._seq)
         for key, priority in items:
-            self._live[key] = (priority, next(self._seq))
+            live[key] = (priority, seq, key)
         self._compact()
 
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
 
     def _drop_stale(self) -> None:
-        while self._heap:
-            prio, seq, key = self._heap[0]
-            if self._live.get(key) == (prio, seq):
+        heap, live = self._heap, self._live
+        while heap:
+            entry = heap[0]
+            if live.get(entry[2]) is entry:
                 return
-            heapq.heappop(self._heap)
+            heapq.heappop(heap)
 
     def peek(self) -> Hashable | None:
         self._drop_stale()
@@ -465,8 +473,8 @@ class PriorityHeap:
 
     def ordered(self) -> list[Hashable]:
         """Keys from first-to-evict to last (for inspection and tests)."""
-        return [k for _, _, k in sorted((p, s, k) for k, (p, s) in self._live.items())]
+        return [k for _, _, k in sorted(self._live.values())]
 
     def _compact(self) -> None:
-        self._heap = [(p, s, k) for k, (p, s) in self._live.items()]
+        self._heap = list(self._live.values())
         heapq.heapify(self._heap)

@@ -7,7 +7,9 @@ checks version and lengths before building a record and raises :class:`FormatErr
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -24,9 +26,21 @@ _INDEX_V1 = struct.Struct("<BQ")  # version 1: bytes of the context's index dire
 _INDEX = struct.Struct("<BQQ")  # version 2: + tag (the directory's unique suffix)
 OWNER_BYTES = 16
 MAX_SLOT = (1 << 32) - 1  # slots are stored as uint32
+_U4 = np.dtype("<u4")
+_U8 = np.dtype("<u8")
 
 
-@dataclass(slots=True, eq=False)
+def _id_bytes(tokens: np.ndarray | bytes) -> bytes:
+    """Token ids as little-endian uint32 bytes: the bytes object ``tokens`` views if it views
+    exactly one, else a copy."""
+    if isinstance(tokens, bytes):
+        return tokens
+    base = tokens.base
+    if isinstance(base, bytes) and tokens.dtype == _U4 and len(base) == tokens.nbytes:
+        return base
+    return np.ascontiguousarray(tokens, dtype=_U4).tobytes()
+
+
 class ChunkRecord:
     """Metadata of one stored chunk; its payload is one extent in a disk slot.
 
@@ -41,40 +55,97 @@ class ChunkRecord:
     layer l (layers lie back to back in the slot), and ``checksums`` cover those stored bytes.
     A raw chunk is written as version 2, so stores that never use a codec keep their format;
     version 3 carries the codec. Versions 1 and 2 decode as codec ``none``.
+
+    Compact in memory (a store keeps one per stored chunk resident): the token ids are one
+    bytes object (:attr:`token_ids`, which the prefix tree's child index shares), the
+    checksums and lengths another; ``tokens``, ``checksums`` and ``lengths`` are read-only
+    array views of them made on access (assigning an array replaces the bytes).
+
+    Thread-safety: none; a record is mutated only by its owner (the put building it, or the
+    tree with the store's metadata lock held).
     """
 
-    key: bytes
-    parent: bytes
-    n_tokens: int
-    slot: int
-    gen: int
-    checksums: np.ndarray  # [num_layers] uint64
-    tokens: np.ndarray  # [n_tokens] uint32
-    codec: int = 0
-    lengths: np.ndarray | None = None  # [num_layers] uint32 when codec != 0
+    __slots__ = ("key", "parent", "n_tokens", "slot", "gen", "codec", "_sums", "_ids")
+
+    def __init__(self, key: bytes, parent: bytes, n_tokens: int, slot: int, gen: int,
+                 checksums: np.ndarray, tokens: np.ndarray | bytes, codec: int = 0,
+                 lengths: np.ndarray | None = None) -> None:
+        self.key = key
+        self.parent = parent
+        self.n_tokens = n_tokens
+        self.slot = slot
+        self.gen = gen
+        self.codec = codec
+        self._ids = _id_bytes(tokens)
+        if (codec == 0) != (lengths is None):
+            raise ValueError("a chunk record has per-layer lengths exactly when its codec is "
+                             "not none")
+        self._sums = b""
+        self._set_sums(checksums, lengths)
+
+    def _set_sums(self, checksums: np.ndarray, lengths: np.ndarray | None) -> None:
+        sums = np.ascontiguousarray(checksums, dtype=_U8).tobytes()
+        if lengths is not None:
+            sums += np.ascontiguousarray(lengths, dtype=_U4).tobytes()
+        self._sums = sums
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._sums) // (8 if self.codec == 0 else 12)
+
+    @property
+    def checksums(self) -> np.ndarray:  # [num_layers] uint64, read-only
+        return np.frombuffer(self._sums, _U8, self.num_layers)
+
+    @checksums.setter
+    def checksums(self, value: np.ndarray) -> None:
+        self._set_sums(value, self.lengths)
+
+    @property
+    def lengths(self) -> np.ndarray | None:  # [num_layers] uint32 when codec != 0
+        if self.codec == 0:
+            return None
+        nl = self.num_layers
+        return np.frombuffer(self._sums, _U4, nl, 8 * nl)
+
+    @property
+    def tokens(self) -> np.ndarray:  # [n_tokens] uint32, read-only
+        return np.frombuffer(self._ids, _U4)
+
+    @tokens.setter
+    def tokens(self, value: np.ndarray | bytes) -> None:
+        self._ids = _id_bytes(value)
+
+    @property
+    def token_ids(self) -> bytes:
+        """The token ids as little-endian uint32 bytes (the record's own copy)."""
+        return self._ids
+
+    def __repr__(self) -> str:
+        return (f"ChunkRecord(key={self.key.hex()}, parent={self.parent.hex()}, "
+                f"n_tokens={self.n_tokens}, slot={self.slot}, gen={self.gen}, "
+                f"codec={self.codec})")
 
     def layer_span(self, layer: int, raw_layer_bytes: int) -> tuple[int, int]:
         """(offset in the slot, stored bytes) of layer ``layer``."""
-        if self.lengths is None:
+        lengths = self.lengths
+        if lengths is None:
             return layer * raw_layer_bytes, raw_layer_bytes
-        return int(self.lengths[:layer].sum()), int(self.lengths[layer])
+        return int(lengths[:layer].sum()), int(lengths[layer])
 
     def stored_bytes(self, raw_layer_bytes: int) -> int:
         """Bytes of the extent in its slot."""
-        if self.lengths is None:
-            return raw_layer_bytes * len(self.checksums)
-        return int(self.lengths.sum())
+        if self.codec == 0:
+            return raw_layer_bytes * (len(self._sums) >> 3)
+        return int(self.lengths.sum())  # type: ignore[union-attr]
 
     def encode(self) -> bytes:
-        nl = len(self.checksums)
-        sums = self.checksums.astype("<u8").tobytes()
-        toks = self.tokens.astype("<u4").tobytes()
+        nl = self.num_layers
         if self.codec == 0:
             return _CHUNK_V2.pack(2, self.parent, self.n_tokens, self.slot, self.gen, nl) \
-                + sums + toks
-        assert self.lengths is not None and len(self.lengths) == nl
+                + self._sums + self._ids
         hdr = _CHUNK_V3.pack(3, self.parent, self.n_tokens, self.slot, self.gen, nl, self.codec)
-        return hdr + sums + self.lengths.astype("<u4").tobytes() + toks
+        return hdr + self._sums + self._ids
 
     @classmethod
     def decode(cls, key: bytes, raw: bytes) -> ChunkRecord:
@@ -82,12 +153,12 @@ class ChunkRecord:
             raise FormatError(f"chunk record {key.hex()} is malformed (unknown version)")
         codec = 0
         try:
-            if raw[0] == 1:
-                _, parent, n, slot, nl = _CHUNK_V1.unpack_from(raw)
-                gen, o = 0, _CHUNK_V1.size
-            elif raw[0] == 2:
+            if raw[0] == 2:
                 _, parent, n, slot, gen, nl = _CHUNK_V2.unpack_from(raw)
                 o = _CHUNK_V2.size
+            elif raw[0] == 1:
+                _, parent, n, slot, nl = _CHUNK_V1.unpack_from(raw)
+                gen, o = 0, _CHUNK_V1.size
             else:
                 _, parent, n, slot, gen, nl, codec = _CHUNK_V3.unpack_from(raw)
                 o = _CHUNK_V3.size
@@ -97,15 +168,41 @@ class ChunkRecord:
         if len(raw) != o + per_layer * nl + 4 * n or len(key) != HASH_BYTES or n == 0 \
                 or (raw[0] == 3 and not 0 < codec < len(CODEC_NAMES)):
             raise FormatError(f"chunk record {key.hex()} is malformed (version {raw[0]})")
-        checks = np.frombuffer(raw, "<u8", nl, o).copy()
-        o += 8 * nl
-        lengths = None
-        if raw[0] == 3:
-            lengths = np.frombuffer(raw, "<u4", nl, o).copy()
-            o += 4 * nl
-        # a view of its own bytes: the prefix tree keeps those bytes as the ids' one copy
-        tokens = np.frombuffer(raw[o : o + 4 * n], "<u4")
-        return cls(key, parent, n, slot, gen, checks, tokens, codec, lengths)
+        rec = cls.__new__(cls)
+        rec.key, rec.parent, rec.n_tokens, rec.slot, rec.gen, rec.codec = \
+            key, parent, n, slot, gen, codec
+        t = o + per_layer * nl
+        rec._sums = raw[o:t]
+        rec._ids = raw[t:]
+        return rec
+
+
+_KEYS: dict[int, struct.Struct] = {}
+_KEY_OF = attrgetter("key")
+# Token counts of contexts repeat (a million contexts have far fewer distinct lengths): one
+# int object per count (for the first 65,536 counts seen), shared by every record of that
+# length.
+_COUNTS: dict[int, int] = {}
+_COUNTS_MAX = 1 << 16
+
+
+def _shared_count(n: int) -> int:
+    got = _COUNTS.get(n)
+    if got is not None:
+        return got
+    if len(_COUNTS) < _COUNTS_MAX:
+        _COUNTS[n] = n
+    return n
+
+
+def _keys(n: int) -> struct.Struct:
+    """The format of ``n`` chunk keys back to back (one unpack makes the tuple of keys)."""
+    fmt = _KEYS.get(n)
+    if fmt is None:
+        fmt = struct.Struct(f"{HASH_BYTES}s" * n)
+        if n <= 64:
+            _KEYS[n] = fmt
+    return fmt
 
 
 @dataclass(slots=True, eq=False)
@@ -123,7 +220,11 @@ class ContextRecord:
         return hdr + b"".join(self.chunks)
 
     @classmethod
-    def decode(cls, key: bytes, raw: bytes) -> ContextRecord:
+    def decode(cls, key: bytes, raw: bytes,
+               chunks: Mapping[bytes, ChunkRecord] | None = None) -> ContextRecord:
+        """The record stored under ``key``. With ``chunks`` (records by key), the keys it
+        holds, and its own, are those records' own key objects where they exist (one copy of
+        each key in memory, however many records name it)."""
         try:
             ver, n, created, last, nc = _CONTEXT.unpack_from(raw)
         except struct.error as e:
@@ -131,9 +232,16 @@ class ContextRecord:
         if ver != 1 or len(raw) != _CONTEXT.size + HASH_BYTES * nc or nc == 0 \
                 or len(key) != HASH_BYTES:
             raise FormatError(f"context record {key.hex()} is malformed (version {ver})")
-        o = _CONTEXT.size
-        chunks = tuple(raw[o + i * HASH_BYTES : o + (i + 1) * HASH_BYTES] for i in range(nc))
-        return cls(key, n, created, last, chunks)
+        keys = (_KEYS.get(nc) or _keys(nc)).unpack_from(raw, _CONTEXT.size)
+        if chunks:
+            try:
+                keys = tuple(map(_KEY_OF, map(chunks.__getitem__, keys)))
+            except KeyError:  # one is missing: recovery drops the context
+                keys = tuple([c if r is None else r.key
+                              for c, r in zip(keys, map(chunks.get, keys), strict=True)])
+            if keys[-1] == key:
+                key = keys[-1]
+        return cls(key, _shared_count(n), created, last, keys)
 
 
 @dataclass(frozen=True, slots=True)

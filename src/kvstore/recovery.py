@@ -20,8 +20,11 @@ from kvstore.records import ChunkRecord, ContextRecord
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryPlan:
-    keep_chunks: dict[bytes, ChunkRecord]
-    keep_contexts: dict[bytes, ContextRecord]
+    """What to keep (the records given to :func:`plan`; its very mappings where it keeps all
+    of them) and what to drop."""
+
+    keep_chunks: Mapping[bytes, ChunkRecord]
+    keep_contexts: Mapping[bytes, ContextRecord]
     dropped: list[bytes] = field(default_factory=list)  # broken or corrupt contexts
     evicted: list[bytes] = field(default_factory=list)  # beyond a smaller disk budget
     orphans: list[bytes] = field(default_factory=list)  # chunks nothing holds
@@ -31,6 +34,8 @@ class RecoveryPlan:
     @property
     def dead_chunks(self) -> list[bytes]:
         """Chunk records to delete: every chunk no kept context holds (orphans included)."""
+        if len(self.keep_chunks) == len(self.all_chunks):  # kept are among all: all kept
+            return []
         return [k for k in self.all_chunks if k not in self.keep_chunks]
 
     all_chunks: tuple[bytes, ...] = ()
@@ -75,13 +80,16 @@ def plan(chunks: Mapping[bytes, ChunkRecord], contexts: Mapping[bytes, ContextRe
             elif any(c in lost for c in ctx.chunks):
                 evicted.append(ctx.key)
     gone = set(dropped) | set(evicted)
+    # what is all kept is the mapping given, not a copy (a full load keeps a million)
     keep_contexts = {k: c for k, c in contexts.items() if k not in gone} if gone \
-        else dict(contexts)
+        else contexts
     live = {c for ctx in keep_contexts.values() for c in ctx.chunks}
     referenced = live if not broken and not gone else \
         {c for ctx in contexts.values() if ctx.key not in broken for c in ctx.chunks}
-    keep_chunks = {k: r for k, r in chunks.items()
-                   if (k in live or (k in held and k not in lost and k not in bad))}
+    # every kept context's chunks are among them: as many live keys as chunks means all live
+    keep_chunks = chunks if len(live) == len(chunks) else \
+        {k: r for k, r in chunks.items()
+         if (k in live or (k in held and k not in lost and k not in bad))}
     orphans = [k for k in chunks if k not in referenced and k not in held]
     return RecoveryPlan(keep_chunks=keep_chunks, keep_contexts=keep_contexts, dropped=dropped,
                         evicted=evicted, orphans=orphans, bad_chunks=len(bad),

@@ -27,6 +27,7 @@ from bisect import bisect_left
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -48,14 +49,6 @@ def served(pieces: list[Piece]) -> int:
     return sum(p.use for p in pieces)
 
 
-def _id_bytes(tokens: np.ndarray) -> bytes:
-    """Token ids as bytes: the bytes object a decoded record's array views, else a copy."""
-    base = tokens.base
-    if isinstance(base, bytes) and tokens.dtype == np.uint32 and len(base) == tokens.nbytes:
-        return base
-    return np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()
-
-
 def _common_bytes(a: bytes, b: bytes) -> int:
     """Length of the common prefix of two token-id byte strings, in whole tokens."""
     n = min(len(a), len(b)) // 4
@@ -68,26 +61,41 @@ def _common_bytes(a: bytes, b: bytes) -> int:
 
 
 class Holders:
-    """Chunk -> the contexts holding it (its refcount is their number). Most chunks have one
-    holder: it is kept as the key itself, a set only from the second on (a set per chunk
-    cost ~200 bytes of each stored chunk's memory)."""
+    """Chunk -> the contexts holding it (its refcount is their number).
 
-    __slots__ = ("_map",)
+    A context always holds its own last chunk (its key is that chunk's address): whether
+    context ``c`` holds chunk ``c`` is read from the tree's contexts, not stored, so a chunk
+    that only its own context holds (every context's last chunk but shared ones) costs no
+    entry at all. Other holders are kept as the key itself, a set only from the second on (a
+    set per chunk cost ~200 bytes of each stored chunk's memory)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_map", "_tree")
+
+    def __init__(self, tree: ContextTree) -> None:
         self._map: dict[bytes, bytes | set[bytes]] = {}
+        self._tree = tree
+
+    def _own(self, chunk: bytes) -> bool:
+        rec = self._tree.contexts.get(chunk)
+        return rec is not None and chunk in rec.chunks
 
     def get(self, chunk: bytes, default: tuple = ()) -> tuple[bytes, ...] | set[bytes]:
         h = self._map.get(chunk)
+        own = self._own(chunk)
         if h is None:
-            return default
-        return (h,) if isinstance(h, bytes) else h
+            return (chunk,) if own else default
+        if isinstance(h, bytes):
+            return (h, chunk) if own else (h,)
+        return (*h, chunk) if own else h
 
     def count(self, chunk: bytes) -> int:
         h = self._map.get(chunk)
-        return 0 if h is None else 1 if isinstance(h, bytes) else len(h)
+        n = 0 if h is None else 1 if isinstance(h, bytes) else len(h)
+        return n + self._own(chunk)
 
     def add(self, chunk: bytes, context: bytes) -> None:
+        if chunk == context:
+            return  # its own chunk: implicit
         h = self._map.get(chunk)
         if h is None:
             self._map[chunk] = context
@@ -97,7 +105,25 @@ class Holders:
         else:
             h.add(context)
 
+    def add_all(self, contexts: Iterable[tuple[bytes, ContextRecord]]) -> None:
+        """:meth:`add` of each (key, record)'s chunks, in one loop (a full load)."""
+        m = self._map
+        for key, rec in contexts:
+            for c in rec.chunks:
+                if c == key:
+                    continue
+                h = m.get(c)
+                if h is None:
+                    m[c] = key
+                elif type(h) is bytes:
+                    if h != key:
+                        m[c] = {h, key}
+                else:
+                    h.add(key)
+
     def discard(self, chunk: bytes, context: bytes) -> None:
+        if chunk == context:
+            return  # implicit: it ends with the context's record
         h = self._map.get(chunk)
         if h is None:
             return
@@ -112,6 +138,7 @@ class Holders:
             del self._map[chunk]
 
     def pop(self, chunk: bytes) -> None:
+        """Forget the holders stored for ``chunk`` (its record is gone)."""
         self._map.pop(chunk, None)
 
     def clear(self) -> None:
@@ -119,33 +146,45 @@ class Holders:
 
 
 class Kids:
-    """The children of one chunk, sorted by their token ids' bytes (then key): entries
-    ``(token bytes, key)``. In a lexicographic order the entry sharing the longest prefix with
-    any query is next to the query's place, and the entries that start with a given prefix
-    are contiguous. ``lengths`` counts the children per token count."""
+    """The children of one chunk, sorted by their token ids' bytes (then key): ``toks[i]``
+    and ``keys[i]`` are the i-th child's (two lists, not a tuple per child). In a
+    lexicographic order the child sharing the longest prefix with any query is next to the
+    query's place, and the children that start with a given prefix are contiguous.
+    ``lengths`` counts the children per token count."""
 
-    __slots__ = ("entries", "lengths")
+    __slots__ = ("toks", "keys", "lengths")
 
     def __init__(self) -> None:
-        self.entries: list[tuple[bytes, bytes]] = []
+        self.toks: list[bytes] = []
+        self.keys: list[bytes] = []
         self.lengths: Counter[int] = Counter()
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.keys)
+
+    def _find(self, toks: bytes, key: bytes) -> int:
+        """Where (toks, key) is, or belongs, in the order."""
+        i = bisect_left(self.toks, toks)
+        n = len(self.toks)
+        while i < n and self.toks[i] == toks and self.keys[i] < key:
+            i += 1
+        return i
+
+    def _at(self, i: int, toks: bytes, key: bytes) -> bool:
+        return i < len(self.keys) and self.keys[i] == key and self.toks[i] == toks
 
     def add(self, toks: bytes, key: bytes) -> None:
-        e = (toks, key)
-        i = bisect_left(self.entries, e)
-        if i < len(self.entries) and self.entries[i] == e:
+        i = self._find(toks, key)
+        if self._at(i, toks, key):
             return
-        self.entries.insert(i, e)
+        self.toks.insert(i, toks)
+        self.keys.insert(i, key)
         self.lengths[len(toks) // 4] += 1
 
     def remove(self, toks: bytes, key: bytes) -> None:
-        e = (toks, key)
-        i = bisect_left(self.entries, e)
-        if i < len(self.entries) and self.entries[i] == e:
-            del self.entries[i]
+        i = self._find(toks, key)
+        if self._at(i, toks, key):
+            del self.toks[i], self.keys[i]
             n = len(toks) // 4
             self.lengths[n] -= 1
             if not self.lengths[n]:
@@ -153,16 +192,16 @@ class Kids:
 
     def starting_with(self, prefix: bytes) -> Iterator[bytes]:
         """Keys of the children whose token ids start with ``prefix``, in order."""
-        i = bisect_left(self.entries, (prefix,))
-        while i < len(self.entries) and self.entries[i][0].startswith(prefix):
-            yield self.entries[i][1]
+        i = bisect_left(self.toks, prefix)
+        while i < len(self.toks) and self.toks[i].startswith(prefix):
+            yield self.keys[i]
             i += 1
 
     def exact(self, toks: bytes) -> bytes | None:
         """The key of the child holding exactly ``toks``."""
-        i = bisect_left(self.entries, (toks,))
-        if i < len(self.entries) and self.entries[i][0] == toks:
-            return self.entries[i][1]
+        i = bisect_left(self.toks, toks)
+        if i < len(self.toks) and self.toks[i] == toks:
+            return self.keys[i]
         return None
 
 
@@ -174,7 +213,7 @@ class ContextTree:
         self.priority = priority
         self.chunks: dict[bytes, ChunkRecord] = {}
         self.contexts: dict[bytes, ContextRecord] = {}
-        self.holders = Holders()  # chunk -> contexts
+        self.holders = Holders(self)  # chunk -> contexts
         self.kids: dict[bytes, Kids] = {}  # parent -> its children, sorted by token ids
         self.compared = 0  # token comparisons made by lookups (chunk ids, or a child's)
         self.held: dict[bytes, int] = {}  # chunk -> puts/saves of this process needing it
@@ -218,12 +257,12 @@ class ContextTree:
         if not kids:
             return None
         q = rest.tobytes()
-        i = bisect_left(kids.entries, (q,))
+        i = bisect_left(kids.toks, q)
         n = 0
         for j in (i - 1, i):  # the neighbours of the rest's place
-            if 0 <= j < len(kids.entries):
+            if 0 <= j < len(kids.toks):
                 self.compared += 1
-                n = max(n, _common_bytes(kids.entries[j][0], q))
+                n = max(n, _common_bytes(kids.toks[j], q))
         if n == 0:
             return None
         for key in kids.starting_with(q[: 4 * n]):
@@ -232,7 +271,7 @@ class ContextTree:
         # every child sharing that much is corrupt (their contexts are being dropped): the
         # others, one by one
         best = None
-        for toks, key in kids.entries:
+        for toks, key in zip(kids.toks, kids.keys, strict=True):
             if key in self.corrupt:
                 continue
             self.compared += 1
@@ -331,8 +370,7 @@ class ContextTree:
         parent = self.chunks.get(rec.parent)
         if parent is not None:
             rec.parent = parent.key  # one copy of each key in memory
-        toks = _id_bytes(rec.tokens)
-        rec.tokens = np.frombuffer(toks, dtype=np.uint32)  # one copy of the ids: the index's
+        toks = rec.token_ids  # one copy of the ids: the record's, shared by the child index
         self.chunks[rec.key] = rec
         kids = self.kids.get(rec.parent)
         if kids is None:
@@ -341,6 +379,39 @@ class ContextTree:
         if old is not None and (old.slot, old.gen) != (rec.slot, rec.gen):
             self.corrupt.discard(rec.key)  # a new extent: the old verdict does not apply
         return old
+
+    def load(self, chunks: dict[bytes, ChunkRecord],
+             contexts: dict[bytes, ContextRecord]) -> None:
+        """Fill an empty tree (after :meth:`clear`) with every record at once: a full load.
+        The same result as :meth:`add_chunk` then :meth:`add_context` of each record, built
+        in bulk: each chunk's children sorted once, not inserted one by one, and the two
+        dicts (record by key) taken over as the tree's own, not copied: the caller must not
+        use them after. Every chunk a context names must be among ``chunks``. Contexts' chunk
+        keys should already be the chunk records' own key objects
+        (:meth:`kvstore.catalog.ReadTxn.context_map` makes them so); others cost memory only."""
+        if self.chunks or self.contexts:
+            raise ValueError("ContextTree.load fills an empty tree")
+        self.chunks = chunks if type(chunks) is dict else dict(chunks)
+        self.contexts = contexts if type(contexts) is dict else dict(contexts)
+        chunks, contexts = self.chunks, self.contexts
+        groups: dict[bytes, list[ChunkRecord]] = defaultdict(list)
+        for rec in chunks.values():
+            parent = chunks.get(rec.parent)
+            if parent is not None:
+                rec.parent = parent.key  # one copy of each key in memory
+            groups[rec.parent].append(rec)
+        by_key, by_toks = attrgetter("key"), attrgetter("token_ids")
+        for parent, recs in groups.items():
+            recs.sort(key=by_key)
+            recs.sort(key=by_toks)  # stable: by token ids, then key
+            kids = Kids()
+            kids.toks = [r.token_ids for r in recs]
+            kids.keys = [r.key for r in recs]
+            kids.lengths = Counter(len(t) // 4 for t in kids.toks)
+            self.kids[parent] = kids
+        self.holders.add_all(contexts.items())
+        priority = self.priority
+        self.heap.extend((key, priority(rec)) for key, rec in contexts.items())
 
     def remove_chunk(self, key: bytes) -> ChunkRecord | None:
         rec = self.chunks.pop(key, None)
@@ -354,7 +425,7 @@ class ContextTree:
     def _unlink_child(self, rec: ChunkRecord) -> None:
         kids = self.kids.get(rec.parent)
         if kids is not None:
-            kids.remove(_id_bytes(rec.tokens), rec.key)
+            kids.remove(rec.token_ids, rec.key)
             if not kids:
                 del self.kids[rec.parent]
 
@@ -369,22 +440,6 @@ class ContextTree:
         for c in rec.chunks:
             self.holders.add(c, rec.key)
         self.heap.push(rec.key, self.priority(rec))
-
-    def add_contexts(self, recs: Iterable[ContextRecord]) -> None:
-        """Add many new contexts at once (a full load: the eviction heap is built in one
-        pass, not by a push each)."""
-        holders = self.holders
-        ranked = []
-        for rec in recs:
-            if rec.key in self.contexts:
-                self.add_context(rec)
-                continue
-            self._intern(rec)
-            self.contexts[rec.key] = rec
-            for c in rec.chunks:
-                holders.add(c, rec.key)
-            ranked.append((rec.key, self.priority(rec)))
-        self.heap.extend(ranked)
 
     def remove_context(self, key: bytes) -> ContextRecord | None:
         rec = self.contexts.pop(key, None)
