@@ -138,7 +138,9 @@ def test_a_segment_file_renamed_under_two_writers(tmp_path):
             assert w.ended is not None and w.ended.startswith("stopped "), \
                 (w.ended, w.proc.stderr.read()[-2000:])
             assert "seg-000000.kv" in w.ended
-            assert len(w.acked) <= mark + 1  # at most the put that was committing
+            # at most the puts already committing, and acks still in the pipe when the mark
+            # was taken (the reader thread lags the writer): not a stream of puts into the file
+            assert len(w.acked) <= mark + 3, (len(w.acked), mark)
         with s:  # the file is away: no read, no new file at its name, nothing dropped
             before = len(s.contexts())
             toks = context(1, writers[0].acked[-1], MAX_TOKENS)
