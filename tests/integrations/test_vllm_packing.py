@@ -40,16 +40,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
+@pytest.mark.parametrize("ids", [[5, 1, 3], [2, 3, 4, 0, 6, 7]])  # gaps; runs of neighbours
 @pytest.mark.parametrize("isa, dtype, B, H, D", CASES)
-def test_pack_and_unpack_match_the_kernel(isa, dtype, B, H, D):
+def test_pack_and_unpack_match_the_kernel(isa, dtype, B, H, D, ids):
     if isa == "amx" and not torch.cpu._is_amx_tile_supported():
         pytest.skip("this CPU has no AMX tiles: vLLM does not use the amx packing here")
     g = torch.Generator().manual_seed(B * H + D)
-    block_ids = torch.tensor([5, 1, 3], dtype=torch.int64)  # out of order, with gaps
+    block_ids = torch.tensor(ids, dtype=torch.int64)  # out of order
     T = len(block_ids) * B
     k = torch.randn(H, T, D, generator=g).to(dtype)
     v = torch.randn(H, T, D, generator=g).to(dtype)
-    want = _kernel_blocks(isa, dtype, B, H, D, k, v, block_ids, num_blocks=7)
+    want = _kernel_blocks(isa, dtype, B, H, D, k, v, block_ids, num_blocks=9)
     got = torch.zeros_like(want)
     packing.pack(isa, got, block_ids, k, v)
     assert torch.equal(_bits(got), _bits(want))  # the same bytes, other blocks untouched

@@ -41,30 +41,44 @@ def _halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _to_packed(isa: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, H, B, D] K and V -> views in packed order (same element count), [n, H, B*D] once
-    flattened."""
+    """[n, H, B, D] K and V -> views in packed order: [n, H, ...] whose row-major order is the
+    packing's (B*D elements per block and head)."""
     n, h, b, d = k.shape
     if isa == "amx":
         kp = k.view(n, h, b // 16, 16, d // 2, 2).permute(0, 1, 2, 4, 3, 5)
         vp = v.view(n, h, b // 2, 2, d // 16, 16).permute(0, 1, 4, 2, 5, 3)
     else:  # vec, vec16
         kp, vp = k.transpose(2, 3), v
-    return kp.reshape(n, h, b * d), vp.reshape(n, h, b * d)
+    return kp, vp
+
+
+def _runs(block_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Runs of consecutive block ids: (index in ``block_ids``, first block, length)."""
+    ids = block_ids.tolist()
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
 
 
 def pack(isa: str, cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor,
          values: torch.Tensor) -> None:
     """Write ``keys``/``values`` [H, n * B, D] into blocks ``block_ids`` [n] (int64) of the
-    layer cache [NB, H, B, 2D], in ``isa``'s packing."""
+    layer cache [NB, H, B, 2D], in ``isa``'s packing: one strided copy per run of consecutive
+    blocks (no gathered intermediate)."""
     nb, h, b, d2 = cache.shape
     n = block_ids.numel()
     assert keys.shape == values.shape == (h, n * b, d2 // 2), (keys.shape, cache.shape, n)
     k = keys.view(h, n, b, d2 // 2).transpose(0, 1)  # [n, H, B, D]
     v = values.view(h, n, b, d2 // 2).transpose(0, 1)
-    kp, vp = _to_packed(isa, k, v)  # [n, H, B*D]
-    kc, vc = _halves(cache)
-    kc[block_ids] = kp
-    vc[block_ids] = vp
+    kp, vp = _to_packed(isa, k, v)  # [n, H, ...] in packed order
+    kc, vc = _halves(cache)  # [NB, H, B*D] each
+    for i, first, count in _runs(block_ids):
+        kc[first:first + count].view(count, *kp.shape[1:]).copy_(kp[i:i + count])
+        vc[first:first + count].view(count, *vp.shape[1:]).copy_(vp[i:i + count])
 
 
 def unpack(isa: str, cache: torch.Tensor, block_ids: torch.Tensor
