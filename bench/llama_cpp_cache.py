@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import machine_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.integrations.llama_cpp.helpers import text_tokens  # noqa: E402
 
 
 def stats(samples: list[float]) -> dict[str, object]:
@@ -75,18 +77,9 @@ def make_llama(args: argparse.Namespace):
 
 
 def prompt_tokens(llm, n: int, seed: int, *, bos: bool = True) -> list[int]:
-    """``n`` token ids of English text (numbered sentences; ``seed`` varies the words)."""
-    rng = np.random.default_rng(seed)
-    words = ["river", "garden", "lantern", "market", "winter", "harbor", "orchard", "bridge",
-             "meadow", "village", "forest", "signal", "window", "engine", "letter", "mountain"]
-    out: list[int] = []
-    i = 0
-    while len(out) < n:
-        a, b = rng.choice(words, 2, replace=False)
-        out += llm.tokenize(f" Note {i}: the {a} is near the {b}.".encode(),
-                            add_bos=bos and not out)
-        i += 1
-    return out[:n]
+    """``n`` token ids of English text (numbered sentences; ``seed`` varies the words): the
+    integration tests' prompts."""
+    return text_tokens(llm, n, seed=seed, add_bos=bos)
 
 
 def ttft(llm, prompt: list[int]) -> float:

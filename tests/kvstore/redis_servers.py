@@ -278,3 +278,14 @@ class Proxy:
             except OSError:
                 pass
             c.close()
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    """Whether ``cond()`` became true within ``timeout`` seconds (polled every 50 ms: the
+    tests wait on another process or a background probe they cannot be signalled by)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False

@@ -31,7 +31,7 @@ from kvstore.hashing import chain_seed, chunk_hash
 from kvstore.remote import value as rv
 from tests.kvstore.conftest import assert_get_exact, put_causal
 from tests.kvstore.kvgen import SMALL
-from tests.kvstore.redis_servers import Proxy
+from tests.kvstore.redis_servers import Proxy, wait_for
 
 C = 4
 DEADLINE = 0.5
@@ -42,14 +42,6 @@ MEMORY_BOUND = 32 << 20
 def toks(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 500, n).tolist()
 
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def cfg(url: str, **kw) -> kvstore.RemoteConfig:

@@ -12,7 +12,7 @@ import pytest
 import kvstore
 from tests.kvstore.conftest import assert_get_exact, put_causal
 from tests.kvstore.kvgen import SMALL
-from tests.kvstore.redis_servers import Proxy, Server, free_port
+from tests.kvstore.redis_servers import Proxy, Server, free_port, wait_for
 
 C = 4
 
@@ -27,14 +27,6 @@ def fast(url: str, **kw) -> kvstore.RemoteConfig:
     kw.setdefault("breaker_retry_s", 0.1)
     return kvstore.RemoteConfig(urls=(url,), **kw)
 
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_redis_down_at_open_then_up(open_small, tmp_path):
