@@ -1,8 +1,8 @@
 """The optional C extensions; everything else is in pyproject.toml.
 
 native/kvindex.c becomes kvstore.index._kvindex (opened with ctypes by kvstore.index.native),
-native/kvcopy.c becomes kvstore._kvcopy (opened with ctypes by kvstore.copying),
-native/kvcodec.c becomes kvstore._kvcodec (opened with ctypes by kvstore.codec_native).
+native/kvcopy.c becomes kvstore._kvcopy (opened with ctypes by kvstore.pipelines.gather),
+native/kvcodec.c becomes kvstore._kvcodec (opened with ctypes by kvstore.codecs.native_decoders).
 ``optional=True``: without a C compiler (or Python headers) the build warns and the package
 installs anyway, using the numpy fallbacks. -ffp-contract=off and no -ffast-math keep the
 float32 sums in the order the fallbacks use (bit-identical results).

@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     import kvstore
     from engine.model import load_model
     from engine.sharegpt import chat_ids
-    from kvstore.confined import Dir
-    from kvstore.index.context import directory_bytes, positioned_keys
+    from kvstore.format.directory import Dir
+    from kvstore.index.context_dir import directory_bytes, positioned_keys
 
     torch.set_num_threads(2)
     model = load_model()

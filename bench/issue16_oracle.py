@@ -26,7 +26,7 @@ from engine.replay.offline import RequestLog
 from engine.replay.server import Job, Method
 from engine.replay.simstore import SimStore
 from engine.replay.simulated import SimulatedExecutor
-from kvstore.policy import AccessStats, ReuseProbability
+from kvstore.eviction.policies import AccessStats, ReuseProbability
 
 ORACLES = ("whether", "when", "both", "rates")
 

@@ -6,7 +6,7 @@ baseline, measured in the same run):
 
 * ``bytes_per_token``: stored bytes of the context's chunks / tokens (the store's
   ``stats()["disk"]["stored_bytes"]``), and the ratio raw / stored.
-* ``encode_gbps`` / ``decode_gbps``: raw bytes / seconds of ``kvstore.codecs.encode`` /
+* ``encode_gbps`` / ``decode_gbps``: raw bytes / seconds of ``kvstore.codecs.layer_codec.encode`` /
   ``decode`` over every (chunk, layer), one thread, with the default decoders (native C for
   int8/fp8/int4 where built, and the native int8 encoder); ``decode_numpy_gbps``: the numpy/
   torch decoders of the same bytes in the same repetitions; the ceiling beside them is a numpy
@@ -33,8 +33,9 @@ KV is computed once, stored through the codec, the DRAM tier dropped, and then
 memory, on ``--kv-tokens`` tokens of random fp16 KV in SmolLM2-135M's layout (30 layers, 3 kv
 heads, head_dim 64, chunks of 256 tokens), one thread, int8 (``--codecs``): GB/s of decoded
 bytes of ``decode_layers`` of every chunk into its extent (preallocated, as DRAM slots) plus
-one ``kvstore.copying.gather`` of them all into keys and values [L, H, T, D] (what a get does
-today), against ``codecs.decode_into`` of every chunk straight into [L, H, T, D]; both with
+one ``kvstore.pipelines.gather.gather`` of them all into keys and values [L, H, T, D] (what a get
+does
+today), against ``layer_codec.decode_into`` of every chunk straight into [L, H, T, D]; both with
 the native decoders, checked to write the same bytes, alternating in each repetition.
 
 Usage (the numbers in docs/benchmarks.md):
@@ -64,10 +65,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import machine_info, summarize  # noqa: E402
 
 import kvstore  # noqa: E402
-from kvstore import codec_native, codecs  # noqa: E402
-from kvstore.codecs import LayerShape  # noqa: E402
-from kvstore.copying import gather  # noqa: E402
+from kvstore.codecs import (
+    layer_codec,  # noqa: E402
+    native_decoders,  # noqa: E402
+)
+from kvstore.codecs.layer_codec import LayerShape  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
+from kvstore.pipelines.gather import gather  # noqa: E402
 
 CHUNK = 256
 
@@ -95,17 +99,17 @@ def time_codec(name: str, raws, reps: int) -> dict:
     native (the default path) and numpy/torch; memcpy of the same bytes as the ceiling."""
     nbytes = sum(r.nbytes for r, _ in raws)
     enc_s, dec_s, np_s, copy_s = [], [], [], []
-    encoded = [codecs.encode(name, r, s) for r, s in raws]  # warmup
+    encoded = [layer_codec.encode(name, r, s) for r, s in raws]  # warmup
     outs = [np.empty(r.nbytes, dtype=np.uint8) for r, _ in raws]
-    natives = [True, False] if name in codecs.LOSSY and codec_native.AVAILABLE else [None]
+    natives = [True, False] if name in layer_codec.LOSSY and native_decoders.AVAILABLE else [None]
     for _ in range(reps):
         t = time.perf_counter()
-        encoded = [codecs.encode(name, r, s) for r, s in raws]
+        encoded = [layer_codec.encode(name, r, s) for r, s in raws]
         enc_s.append(time.perf_counter() - t)
         for native in natives:
             t = time.perf_counter()
             for e, (_, s), o in zip(encoded, raws, outs, strict=True):
-                codecs.decode(name, e, s, o, native=native)
+                layer_codec.decode(name, e, s, o, native=native)
             (np_s if native is False else dec_s).append(time.perf_counter() - t)
         t = time.perf_counter()
         for (r, _), o in zip(raws, outs, strict=True):
@@ -130,7 +134,7 @@ def decode_into_speed(name: str, n_tokens: int, reps: int, seed: int = 0) -> dic
     raws = layer_raws(k, v)  # chunk-major: chunk c's layers are raws[c * L : (c + 1) * L]
     chunks = []  # (data, spans, shape, start, extent)
     for c, a in enumerate(range(0, n_tokens, CHUNK)):
-        enc = [codecs.encode(name, r, s) for r, s in raws[c * L : (c + 1) * L]]
+        enc = [layer_codec.encode(name, r, s) for r, s in raws[c * L : (c + 1) * L]]
         shape = raws[c * L][1]
         offs = np.cumsum([0] + [len(e) for e in enc[:-1]])
         chunks.append((np.frombuffer(b"".join(enc), dtype=np.uint8),
@@ -140,13 +144,13 @@ def decode_into_speed(name: str, n_tokens: int, reps: int, seed: int = 0) -> dic
 
     def via_extents() -> None:
         for data, spans, shape, _, ext in chunks:
-            codecs.decode_layers(name, data, spans, shape, ext)
+            layer_codec.decode_layers(name, data, spans, shape, ext)
         gather(layout, k_out, v_out, [(ext, s.n_tokens, a, s.n_tokens)
                                       for _, _, s, a, ext in chunks])
 
     def straight() -> None:
         for data, spans, shape, a, _ in chunks:
-            codecs.decode_into(name, data, spans, shape, k_out, v_out, a, shape.n_tokens)
+            layer_codec.decode_into(name, data, spans, shape, k_out, v_out, a, shape.n_tokens)
 
     straight()
     want = (k_out.copy(), v_out.copy())
@@ -162,7 +166,7 @@ def decode_into_speed(name: str, n_tokens: int, reps: int, seed: int = 0) -> dic
     nbytes = 2 * k_out.nbytes
     out = {key: summarize(x, nbytes) for key, x in samples.items()}
     out.update({"codec": name, "tokens": n_tokens, "decoded_bytes": nbytes,
-                "layout": [L, H, D], "native": codec_native.AVAILABLE,
+                "layout": [L, H, D], "native": native_decoders.AVAILABLE,
                 "pair_ratios": [a / b for a, b in zip(samples["extent_gather"],
                                                       samples["decode_into"], strict=True)]})
     return out
@@ -241,7 +245,7 @@ def quality(model, prompts, conts, name: str, workdir: str, new_tokens: int,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--codecs", default=",".join(codecs.NAMES))
+    p.add_argument("--codecs", default=",".join(layer_codec.NAMES))
     p.add_argument("--kv-tokens", type=int, default=2048, help="tokens of the size/speed context")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions (after 1 warmup)")
     p.add_argument("--samples", type=int, default=4, help="quality prompts")
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     names = [x for x in args.codecs.split(",") if x]
     for x in names:
-        codecs.check_name(x, "--codecs")
+        layer_codec.check_name(x, "--codecs")
         if args.slot_codec and x in ("none", "zstd"):
             p.error(f"--slot-codec needs fixed-size codecs (int8, fp8, int4), got {x!r}")
 
@@ -308,10 +312,10 @@ def main(argv: list[str] | None = None) -> int:
                 ref.append({"kv": (pk.to(torch.float16), pv.to(torch.float16)),
                             "logits": logits.float(), "nll": nll, "tokens": r.tokens})
         print("references done", flush=True)
-        report["native_decoders"] = codec_native.AVAILABLE
+        report["native_decoders"] = native_decoders.AVAILABLE
 
         for name in names:
-            res: dict = {"lossy": name in codecs.LOSSY}
+            res: dict = {"lossy": name in layer_codec.LOSSY}
             res["speed"] = time_codec(name, raws, args.reps)
             res["cold"] = cold_gets(os.path.join(workdir, f"cold-{name}"), model.layout, name,
                                     ids, k, v, args.reps, slots=args.slot_codec)
@@ -380,7 +384,7 @@ def run_decode_into(args: argparse.Namespace, names: list[str], argv: list[str] 
         argv if argv is not None else sys.argv[1:]), "machine": machine_info(),
         "chunk_tokens": CHUNK, "decode_into": {}}
     for name in names:
-        if name not in codecs.LOSSY:
+        if name not in layer_codec.LOSSY:
             continue
         r = decode_into_speed(name, args.kv_tokens, args.reps)
         report["decode_into"][name] = r

@@ -1,8 +1,10 @@
 """A/B of a get's miss reader: this tree's ``Reader._read_misses`` against the one of an earlier
 commit, loaded beside it in the same process and alternated round by round (cold gets).
 
-The earlier method is taken from ``git show REV:src/kvstore/read.py`` and run in this tree's
-``kvstore.read`` namespace, so it must use only names this tree still has (true of 2aabfb2, the
+The earlier method is taken from ``git show REV:src/kvstore/pipelines/get.py`` and run in this
+tree's
+``kvstore.pipelines.get`` namespace, so it must use only names this tree still has (true of
+2aabfb2, the
 two-helper reader before the sequential one). Stores: raw (no codec), and int8 on disk in
 int8-sized slots with DRAM copies coded (``--dram-coded``, default) or decoded. Random fp16 KV
 in SmolLM2-135M's layout. Prints and writes GB/s p50 of decoded bytes per (reader, store).
@@ -31,13 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import machine_info, summarize  # noqa: E402
 
 import kvstore  # noqa: E402
-from kvstore import read as read_path  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
+from kvstore.pipelines import get as read_path  # noqa: E402
 
 
 def earlier_reader(rev: str):
     """``Reader._read_misses`` as of commit ``rev``."""
-    src = subprocess.run(["git", "show", f"{rev}:src/kvstore/read.py"], check=True,
+    src = subprocess.run(["git", "show", f"{rev}:src/kvstore/pipelines/get.py"], check=True,
                          capture_output=True, text=True).stdout
     a = src.index("    def _read_misses(")
     b = re.search(r"\n(class|def) \w", src[a:]).start() + a  # the next top-level name

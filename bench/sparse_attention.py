@@ -25,7 +25,7 @@ full-attention session's), agreement, held-out perplexity and step time against 
 attention in the same run. ``--planner BUDGET_MB`` (index memory), ``--planner-step-pct``
 (bytes moved per step, % of the context's KV) and ``--planner-resident-pct`` (execution tier,
 % of the full-attention session's) decode with the measured optimizer's per-layer plan
-(:mod:`engine.planner`) within the budgets given; the row reports its predicted bytes beside
+(:mod:`engine.sparse_planner`) within the budgets given; the row reports its predicted bytes beside
 the measured ones. ``--configs ''`` runs the planner's configuration alone.
 """
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.sparse import SparseConfig
     from kvstore.index import ContextIndexes
     from kvstore.index import native as native_kernels
-    from kvstore.index.context import positioned_keys
+    from kvstore.index.context_dir import positioned_keys
 
     model = load_model()
     ids = chat_ids(model, args.tokens + args.steps)
@@ -302,8 +302,8 @@ def offload_main(args: argparse.Namespace) -> int:
         plan_report = None
         budgets = (args.planner, args.planner_step_pct, args.planner_resident_pct)
         if any(b is not None for b in budgets):
-            from engine.planner import measure_profile, plan_layers
-            from kvstore.index.context import positioned_keys
+            from engine.sparse_planner import measure_profile, plan_layers
+            from kvstore.index.context_dir import positioned_keys
 
             Hkv, D = lay.num_kv_heads, lay.head_dim
             g = probes[0].shape[0] // Hkv  # query heads per kv-head

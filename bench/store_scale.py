@@ -46,9 +46,9 @@ import torch
 from benchutil import machine_info
 
 import kvstore
-from kvstore import extent
-from kvstore.hashing import chunk_hash
-from kvstore.records import ChunkRecord, ContextRecord
+from kvstore.format import chunk_extent
+from kvstore.format.hashing import chunk_hash
+from kvstore.format.records import ChunkRecord, ContextRecord
 
 LAYOUT = kvstore.KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16",
                           rope_theta=10000.0, model_id="scale-tiny")
@@ -114,7 +114,7 @@ def bulk_load(store: kvstore.Store, ctxs: Contexts, first: int, last: int,
             ext = rng.integers(0, 256, rec.n_tokens * lay.token_bytes, dtype=np.uint8)
             core.segments.write(slot, [ext])
             rec.slot = slot
-            rec.checksums = extent.checksums(ext, lay.num_layers)
+            rec.checksums = chunk_extent.checksums(ext, lay.num_layers)
         core.segments.sync(slots)  # extents durable before the records point to them
         with core.catalog.write() as txn:
             gen = txn.next_gen
@@ -195,7 +195,7 @@ def child_open(path: str, n_stored: int, seed: int, samples: int) -> dict[str, o
 
 
 def child_verify(path: str) -> dict[str, object]:
-    from kvstore.verify import verify_path
+    from kvstore.tools.verify import verify_path
 
     drop_cache(path)
     t0 = time.perf_counter()

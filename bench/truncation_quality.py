@@ -9,7 +9,7 @@ of continuation tokens). Methods (K = number of kept history tokens):
 
   as        AttentionStore decoupled truncation: KV of all W tokens computed once (positions
             0..W-1, keys stored pre-RoPE), newest half kept (Truncation.apply from
-            kvstore.truncation: the history fills a window of W, the next token overflows it),
+            engine.truncation: the history fills a window of W, the next token overflows it),
             re-positioned to 0..K-1; continuation at K..K+M-1. No recompute.
   as_sink   the same keeping the first --sink tokens (default 4) as well (Truncation(sink=4)).
   tt        token truncation + recompute: KV of the kept tokens recomputed alone from scratch
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 import engine
 from engine.model import Model, split_kv, stack_kv
-from kvstore.truncation import Truncation
+from engine.truncation import Truncation
 
 METHODS = ("as", "as_sink", "tt", "tt_sink", "nkvt", "full", "none")
 SINK = 4  # default sink tokens of as_sink / tt_sink

@@ -1,12 +1,12 @@
 /* Decoders of the store's lossy KV codecs, and the int8 encoder (called through ctypes from
- * src/kvstore/codec_native.py).
+ * src/kvstore/codecs/native_decoders.py).
  *
  * One call decodes one (chunk, layer): the encoded data (int8 / e4m3 bytes, or packed int4
  * nibbles) times its float32 scales, rounded to the layout dtype (float16, bfloat16 or float32,
  * round to nearest even) and written as the layer's raw bytes [2 (K/V), H, n, D]
  * (kvcodec_decode), or its first ``use`` tokens straight into keys and values [L, H, T, D] at a
  * token offset (kvcodec_decode_into; the same row decoders, another destination). The numpy /
- * torch decoders in src/kvstore/codecs.py compute the same float32 product (one IEEE multiply,
+ * torch decoders in src/kvstore/codecs/layer_codec.py compute the same float32 product (one IEEE multiply,
  * no FMA: built with -ffp-contract=off) and round it the same way, so the bytes are identical;
  * tests/kvstore/test_codec_native.py checks that.
  *

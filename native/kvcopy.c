@@ -1,4 +1,4 @@
-/* The store's gather copy (called through ctypes from src/kvstore/copying.py).
+/* The store's gather copy (called through ctypes from src/kvstore/pipelines/gather.py).
  *
  * A get copies the KV of its chunks out of their extents (each [L, 2 (K/V), H, n, D], one
  * chunk's tokens per extent) into the caller's keys and values [L, H, T, D]. In numpy that is

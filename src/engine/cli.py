@@ -8,8 +8,8 @@ import json
 import sys
 from urllib.parse import quote
 
-from kvstore.cli import add_store_commands, run
-from kvstore.confined import Dir
+from kvstore.format.directory import Dir
+from kvstore.tools.cli import add_store_commands, run
 
 CONVERSATIONS = "conversations"
 MAX_NAME_BYTES = 200  # of the escaped name: a file name stays under the usual 255-byte limit
@@ -67,7 +67,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     import kvstore
     from engine.generate import Conversation, Generator, SamplingConfig
     from engine.model import load_model
-    from kvstore.truncation import Truncation
+    from engine.truncation import Truncation
 
     try:
         file = conversation_file(args.conversation)

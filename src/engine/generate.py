@@ -3,7 +3,7 @@
 ``Generator.generate(ids)`` is one request. ``Conversation`` is a multi-turn chat on top of it:
 it keeps the conversation's token ids (so every turn's prompt extends the last one exactly and
 the store serves the whole history), and when the history would overflow the context window it
-truncates the *stored KV* (the plan of :class:`kvstore.truncation.Truncation`: keep the sink
+truncates the *stored KV* (the plan of :class:`engine.truncation.Truncation`: keep the sink
 tokens, drop the oldest half of the rest until the turn fits) and re-positions the rest — no
 recompute (AttentionStore §3.4).
 """
@@ -20,8 +20,8 @@ import torch
 import kvstore
 from engine.loadcompute import LoadRates, Split
 from engine.model import KV, Model, full_attention, split_kv, stack_kv
-from kvstore.layerwise import LayerLoad
-from kvstore.truncation import Truncation
+from engine.truncation import Truncation
+from kvstore.pipelines.layer_load import LayerLoad
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +103,8 @@ def message_ids(model: Model, role: str, content: str, *, first: bool,
 
 class LayerwisePast(Sequence[KV]):
     """A stored prefix as the ``past`` of :meth:`Model.forward`, loaded layer by layer:
-    ``past[l]`` waits for layer l of a :class:`kvstore.layerwise.LayerLoad`, so loading layer
+    ``past[l]`` waits for layer l of a :class:`kvstore.pipelines.layer_load.LayerLoad`, so loading
+    layer
     l+1 overlaps computing layer l."""
 
     def __init__(self, load: LayerLoad) -> None:

@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import kvstore
-from kvstore.hashing import as_tokens
+from kvstore.format.hashing import as_tokens
 from kvstore.layout import KVLayout
 from kvstore.rope import apply_rope, remove_rope
 

@@ -14,11 +14,12 @@ retrieved tokens, merged by log-sum-exp), but its execution tier holds only:
   kv-head) and the retrieved tokens' values. It lives for one layer of one step.
 
 Each step and layer reads, through :meth:`kvstore.Store.rows` (verified per chunk-layer, see
-:mod:`kvstore.rows`), the candidate keys PQ re-ranks and the retrieved tokens' keys and values;
+:mod:`kvstore.pipelines.row_reads`), the candidate keys PQ re-ranks and the retrieved tokens' keys
+and values;
 nothing else of the context moves. ``bytes_moved`` counts those bytes (fp16 as stored),
 :meth:`exec_bytes` what the session holds. The functions under "the accounting" below
 (:func:`holds_keys`, :func:`step_moved_bytes`, :func:`step_buffer_bytes`,
-:func:`base_resident_bytes`) state these rules once; :mod:`engine.planner` predicts a plan's
+:func:`base_resident_bytes`) state these rules once; :mod:`engine.sparse_planner` predicts a plan's
 bytes with them.
 
 Several new tokens at once (a prefill after the stored prefix) or a layer planned ``full``
@@ -46,8 +47,8 @@ from engine.sparse import (
 )
 from kvstore.index import ArrayKeys, build_index
 from kvstore.layout import KVLayout
+from kvstore.pipelines.row_reads import RowReader
 from kvstore.rope import cos_sin
-from kvstore.rows import RowReader
 
 __all__ = ["OffloadedSession", "arrays_bytes", "base_resident_bytes", "held_keys_bytes",
            "holds_keys", "keeps_index", "open_offloaded", "step_buffer_bytes",
@@ -56,7 +57,7 @@ __all__ = ["OffloadedSession", "arrays_bytes", "base_resident_bytes", "held_keys
 
 # ------------------------------------------------------------------ the accounting
 # What an offloaded layer holds and what its decode step moves. OffloadedSession follows these
-# rules; engine.planner predicts a plan's bytes with them (from rows it counts on probes).
+# rules; engine.sparse_planner predicts a plan's bytes with them (from rows it counts on probes).
 
 
 def holds_keys(kind: str) -> bool:
@@ -161,7 +162,8 @@ class _StepKeys:
 class OffloadedSession:
     """Sparse decode over a context whose KV stays in the store (batch size 1).
 
-    ``reader``: the store's :class:`~kvstore.rows.RowReader` over the context (N tokens).
+    ``reader``: the store's :class:`~kvstore.pipelines.row_reads.RowReader` over the context (N
+    tokens).
     ``sparse``: the sparse-decode config (its plans choose each layer's index and query).
     ``indexes``: stored indexes of exactly this context (their files' compact parts are kept,
     their keys read through the reader), used for layers whose plan names their kind; others
@@ -409,7 +411,7 @@ def open_offloaded(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *
     is left to run), with the store's indexes of exactly that context when it has them.
     Returns (session, rest). KeyError if nothing of ``ids`` is stored."""
     layout.require_pre_rope("an offloaded session (open_offloaded)")
-    toks = [int(t) for t in kvstore.hashing.as_tokens(ids, name="ids").tolist()]
+    toks = [int(t) for t in kvstore.format.hashing.as_tokens(ids, name="ids").tolist()]
     n = min(store.match(toks, namespace=namespace), len(toks) - 1)
     if n < 1:
         raise KeyError("no prefix of ids is stored")

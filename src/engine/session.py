@@ -209,7 +209,7 @@ def open_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *,
     run), with the store's indexes of that context when it has them. Returns (session, rest).
     KeyError if nothing of ``ids`` is stored."""
     layout.require_pre_rope("a runtime session (open_session)")
-    toks = [int(t) for t in kvstore.hashing.as_tokens(ids, name="ids").tolist()]
+    toks = [int(t) for t in kvstore.format.hashing.as_tokens(ids, name="ids").tolist()]
     n = min(store.match(toks, namespace=namespace), len(toks) - 1)
     if n < 1:
         raise KeyError("no prefix of ids is stored")

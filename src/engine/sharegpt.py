@@ -265,7 +265,7 @@ def token_table(model, *, path: str | None = None, max_message_chars: int = 16_0
     written there atomically."""
     import pyarrow.parquet as pq
 
-    from kvstore.fsutil import atomic_write  # here: `import kvstore` loads torch
+    from kvstore.format.durable import atomic_write  # here: `import kvstore` loads torch
 
     path = path or dataset_path()
     key = (f"{file_hash(path)}-r{RULES_VERSION}-{model.layout.model_id}-m{max_message_chars}")

@@ -128,7 +128,7 @@ class SparseConfig:
     flat_layers: tuple[int, ...] = (0,)  # layers that need many tokens: exact scan (§6.2)
     dipr_cap: int | None = None
     spec: IndexSpec = field(default_factory=IndexSpec)
-    # per-layer plans chosen from measurements (engine.planner); None: the rules below
+    # per-layer plans chosen from measurements (engine.sparse_planner); None: the rules below
     layers: tuple[SparsePlan, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -158,7 +158,7 @@ class SparseConfig:
 
     def plan(self, layer: int, n_tokens: int) -> SparsePlan:
         """The rule-based optimizer (AlayaDB §6.2, Fig. 8), or the measured per-layer plans
-        (``layers``, from :mod:`engine.planner`) for contexts of at least ``full_below``."""
+        (``layers``, from :mod:`engine.sparse_planner`) for contexts of at least ``full_below``."""
         if n_tokens < self.full_below:
             return SparsePlan(index="full")
         if self.layers is not None:

@@ -2,7 +2,7 @@
 
 The store keeps keys *before* RoPE, so a context can be re-positioned (truncated, shifted,
 reused at another offset) by applying RoPE at the new positions when it is loaded; which tokens
-a truncation keeps is :mod:`kvstore.truncation`'s rule. Convention: half-split ("rotate_half",
+a truncation keeps is :mod:`engine.truncation`'s rule. Convention: half-split ("rotate_half",
 as HF Llama), angles ``pos * theta ** (-2i / D)`` computed in float64 so that any position is
 exact to float32, then the rotation in float32 (or float64).
 """

@@ -62,7 +62,7 @@ def test_conversation_names_map_one_to_one_to_safe_files():
 def test_chat_state_is_never_read_or_written_through_a_symlink(tmp_path):
     """A symlink planted at a conversation's state file is refused, never followed."""
     from engine.cli import CONVERSATIONS, _load_state, conversation_file
-    from kvstore.confined import Dir, UnsafePath
+    from kvstore.format.directory import Dir, UnsafePath
 
     outside = tmp_path / "outside.json"
     outside.write_text('{"ids": [1], "namespace": null, "truncations": 0}')

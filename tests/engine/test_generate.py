@@ -13,8 +13,8 @@ import torch
 import kvstore
 from engine.generate import Conversation, Generator, SamplingConfig, message_ids
 from engine.model import split_kv, stack_kv
+from engine.truncation import Truncation
 from kvstore.rope import apply_rope
-from kvstore.truncation import Truncation
 from tests.engine.test_model_reference import (
     read_sharegpt_records,
     sharegpt_messages,

@@ -1,4 +1,4 @@
-"""engine.planner: a profile measured against exact scores, and per-layer choices that follow
+"""engine.sparse_planner: a profile measured against exact scores, and per-layer choices that follow
 the memory budget (no model needed: synthetic keys whose layers differ)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.planner import measure_profile, plan_layers
 from engine.sparse import SparseConfig
+from engine.sparse_planner import measure_profile, plan_layers
 from kvstore.index import IndexSpec
 
 L, H, N, D = 3, 2, 700, 16

@@ -1,4 +1,4 @@
-"""engine.planner.plan_layers under budgets for index memory, bytes moved per step and the
+"""engine.sparse_planner.plan_layers under budgets for index memory, bytes moved per step and the
 execution tier: hand-built profiles (choices follow the step budget) and random tiny ones
 against brute force over every assignment (feasibility, errors, no improving swap)."""
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.planner import LayerProfile, Option, Profile, plan_layers
+from engine.sparse_planner import LayerProfile, Option, Profile, plan_layers
 
 KB = 1024
 

@@ -10,10 +10,10 @@ import torch
 
 import kvstore
 from engine.offload import OffloadedSession
-from engine.planner import measure_profile, plan_layers
 from engine.sparse import SparseConfig
+from engine.sparse_planner import measure_profile, plan_layers
 from kvstore.index import IndexSpec
-from kvstore.index.context import positioned_keys
+from kvstore.index.context_dir import positioned_keys
 
 L, HKV, G, N, D = 3, 2, 2, 640, 32
 SPEC = IndexSpec(kind="pq", pq_subspaces=4, graph_m=8, graph_ef_construction=40,

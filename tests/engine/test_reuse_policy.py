@@ -1,4 +1,4 @@
-"""The reuse-probability policy (kvstore.policy.ReuseProbability, ReturnModel) and the
+"""The reuse-probability policy (kvstore.eviction.policies.ReuseProbability, ReturnModel) and the
 load-or-compute split (engine.replay.costs.CostModel.split)."""
 
 import dataclasses
@@ -10,7 +10,14 @@ import pytest
 
 from engine.replay.costs import PRESETS
 from engine.replay.simstore import SimStore
-from kvstore.policy import LRU, AccessStats, Queued, ReturnModel, ReturnTracker, ReuseProbability
+from kvstore.eviction.policies import (
+    LRU,
+    AccessStats,
+    Queued,
+    ReturnModel,
+    ReturnTracker,
+    ReuseProbability,
+)
 
 
 def test_survival_matches_a_known_distribution():

@@ -206,7 +206,7 @@ def test_shared_system_prompt_reuses_exactly_the_shared_blocks_and_stores_them_o
 def test_full_disk_never_reaches_the_engine(tmp_path, model_dir, prompts, reference, small_disk):
     """On a filesystem too small for the KV, saves fail; answers stay right and nothing
     half-written is visible."""
-    from kvstore.verify import verify_path
+    from kvstore.tools.verify import verify_path
 
     store = small_disk / "s"
     r1, r2 = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}] * 2,

@@ -24,7 +24,7 @@ import torch
 
 import kvstore
 from kvstore.errors import KVStoreError
-from kvstore.verify import verify_path
+from kvstore.tools.verify import verify_path
 from tests.kvstore.kvgen import SMALL, causal_kv
 
 NEW = list(range(900, 911))

@@ -5,7 +5,7 @@ import os
 import pytest
 
 import kvstore
-from kvstore.policy import FIFO, LRU, AccessStats, PriorityHeap
+from kvstore.eviction.policies import FIFO, LRU, AccessStats, PriorityHeap
 from tests.kvstore.conftest import assert_get_exact, put_causal
 from tests.kvstore.kvgen import SMALL
 
@@ -48,7 +48,7 @@ def test_churn_stays_within_budget(open_small, tmp_path):
         assert_get_exact(s, c)
     for c in evicted:
         assert s.match(c) == 0
-    from kvstore.verify import verify_store
+    from kvstore.tools.verify import verify_store
 
     assert verify_store(s)["ok"]
 
@@ -118,7 +118,7 @@ def test_shrinking_disk_budget_on_reopen(tmp_path):
                 assert_get_exact(s, [x] * 8)
         put_causal(s, [77] * 8)
         assert _dir_bytes(path / "segments") <= 8 * SLOT
-    from kvstore.verify import verify_path
+    from kvstore.tools.verify import verify_path
 
     assert verify_path(path)["ok"]
 

@@ -13,9 +13,9 @@ from tests.kvstore.conftest import put_causal
 
 FORGE = textwrap.dedent("""
     import sys, numpy as np
-    from kvstore.catalog import Catalog
-    from kvstore.confined import Dir
-    from kvstore.records import ChunkRecord
+    from kvstore.format.catalog import Catalog
+    from kvstore.format.directory import Dir
+    from kvstore.format.records import ChunkRecord
     root = Dir.open_root(sys.argv[1], create=False)
     cat = Catalog(root, readonly=False, walk=False, joining=False)
     n, slot = int(sys.argv[2]), int(sys.argv[3])

@@ -10,7 +10,7 @@ from tests.kvstore.kvgen import SMALL
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvstore.tools.cli", *args], capture_output=True,
                           text=True, timeout=120)
 
 

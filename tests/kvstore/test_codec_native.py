@@ -1,5 +1,6 @@
-"""The native decoders (native/kvcodec.c via kvstore.codec_native) against the numpy/torch
-decoders of kvstore.codecs, which are the oracle: the same bytes for every input, or the same
+"""The native decoders (native/kvcodec.c via kvstore.codecs.native_decoders) against the numpy/torch
+decoders of kvstore.codecs.layer_codec, which are the oracle: the same bytes for every input, or
+the same
 refusal (CorruptData). Both the F16C/AVX2 path and the portable C path are checked. Encoded
 bytes are also forged directly (any codes, any scale bits: huge, tiny, subnormal, negative,
 NaN, inf), since stored bytes are untrusted input."""
@@ -10,13 +11,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kvstore import codec_native, codecs
-from kvstore.codecs import LayerShape
+from kvstore.codecs import layer_codec, native_decoders
+from kvstore.codecs.layer_codec import LayerShape
 from kvstore.errors import CorruptData
 from tests.kvstore.test_codecs import DTYPES, raw_of
 
-pytestmark = pytest.mark.skipif(not codec_native.AVAILABLE,
-                                reason=f"no native codecs: {codec_native.UNAVAILABLE_REASON}")
+pytestmark = pytest.mark.skipif(not native_decoders.AVAILABLE,
+                                reason=f"no native codecs: {native_decoders.UNAVAILABLE_REASON}")
 LOSSY = ["int8", "fp8", "int4"]
 odd_shapes = st.builds(LayerShape, st.sampled_from(sorted(DTYPES)), st.integers(1, 4),
                        st.integers(1, 80), st.sampled_from([1, 3, 8, 13, 40, 64, 96, 130]))
@@ -24,7 +25,7 @@ odd_shapes = st.builds(LayerShape, st.sampled_from(sorted(DTYPES)), st.integers(
 
 @pytest.fixture(params=[2, 1, 0], ids=["widest", "avx2", "portable"])
 def simd(request, monkeypatch):  # the same for every hypothesis example of a test (on purpose)
-    monkeypatch.setattr(codec_native, "SIMD", request.param)
+    monkeypatch.setattr(native_decoders, "SIMD", request.param)
     return request.param
 
 
@@ -33,7 +34,7 @@ def both(name: str, data: bytes, shape: LayerShape) -> tuple[object, object]:
     res = []
     for native in (True, False):
         try:
-            res.append(codecs.decode(name, data, shape, native=native))
+            res.append(layer_codec.decode(name, data, shape, native=native))
         except CorruptData as e:
             res.append(e)
     return res[0], res[1]
@@ -64,7 +65,7 @@ def kv(shape: LayerShape, seed: int, spread: float) -> np.ndarray:
        spread=st.sampled_from([1e-6, 1e-3, 1.0, 300.0]), name=st.sampled_from(LOSSY))
 def test_native_decode_equals_numpy_on_encoded_kv(simd, shape, seed, spread, name):
     raw = kv(shape, seed, spread)
-    assert_same(name, codecs.encode(name, raw, shape), shape)
+    assert_same(name, layer_codec.encode(name, raw, shape), shape)
 
 
 @settings(max_examples=80, deadline=None,
@@ -72,11 +73,11 @@ def test_native_decode_equals_numpy_on_encoded_kv(simd, shape, seed, spread, nam
 @given(shape=odd_shapes, name=st.sampled_from(LOSSY), data=st.data())
 def test_native_decode_equals_numpy_on_forged_bytes(simd, shape, name, data):
     """Any codes and any scale bits (the scales are the trailing float32s)."""
-    size = codecs.encoded_size(name, shape)
+    size = layer_codec.encoded_size(name, shape)
     n_scales = ((shape.num_kv_heads * shape.head_dim + shape.num_kv_heads * shape.n_tokens)
                 if name != "int4" else None)
     if n_scales is None:
-        groups, g = codecs._int4_groups(shape)
+        groups, g = layer_codec._int4_groups(shape)
         n_scales = shape.num_kv_heads * (groups * shape.head_dim
                                          + shape.n_tokens * (shape.head_dim // g))
     codes = data.draw(st.binary(min_size=size - 4 * n_scales, max_size=size - 4 * n_scales))
@@ -104,7 +105,7 @@ def test_every_int8_code_times_hard_scales_rounds_like_torch(simd, dtype):
     sv = np.array([2.0**-25, 1.0 + 2.0**-11], dtype="<f4")
     data = np.tile(codes, 2 * h * n).tobytes() + sk.tobytes() + sv.tobytes()
     assert_same("int8", data, shape)
-    a = codecs.decode("int8", data, shape, native=True)
+    a = layer_codec.decode("int8", data, shape, native=True)
     assert a.any()
 
 
@@ -118,7 +119,7 @@ def test_every_fp8_code_decodes_like_torch_and_nan_codes_are_refused(simd):
         data = bytearray(codes * 2 + ones)
         data[300] = nan
         with pytest.raises(CorruptData, match="NaN"):
-            codecs.decode("fp8", bytes(data), shape, native=True)
+            layer_codec.decode("fp8", bytes(data), shape, native=True)
 
 
 @pytest.mark.parametrize("name", LOSSY)
@@ -126,19 +127,19 @@ def test_a_bad_scale_is_corrupt_data_naming_the_layer(simd, name):
     shape = LayerShape("float16", 2, 33, 64)
     rng = np.random.default_rng(0)
     raw = raw_of(torch.from_numpy(rng.standard_normal((2, 2, 33, 64))).half())
-    enc = codecs.encode(name, raw, shape)
+    enc = layer_codec.encode(name, raw, shape)
     layers = [bytearray(enc) for _ in range(3)]
     layers[2][-4:] = np.array([-1.0], dtype="<f4").tobytes()
     data = np.frombuffer(b"".join(layers), dtype=np.uint8)
     spans = [(i * len(enc), len(enc)) for i in range(3)]
     out = np.empty(3 * shape.raw_bytes, dtype=np.uint8)
     with pytest.raises(CorruptData, match="layer 2"):
-        codecs.decode_layers(name, data, spans, shape, out, native=True)
+        layer_codec.decode_layers(name, data, spans, shape, out, native=True)
     with pytest.raises(CorruptData):
-        codecs.decode_layers(name, data, spans, shape, out, native=False)
+        layer_codec.decode_layers(name, data, spans, shape, out, native=False)
     good = np.frombuffer(enc * 2, dtype=np.uint8)
-    codecs.decode_layers(name, good, spans[:2], shape, out[: 2 * shape.raw_bytes], native=True)
-    ref = codecs.decode(name, enc, shape, native=False)
+    layer_codec.decode_layers(name, good, spans[:2], shape, out[: 2 * shape.raw_bytes], native=True)
+    ref = layer_codec.decode(name, enc, shape, native=False)
     assert np.array_equal(out[: shape.raw_bytes], ref)
     assert np.array_equal(out[shape.raw_bytes : 2 * shape.raw_bytes], ref)
 
@@ -146,30 +147,30 @@ def test_a_bad_scale_is_corrupt_data_naming_the_layer(simd, name):
 @pytest.mark.parametrize("name", LOSSY)
 def test_hostile_lengths_never_reach_native_code(name):
     shape = LayerShape("bfloat16", 3, 20, 8)
-    enc = codecs.encode(name, kv(shape, 1, 1.0), shape)
+    enc = layer_codec.encode(name, kv(shape, 1, 1.0), shape)
     out = np.empty(2 * shape.raw_bytes, dtype=np.uint8)
     data = np.frombuffer(enc + enc, dtype=np.uint8)
     for bad in (enc[:-1], enc + b"\0", b"", enc[:7]):
         with pytest.raises(CorruptData):
-            codecs.decode(name, bad, shape, native=True)
+            layer_codec.decode(name, bad, shape, native=True)
     n = len(enc)
     for spans in ([(0, n), (n, n - 1)], [(0, n), (n + 1, n)], [(0, n), (-1, n)],
                   [(0, n), (2 * n, n)], [(0, n + 1), (n, n)]):
         with pytest.raises(CorruptData):
-            codecs.decode_layers(name, data, spans, shape, out, native=True)
-    # the binding's own checks, for callers that skip codecs.decode_layers
-    size = codecs.encoded_size(name, shape)
-    groups, g = codecs._int4_groups(shape)
-    kw = dict(table=codecs._FP8_VALUES if name == "fp8" else None,
+            layer_codec.decode_layers(name, data, spans, shape, out, native=True)
+    # the binding's own checks, for callers that skip layer_codec.decode_layers
+    size = layer_codec.encoded_size(name, shape)
+    groups, g = layer_codec._int4_groups(shape)
+    kw = dict(table=layer_codec._FP8_VALUES if name == "fp8" else None,
               groups=groups if name == "int4" else 0, g=g if name == "int4" else 0)
     with pytest.raises(ValueError, match="offsets"):
-        codec_native.decode_layers(name, data, [0, n + 1], shape, size, out, **kw)
+        native_decoders.decode_layers(name, data, [0, n + 1], shape, size, out, **kw)
     with pytest.raises(ValueError, match="encoded_size"):
-        codec_native.decode_layers(name, data, [0, n], shape, size - 1, out, **kw)
+        native_decoders.decode_layers(name, data, [0, n], shape, size - 1, out, **kw)
     with pytest.raises(ValueError, match="out"):
-        codec_native.decode_layers(name, data, [0, n], shape, size, out[:-1], **kw)
+        native_decoders.decode_layers(name, data, [0, n], shape, size, out[:-1], **kw)
     with pytest.raises(ValueError, match="data"):
-        codec_native.decode_layers(name, data.astype(np.int16), [0], shape, size, out[:1], **kw)
+        native_decoders.decode_layers(name, data.astype(np.int16), [0], shape, size, out[:1], **kw)
 
 
 @settings(max_examples=60, deadline=None,
@@ -187,7 +188,7 @@ def test_native_int8_encode_equals_torch(simd, shape, seed, spread, special):
     got = []
     for native in (True, False):
         try:
-            got.append(codecs.encode("int8", raw, shape, native=native))
+            got.append(layer_codec.encode("int8", raw, shape, native=native))
         except ValueError as e:
             got.append(type(e))
     assert got[0] == got[1]
@@ -205,8 +206,8 @@ def test_int8_encode_rounds_ties_to_even_like_torch(simd, dtype):
     x[1, 0, 2, :] = col  # V token 2 over 8 channels
     shape = LayerShape(dtype, 1, 8, 8)
     raw = raw_of(x.to(DTYPES[dtype]))
-    enc = codecs.encode("int8", raw, shape, native=True)
-    assert enc == codecs.encode("int8", raw, shape, native=False)
+    enc = layer_codec.encode("int8", raw, shape, native=True)
+    assert enc == layer_codec.encode("int8", raw, shape, native=False)
     q = np.frombuffer(enc, dtype=np.int8, count=2 * 64).reshape(2, 8, 8)
     want = [127, 0, 2, 2, 0, -2, 126, -126]
     assert q[0, :, 3].tolist() == want and q[1, 2, :].tolist() == want
@@ -218,13 +219,13 @@ INTS = {2: np.int16, 4: np.int32}
 
 def into(name: str, blob: np.ndarray, spans: list, shape: LayerShape, T: int, start: int,
          use: int, native: bool) -> object:
-    """(keys, values) [L, H, T, D] (filled with 7 first) after codecs.decode_into, or the
+    """(keys, values) [L, H, T, D] (filled with 7 first) after layer_codec.decode_into, or the
     CorruptData it raised."""
     L, H, D = len(spans), shape.num_kv_heads, shape.head_dim
     k = np.full((L, H, T, D), 7, dtype=INTS[shape.itemsize])
     v = np.full((L, H, T, D), 7, dtype=INTS[shape.itemsize])
     try:
-        codecs.decode_into(name, blob, spans, shape, k, v, start, use, native=native)
+        layer_codec.decode_into(name, blob, spans, shape, k, v, start, use, native=native)
     except CorruptData as e:
         return e
     return k, v
@@ -258,14 +259,14 @@ def chunk(layers: list[bytes]) -> tuple[np.ndarray, list[tuple[int, int]]]:
        layers=st.integers(1, 3), data=st.data())
 def test_native_decode_into_equals_the_reference(simd, shape, seed, name, layers, data):
     """Odd head dims, every dtype, partial chunks at any offset of the output."""
-    blob, spans = chunk([codecs.encode(name, kv(shape, seed + i, 1.0), shape)
+    blob, spans = chunk([layer_codec.encode(name, kv(shape, seed + i, 1.0), shape)
                          for i in range(layers)])
     use = data.draw(st.integers(1, shape.n_tokens), label="use")
     T = data.draw(st.integers(use, use + 40), label="T")
     start = data.draw(st.integers(0, T - use), label="start")
     k, v = assert_into_same(name, blob, spans, shape, T, start, use)  # type: ignore[misc]
     ref = np.empty(layers * shape.raw_bytes, dtype=np.uint8)  # and the extent's own tokens
-    codecs.decode_layers(name, blob, spans, shape, ref, native=False)
+    layer_codec.decode_layers(name, blob, spans, shape, ref, native=False)
     ext = ref.view(k.dtype).reshape(layers, 2, shape.num_kv_heads, shape.n_tokens, -1)
     assert np.array_equal(k[:, :, start : start + use], ext[:, 0, :, :use])
     assert np.array_equal(v[:, :, start : start + use], ext[:, 1, :, :use])
@@ -277,7 +278,7 @@ def test_native_decode_into_equals_the_reference(simd, shape, seed, name, layers
 def test_native_decode_into_equals_the_reference_on_forged_bytes(simd, shape, name, data):
     """A good layer, then a forged one: any codes, and scales in range or (sometimes) hard
     bits (subnormal, huge, negative, NaN, inf)."""
-    size = codecs.encoded_size(name, shape)
+    size = layer_codec.encoded_size(name, shape)
     n_scales = n_scales_of(name, shape)
     codes = data.draw(st.binary(min_size=size - 4 * n_scales, max_size=size - 4 * n_scales))
     hard = st.sampled_from([0.0, -0.0, 1.0, 2.0**-149, 3e-39, 1e38, 3.4e38, -1.0,
@@ -288,7 +289,7 @@ def test_native_decode_into_equals_the_reference_on_forged_bytes(simd, shape, na
                                          min_size=n_scales, max_size=n_scales)), dtype="<f4")
     if name == "fp8" and not data.draw(st.booleans()):  # mostly without NaN codes
         codes = bytes(b if (b & 0x7F) != 0x7F else b ^ 1 for b in codes)
-    blob, spans = chunk([codecs.encode(name, kv(shape, 0, 1.0), shape),
+    blob, spans = chunk([layer_codec.encode(name, kv(shape, 0, 1.0), shape),
                          codes + scales.tobytes()])
     use = data.draw(st.integers(1, shape.n_tokens), label="use")
     assert_into_same(name, blob, spans, shape, use + 2, 1, use)
@@ -299,7 +300,7 @@ def n_scales_of(name: str, shape: LayerShape) -> int:
     h, n, d = shape.num_kv_heads, shape.n_tokens, shape.head_dim
     if name != "int4":
         return h * d + h * n
-    groups, g = codecs._int4_groups(shape)
+    groups, g = layer_codec._int4_groups(shape)
     return h * (groups * d + n * (d // g))
 
 
@@ -320,7 +321,7 @@ def forge(name: str, enc: bytes, shape: LayerShape, what: str) -> bytes:
 def test_native_decode_into_refuses_bad_bytes_naming_the_layer(simd, name, what):
     """Also where the bad scale or code belongs to a token that is not written."""
     shape = LayerShape("float16", 2, 33, 64)
-    enc = [codecs.encode(name, kv(shape, i, 1.0), shape) for i in range(3)]
+    enc = [layer_codec.encode(name, kv(shape, i, 1.0), shape) for i in range(3)]
     enc[1] = forge(name, enc[1], shape, what)
     blob, spans = chunk(enc)
     for use in (1, 33):
@@ -328,7 +329,7 @@ def test_native_decode_into_refuses_bad_bytes_naming_the_layer(simd, name, what)
         assert isinstance(got, CorruptData)
         ext = np.empty(3 * shape.raw_bytes, dtype=np.uint8)
         with pytest.raises(CorruptData) as layers_err:
-            codecs.decode_layers(name, blob, spans, shape, ext, native=True)
+            layer_codec.decode_layers(name, blob, spans, shape, ext, native=True)
         assert str(got) == str(layers_err.value)
         assert "layer 1 " in str(got) and ("NaN" if what == "nan" else "scale") in str(got)
         # the reference refuses the same layer: layer 0 alone decodes, layers 0-1 do not
@@ -340,31 +341,31 @@ def test_native_decode_into_refuses_bad_bytes_naming_the_layer(simd, name, what)
 def test_decode_into_falls_back_for_outputs_it_cannot_write_directly():
     """Strided or overlapping outputs: the reference loop, the same bytes."""
     shape = LayerShape("bfloat16", 3, 20, 8)
-    blob, spans = chunk([codecs.encode("int8", kv(shape, i, 1.0), shape) for i in range(2)])
+    blob, spans = chunk([layer_codec.encode("int8", kv(shape, i, 1.0), shape) for i in range(2)])
     want = into("int8", blob, spans, shape, 30, 5, 17, native=False)
     k = np.full((2, 3, 30, 16), 7, dtype=np.int16)
     v = np.full((2, 3, 30, 8), 7, dtype=np.int16)
-    codecs.decode_into("int8", blob, spans, shape, k[..., ::2], v, 5, 17, native=True)
+    layer_codec.decode_into("int8", blob, spans, shape, k[..., ::2], v, 5, 17, native=True)
     assert np.array_equal(k[..., ::2], want[0]) and np.array_equal(v, want[1])  # type: ignore
     assert (k[..., 1::2] == 7).all()
     k0 = np.zeros((0, 3, 30, 8), np.int16)  # no layers: nothing to do on either path
     for native in (True, False):
-        codecs.decode_into("int8", blob, [], shape, k0, k0.copy(), 5, 17, native=native)
+        layer_codec.decode_into("int8", blob, [], shape, k0, k0.copy(), 5, 17, native=native)
 
 
 @pytest.mark.parametrize("name", LOSSY)
 def test_hostile_decode_into_arguments_never_reach_native_code(name):
     shape = LayerShape("float16", 3, 20, 8)
-    enc = codecs.encode(name, kv(shape, 1, 1.0), shape)
-    n, size = len(enc), codecs.encoded_size(name, shape)
+    enc = layer_codec.encode(name, kv(shape, 1, 1.0), shape)
+    n, size = len(enc), layer_codec.encoded_size(name, shape)
     data = np.frombuffer(enc + enc, dtype=np.uint8)
-    groups, g = codecs._int4_groups(shape)
-    kw = dict(table=codecs._FP8_VALUES if name == "fp8" else None,
+    groups, g = layer_codec._int4_groups(shape)
+    kw = dict(table=layer_codec._FP8_VALUES if name == "fp8" else None,
               groups=groups if name == "int4" else 0, g=g if name == "int4" else 0)
     k, v = np.zeros((2, 3, 25, 8), np.int16), np.zeros((2, 3, 25, 8), np.int16)
 
     def call(offsets=(0, n), sz=size, k_out=k, v_out=v, start=0, use=20, **over):
-        codec_native.decode_into(name, data, list(offsets), shape, sz, k_out, v_out, start,
+        native_decoders.decode_into(name, data, list(offsets), shape, sz, k_out, v_out, start,
                                  use, **{**kw, **over})
 
     call()  # the arguments as given fit
@@ -379,7 +380,7 @@ def test_hostile_decode_into_arguments_never_reach_native_code(name):
         ("use=", dict(start=6)), ("start", dict(start=1.0)), ("use", dict(use=True)),
     ]
     if name == "fp8":
-        bad.append(("table", dict(table=codecs._FP8_VALUES[:255])))
+        bad.append(("table", dict(table=layer_codec._FP8_VALUES[:255])))
     if name == "int4":
         bad.append(("groups", dict(groups=groups + 1)))
     for match, over in bad:
@@ -390,9 +391,9 @@ def test_hostile_decode_into_arguments_never_reach_native_code(name):
     with pytest.raises(ValueError, match="k_out must be C-contiguous and writeable"):
         call(k_out=ro)
     with pytest.raises(ValueError, match="data"):
-        codec_native.decode_into(name, data.astype(np.int16), [0], shape, size, k[:1], v[:1],
+        native_decoders.decode_into(name, data.astype(np.int16), [0], shape, size, k[:1], v[:1],
                                  0, 20, **kw)
-    # and through codecs.decode_into: spans are checked as decode_layers checks them
+    # and through layer_codec.decode_into: spans are checked as decode_layers checks them
     for spans in ([(0, n), (n, n - 1)], [(0, n), (n + 1, n)], [(0, n), (-1, n)]):
         with pytest.raises(CorruptData):
-            codecs.decode_into(name, data, spans, shape, k, v, 0, 20, native=True)
+            layer_codec.decode_into(name, data, spans, shape, k, v, 0, 20, native=True)

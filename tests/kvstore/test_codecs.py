@@ -1,4 +1,4 @@
-"""Codecs (kvstore.codecs) and the disk tier through them.
+"""Codecs (kvstore.codecs.layer_codec) and the disk tier through them.
 
 Oracles: lossless codecs must give the input back byte for byte; lossy ones are checked against
 scales recomputed here in float64 from their definition (not from the codec's output), with the
@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 
 import kvstore
-from kvstore import codecs
-from kvstore.codecs import LayerShape
+from kvstore.codecs import layer_codec
+from kvstore.codecs.layer_codec import LayerShape
 from kvstore.errors import CorruptData, FormatError
-from kvstore.records import ChunkRecord
-from kvstore.verify import verify_store
+from kvstore.format.records import ChunkRecord
+from kvstore.tools.verify import verify_store
 from tests.kvstore.kvgen import SMALL, causal_kv
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -59,16 +59,16 @@ def test_lossless_codecs_round_trip_any_bytes_exactly(shape, data):
     raw = np.frombuffer(data.draw(st.binary(min_size=shape.raw_bytes, max_size=shape.raw_bytes)),
                         dtype=np.uint8)
     for name in ("none", "zstd"):
-        enc = codecs.encode(name, raw, shape)
-        assert np.array_equal(codecs.decode(name, enc, shape), raw)
+        enc = layer_codec.encode(name, raw, shape)
+        assert np.array_equal(layer_codec.decode(name, enc, shape), raw)
         out = np.empty(shape.raw_bytes, dtype=np.uint8)
-        assert codecs.decode(name, enc, shape, out) is out and np.array_equal(out, raw)
+        assert layer_codec.decode(name, enc, shape, out) is out and np.array_equal(out, raw)
 
 
 def test_zstd_shrinks_smooth_kv():
     shape = LayerShape("float16", 3, 256, 64)
     raw = raw_of(kv_of(shape, 0, 3.0))
-    assert len(codecs.encode("zstd", raw, shape)) < 0.95 * len(raw)
+    assert len(layer_codec.encode("zstd", raw, shape)) < 0.95 * len(raw)
 
 
 # ------------------------------------------------------------------------------ lossy
@@ -96,9 +96,9 @@ def _int_bounds(x: np.ndarray, name: str) -> np.ndarray:
        name=st.sampled_from(["int8", "int4"]))
 def test_integer_codecs_stay_within_half_a_scale(shape, seed, spread, name):
     x = kv_of(shape, seed, spread)
-    enc = codecs.encode(name, raw_of(x), shape)
-    assert len(enc) == codecs.encoded_size(name, shape)
-    got = floats_of(codecs.decode(name, enc, shape), shape)
+    enc = layer_codec.encode(name, raw_of(x), shape)
+    assert len(enc) == layer_codec.encoded_size(name, shape)
+    got = floats_of(layer_codec.decode(name, enc, shape), shape)
     want = floats_of(raw_of(x), shape)
     bound = _int_bounds(want, name) * (1 + 1e-6) + half_ulp(got, shape.dtype)
     assert (np.abs(got - want) <= bound).all()
@@ -108,7 +108,8 @@ def test_integer_codecs_stay_within_half_a_scale(shape, seed, spread, name):
 @given(shape=shapes, seed=st.integers(0, 2**31), spread=st.sampled_from([1e-3, 1.0, 40.0]))
 def test_fp8_stays_within_e4m3_rounding(shape, seed, spread):
     x = kv_of(shape, seed, spread)
-    got = floats_of(codecs.decode("fp8", codecs.encode("fp8", raw_of(x), shape), shape), shape)
+    coded = layer_codec.encode("fp8", raw_of(x), shape)
+    got = floats_of(layer_codec.decode("fp8", coded, shape), shape)
     want = floats_of(raw_of(x), shape)
     k, v = want[0], want[1]
     s = np.stack([np.broadcast_to(np.abs(k).max(axis=1, keepdims=True) / 448, k.shape),
@@ -118,17 +119,18 @@ def test_fp8_stays_within_e4m3_rounding(shape, seed, spread):
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 2**31), name=st.sampled_from(codecs.NAMES),
+@given(shape=shapes, seed=st.integers(0, 2**31), name=st.sampled_from(layer_codec.NAMES),
        layers=st.integers(1, 3), data=st.data())
 def test_decode_into_writes_what_decode_layers_writes_for_those_tokens(shape, seed, name,
                                                                      layers, data):
     """A chunk's layers decoded straight into keys and values [L, H, T, D] at a token offset
-    equal the :func:`codecs.decode_layers` extent's tokens, and nothing else is written."""
-    enc = [codecs.encode(name, raw_of(kv_of(shape, seed + i, 3.0)), shape) for i in range(layers)]
+    equal the :func:`layer_codec.decode_layers` extent's tokens, and nothing else is written."""
+    enc = [layer_codec.encode(name, raw_of(kv_of(shape, seed + i, 3.0)), shape)
+           for i in range(layers)]
     blob = np.frombuffer(b"".join(enc), dtype=np.uint8)
     spans = [(sum(len(e) for e in enc[:i]), len(enc[i])) for i in range(layers)]
     ref = np.empty(layers * shape.raw_bytes, dtype=np.uint8)
-    codecs.decode_layers(name, blob, spans, shape, ref)
+    layer_codec.decode_layers(name, blob, spans, shape, ref)
     ints = {2: np.int16, 4: np.int32}[shape.itemsize]
     H, n, D = shape.num_kv_heads, shape.n_tokens, shape.head_dim
     ref = ref.view(ints).reshape(layers, 2, H, n, D)
@@ -137,49 +139,49 @@ def test_decode_into_writes_what_decode_layers_writes_for_those_tokens(shape, se
     start = data.draw(st.integers(0, T - use), label="start")
     k = np.full((layers, H, T, D), 7, dtype=ints)
     v = np.full((layers, H, T, D), 7, dtype=ints)
-    codecs.decode_into(name, blob, spans, shape, k, v, start, use)
+    layer_codec.decode_into(name, blob, spans, shape, k, v, start, use)
     np.testing.assert_array_equal(k[:, :, start : start + use], ref[:, 0, :, :use])
     np.testing.assert_array_equal(v[:, :, start : start + use], ref[:, 1, :, :use])
     for out in (k, v):
         assert (out[:, :, :start] == 7).all() and (out[:, :, start + use :] == 7).all()
     with pytest.raises(ValueError, match="use="):
-        codecs.decode_into(name, blob, spans, shape, k, v, T - use + 1, use)
+        layer_codec.decode_into(name, blob, spans, shape, k, v, T - use + 1, use)
     with pytest.raises(ValueError, match="k_out"):
-        codecs.decode_into(name, blob, spans, shape, k[:, :, :, :1], v, start, use)
+        layer_codec.decode_into(name, blob, spans, shape, k[:, :, :, :1], v, start, use)
 
 
 def test_lossy_codecs_refuse_non_finite_values():
     shape = LayerShape("float16", 1, 4, 8)
     x = torch.zeros(2, 1, 4, 8, dtype=torch.float16)
     x[1, 0, 2, 3] = float("inf")
-    for name in codecs.LOSSY:
+    for name in layer_codec.LOSSY:
         with pytest.raises(ValueError, match="non-finite"):
-            codecs.encode(name, raw_of(x), shape)
+            layer_codec.encode(name, raw_of(x), shape)
 
 
 # ------------------------------------------------------------------------------ bad bytes
-@pytest.mark.parametrize("name", codecs.NAMES)
+@pytest.mark.parametrize("name", layer_codec.NAMES)
 def test_bytes_that_do_not_decode_are_corrupt_data(name):
     shape = LayerShape("float16", 2, 33, 8)
-    enc = codecs.encode(name, raw_of(kv_of(shape, 1, 1.0)), shape)
+    enc = layer_codec.encode(name, raw_of(kv_of(shape, 1, 1.0)), shape)
     for bad in (enc[:-1], enc + b"\0", b""):
         with pytest.raises(CorruptData):
-            codecs.decode(name, bad, shape)
+            layer_codec.decode(name, bad, shape)
     if name == "zstd":
         with pytest.raises(CorruptData):
-            codecs.decode(name, bytes(len(enc)), shape)
+            layer_codec.decode(name, bytes(len(enc)), shape)
     if name in ("int8", "fp8", "int4"):  # a negative scale (last 4 bytes) never decodes
         bad = enc[:-4] + np.float32(-1.0).tobytes()
         with pytest.raises(CorruptData, match="scale"):
-            codecs.decode(name, bad, shape)
+            layer_codec.decode(name, bad, shape)
     if name == "fp8":  # 0x7F is an e4m3 NaN: never a decoded value
         with pytest.raises(CorruptData, match="NaN"):
-            codecs.decode(name, b"\x7f" + enc[1:], shape)
+            layer_codec.decode(name, b"\x7f" + enc[1:], shape)
 
 
 def test_codec_arguments_are_checked_by_name():
     with pytest.raises(ValueError, match="codec must be one of"):
-        codecs.encode("lz4", b"", LayerShape("float16", 1, 1, 4))
+        layer_codec.encode("lz4", b"", LayerShape("float16", 1, 1, 4))
     with pytest.raises(TypeError, match=r"codecs\['disk'\]"):
         kvstore.StoreConfig(codecs={"disk": 8})
     with pytest.raises(ValueError, match="unknown tier 'ssd'"):
@@ -219,7 +221,7 @@ def test_chunk_records_keep_their_codec_and_old_versions_decode():
 def _expected(layout, toks, chunk, codec):
     """The store's KV for ``toks`` put as one context: each chunk through ``codec``."""
     k, v = causal_kv(layout, toks)
-    if not codecs.is_lossy(codec):
+    if not layer_codec.is_lossy(codec):
         return k, v
     ok, ov = k.clone(), v.clone()
     for a in range(0, len(toks), chunk):
@@ -227,7 +229,7 @@ def _expected(layout, toks, chunk, codec):
         shape = LayerShape(layout.dtype, layout.num_kv_heads, b - a, layout.head_dim)
         for layer in range(layout.num_layers):
             x = torch.stack([k[layer, :, a:b], v[layer, :, a:b]])
-            y = codecs.decode(codec, codecs.encode(codec, raw_of(x), shape), shape)
+            y = layer_codec.decode(codec, layer_codec.encode(codec, raw_of(x), shape), shape)
             t = torch.from_numpy(y.view(np.int16).copy()).view(layout.torch_dtype)
             t = t.view(2, layout.num_kv_heads, b - a, layout.head_dim)
             ok[layer, :, a:b], ov[layer, :, a:b] = t[0], t[1]
@@ -235,14 +237,14 @@ def _expected(layout, toks, chunk, codec):
 
 
 def test_a_store_reopened_with_other_codecs_reads_every_chunk_right(open_small, tmp_path):
-    ctxs = {name: [i + 10 * j for i in range(10)] for j, name in enumerate(codecs.NAMES)}
+    ctxs = {name: [i + 10 * j for i in range(10)] for j, name in enumerate(layer_codec.NAMES)}
     for name, toks in ctxs.items():  # each context written under another config
         s = open_small("mixed", codecs={"disk": name})
         s.put(toks, *causal_kv(SMALL, toks))
         s.close()
     for dram in (1 << 20, 0):  # from disk (fresh DRAM), and with no DRAM at all
         s = open_small("mixed", codecs={"disk": "none"}, dram_bytes=dram)
-        assert s.stats()["codecs"]["chunks"] == dict.fromkeys(codecs.NAMES, 3)
+        assert s.stats()["codecs"]["chunks"] == dict.fromkeys(layer_codec.NAMES, 3)
         for name, toks in ctxs.items():
             ek, ev = _expected(SMALL, toks, 4, name)
             k, v = s.get(toks)
@@ -252,7 +254,7 @@ def test_a_store_reopened_with_other_codecs_reads_every_chunk_right(open_small, 
                     load.wait(layer)
                 assert torch.equal(load.keys, ek[:, :, :7]) and torch.equal(load.values,
                                                                              ev[:, :, :7])
-            assert s.lossy_tokens(toks) == (10 if codecs.is_lossy(name) else 0)
+            assert s.lossy_tokens(toks) == (10 if layer_codec.is_lossy(name) else 0)
         assert verify_store(s)["ok"]
         s.close()
     s = open_small("mixed")  # the last config given was persisted
@@ -294,7 +296,7 @@ def test_a_flipped_encoded_byte_is_corrupt_data_never_data(open_small, tmp_path,
     s.put(toks, *causal_kv(SMALL, toks))
     recs = sorted(s.chunk_records(), key=lambda r: int(r.tokens[0]))
     rec = recs[1]
-    assert rec.codec == codecs.codec_id(name)
+    assert rec.codec == layer_codec.codec_id(name)
     off, n = rec.layer_span(1, rec.n_tokens * SMALL.layer_token_bytes)
     seg = next((tmp_path / "flip" / "segments").iterdir())
     data = bytearray(seg.read_bytes())

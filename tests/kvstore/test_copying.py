@@ -8,20 +8,21 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from kvstore import copying, extent
 from kvstore.errors import StoreClosed
+from kvstore.format import chunk_extent
 from kvstore.layout import KVLayout
-from kvstore.workers import Helpers
+from kvstore.pipelines import gather
+from kvstore.pipelines.fork_join import Helpers
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, model_id="copy-test")
-native = pytest.mark.skipif(not copying.AVAILABLE, reason=copying.UNAVAILABLE_REASON or "")
+native = pytest.mark.skipif(not gather.AVAILABLE, reason=gather.UNAVAILABLE_REASON or "")
 
 
 def _pieces(rng, T, plan):
     """Extents of random bytes for pieces (n_tokens, use) laid end to end in T tokens."""
     out, at = [], 0
     for n, use in plan:
-        buf = rng.integers(0, 256, size=extent.extent_bytes(LAYOUT, n) + 64, dtype=np.uint8)
+        buf = rng.integers(0, 256, size=chunk_extent.extent_bytes(LAYOUT, n) + 64, dtype=np.uint8)
         out.append((buf, n, at, use))
         at += use
     return out
@@ -33,7 +34,7 @@ def _oracle(pieces, T):
     k = np.zeros((L, H, T, D), np.int16)
     v = np.zeros((L, H, T, D), np.int16)
     for buf, n, start, use in pieces:
-        e = buf[: extent.extent_bytes(LAYOUT, n)].view(np.int16).reshape(L, 2, H, n, D)
+        e = buf[: chunk_extent.extent_bytes(LAYOUT, n)].view(np.int16).reshape(L, 2, H, n, D)
         for t in range(use):
             k[:, :, start + t] = e[:, 0, :, t]
             v[:, :, start + t] = e[:, 1, :, t]
@@ -53,10 +54,10 @@ def test_gather_equals_the_layout_oracle(plan, seed, use_helpers):
     want = _oracle(pieces, T)
     helpers = Helpers(1, "t") if use_helpers else None
     try:
-        for nat in ([False, True] if copying.AVAILABLE else [False]):
+        for nat in ([False, True] if gather.AVAILABLE else [False]):
             k = np.full((3, 2, T, 4), -1, np.int16)
             v = np.full((3, 2, T, 4), -1, np.int16)
-            copying.gather(LAYOUT, k, v, pieces, helpers, native=nat)
+            gather.gather(LAYOUT, k, v, pieces, helpers, native=nat)
             assert np.array_equal(k, want[0]) and np.array_equal(v, want[1])
     finally:
         if helpers is not None:
@@ -69,7 +70,7 @@ def test_large_gather_split_over_helpers_equals_numpy():
     lay = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, model_id="big")
     pieces, at = [], 0
     for n, use in [(256, 256)] * 6 + [(256, 100)]:
-        buf = rng.integers(0, 256, size=extent.extent_bytes(lay, n), dtype=np.uint8)
+        buf = rng.integers(0, 256, size=chunk_extent.extent_bytes(lay, n), dtype=np.uint8)
         pieces.append((buf, n, at, use))
         at += use
     helpers = Helpers(2, "t")
@@ -77,7 +78,7 @@ def test_large_gather_split_over_helpers_equals_numpy():
         outs = []
         for nat in (False, True):
             k, v = np.empty((30, 3, at, 64), np.int16), np.empty((30, 3, at, 64), np.int16)
-            copying.gather(lay, k, v, pieces, helpers, native=nat)
+            gather.gather(lay, k, v, pieces, helpers, native=nat)
             outs.append((k, v))
         assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
     finally:
@@ -91,9 +92,9 @@ def test_bad_pieces_are_refused_before_any_copy():
     for bad in [(buf, n, 1, 4), (buf, n, 0, 5), (buf, n, -1, 1), (buf[:10], n, 0, 4),
                 (buf.view(np.int16), n, 0, 2)]:
         with pytest.raises(ValueError):
-            copying.gather(LAYOUT, k, v, [bad])
+            gather.gather(LAYOUT, k, v, [bad])
     with pytest.raises(ValueError, match="outputs"):
-        copying.gather(LAYOUT, k[:2], v[:2], [(buf, n, 0, 4)])
+        gather.gather(LAYOUT, k[:2], v[:2], [(buf, n, 0, 4)])
     assert not k.any() and not v.any()
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.cli import main as cli_main
 from kvstore.index import IndexSpec
-from kvstore.verify import verify_path
+from kvstore.tools.cli import main as cli_main
+from kvstore.tools.verify import verify_path
 from tests.kvstore.conftest import assert_get_exact, put_causal
 from tests.kvstore.kvgen import SMALL, causal_kv
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.hashing import as_tokens, chain_seed, chunk_hash
-from kvstore.verify import verify_path
+from kvstore.format.hashing import as_tokens, chain_seed, chunk_hash
+from kvstore.tools.verify import verify_path
 from tests.kvstore.crash_writer import context
 from tests.kvstore.kvgen import SMALL, causal_kv, lcp
 

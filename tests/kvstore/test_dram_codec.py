@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import codecs, extent
+from kvstore.codecs import layer_codec
 from kvstore.errors import CorruptData
+from kvstore.format import chunk_extent
 from kvstore.layout import KVLayout
-from kvstore.verify import verify_store
+from kvstore.tools.verify import verify_store
 from tests.kvstore.kvgen import SMALL, causal_kv
 
 # chunks large enough that page alignment does not hide the codec's smaller slots
@@ -165,13 +166,13 @@ def test_a_reopen_with_another_dram_codec_reads_every_chunk(open_small):
     for _ in range(2):
         for name, t in toks.items():
             _same(s.get(t), ref[name])
-    assert codecs.is_lossy(s.config.codecs["dram"])
+    assert layer_codec.is_lossy(s.config.codecs["dram"])
 
 
 def _store_with_undecodable_chunk(tmp_path, monkeypatch, name, cfg, dram):
     """A store whose second chunk's stored bytes pass their checksums but do not decode (a NaN
     scale, written by the encoder: the checksums cover it), reopened with an empty DRAM tier."""
-    real = extent.encode_layers
+    real = chunk_extent.encode_layers
     calls = []
 
     def encode(layout, codec, parts, n, capacity):
@@ -183,10 +184,10 @@ def _store_with_undecodable_chunk(tmp_path, monkeypatch, name, cfg, dram):
 
     toks = list(range(3 * CHUNK))
     kw = {"layout": WIDE, "chunk_tokens": CHUNK, "disk_bytes": 16 << 20, "policy": "scheduler"}
-    monkeypatch.setattr(extent, "encode_layers", encode)
+    monkeypatch.setattr(chunk_extent, "encode_layers", encode)
     with kvstore.open(tmp_path / name, dram_bytes=0, codecs=cfg, **kw) as s:
         s.put(toks, *causal_kv(WIDE, toks))
-    monkeypatch.setattr(extent, "encode_layers", real)
+    monkeypatch.setattr(chunk_extent, "encode_layers", real)
     return kvstore.open(tmp_path / name, dram_bytes=dram, codecs=cfg, **kw), toks
 
 
@@ -241,7 +242,7 @@ def test_a_get_whose_reader_fails_waits_for_every_chunk_it_handed_over(tmp_path,
     """When the reader stops on an error it cannot even classify (here: a short read, then the
     catalog cannot be asked whether the chunk changed), the get raises only after the chunks
     already handed over are verified and copied: nothing writes into its buffers later."""
-    from kvstore import read as read_path
+    from kvstore.pipelines import get as read_path
 
     s, _ = _pair(lambda name, **kw: kvstore.open(tmp_path / name, **kw), "int8")
     toks = list(range(4 * CHUNK))

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvstore.fsutil import TEMP_MARK, atomic_write, create_new
+from kvstore.format.durable import TEMP_MARK, atomic_write, create_new
 
 
 def listing(d):

@@ -71,7 +71,7 @@ def test_rotated_store_roundtrip_and_reopen(tmp_path):
 def test_rotated_kv_is_not_served_under_another_convention():
     """The same tokens and shapes under another convention address other chunks (a shared
     Redis or directory never mixes them)."""
-    from kvstore.hashing import as_tokens, chain_seed, chunk_hash
+    from kvstore.format.hashing import as_tokens, chain_seed, chunk_hash
 
     toks = as_tokens(list(range(1, 5)))
     first = {chunk_hash(chain_seed(lay.fingerprint, None), toks) for lay in (SMALL, ROTATED)}

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore.hashing import chunk_hash
-from kvstore.records import ChunkRecord, ContextRecord
-from kvstore.tree import ContextTree, served
+from kvstore.format.hashing import chunk_hash
+from kvstore.format.records import ChunkRecord, ContextRecord
+from kvstore.view.prefix_tree import ContextTree, served
 from tests.kvstore.conftest import assert_get_exact, put_causal
 
 C = 8

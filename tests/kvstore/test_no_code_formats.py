@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import kvstore
-from kvstore.records import ChunkRecord, ContextRecord
+from kvstore.format.records import ChunkRecord, ContextRecord
 
 SRC = Path(kvstore.__file__).parent
 FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle", "joblib"}

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 import kvstore
-from kvstore.verify import verify_path
+from kvstore.tools.verify import verify_path
 from tests.kvstore.kvgen import lcp
 from tests.kvstore.mp_worker import Workers
 

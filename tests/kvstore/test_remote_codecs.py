@@ -2,7 +2,8 @@
 encoded bytes) and decoded on fetch; a value that does not decode is a counted miss; lossy
 values are reported wherever they serve.
 
-Oracles: kvstore.codecs applied per (chunk, layer) to causal KV (kvgen) gives what a store must
+Oracles: kvstore.codecs.layer_codec applied per (chunk, layer) to causal KV (kvgen) gives what a
+store must
 return from a coded value (lossless codecs: the KV itself, byte for byte); a value forged with
 valid checksums but bytes its codec refuses must never be served."""
 
@@ -16,8 +17,8 @@ import redis
 import torch
 import xxhash
 
-from kvstore import codecs
-from kvstore.remote import value as rv
+from kvstore.codecs import layer_codec
+from kvstore.tiers.remote import value as rv
 from tests.kvstore.conftest import put_causal
 from tests.kvstore.kvgen import SMALL, causal_kv
 
@@ -27,7 +28,7 @@ L = SMALL.num_layers
 
 def through(name: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal KV of ``tokens`` as a store serves it from values of codec ``name``: each
-    (chunk, layer) encoded and decoded by kvstore.codecs."""
+    (chunk, layer) encoded and decoded by kvstore.codecs.layer_codec."""
     return round_trip(name, *causal_kv(SMALL, tokens))
 
 
@@ -41,7 +42,7 @@ def round_trip(name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tenso
         for layer in range(L):
             x = torch.stack([k[layer, :, a:b], v[layer, :, a:b]]).contiguous()
             raw = x.view(torch.int16).numpy().reshape(-1).view(np.uint8)
-            y = codecs.decode(name, codecs.encode(name, raw, shape), shape)
+            y = layer_codec.decode(name, layer_codec.encode(name, raw, shape), shape)
             y = torch.from_numpy(y.view(np.int16).copy()).view(torch.float16).view(x.shape)
             k[layer, :, a:b], v[layer, :, a:b] = y[0], y[1]
     return k, v
@@ -76,15 +77,16 @@ def reseal(val: bytearray, h: rv.Header) -> bytes:
     return bytes(val)
 
 
-@pytest.mark.parametrize("name", list(codecs.NAMES))
+@pytest.mark.parametrize("name", list(layer_codec.NAMES))
 def test_a_coded_value_decodes_as_its_codec_does(name):
     key, toks, ext, val = chunk_value(name)
     h = parse(val, key, toks)
-    assert h.codec_name == name and h.lossy == (name in codecs.LOSSY)
+    assert h.codec_name == name and h.lossy == (name in layer_codec.LOSSY)
     shape = rv.layer_shape(SMALL, len(toks))
     per = shape.raw_bytes
-    want = np.concatenate([codecs.decode(name, codecs.encode(name, ext[i * per:(i + 1) * per],
-                                                             shape), shape) for i in range(L)])
+    want = np.concatenate([
+        layer_codec.decode(name, layer_codec.encode(name, ext[i * per:(i + 1) * per], shape), shape)
+        for i in range(L)])
     if name in ("none", "zstd"):
         assert np.array_equal(want, ext)
     assert np.array_equal(rv.decode(h, val), want)
@@ -134,7 +136,7 @@ def test_hostile_coded_headers_are_refused_before_decoding():
     for patch in ("codec", "length"):
         bad = bytearray(val)
         if patch == "codec":
-            struct.pack_into("<H", bad, 6, len(codecs.NAMES))  # after magic and version
+            struct.pack_into("<H", bad, 6, len(layer_codec.NAMES))  # after magic and version
         else:
             off = rv._FIXED.size + 4 * h.n_tokens
             table = np.frombuffer(bad, dtype=rv._TABLE, count=L, offset=off).copy()
@@ -167,7 +169,7 @@ def test_a_remote_codec_serves_its_values_and_reports_lossy(open_small, redis_se
     a.flush(remote=True)
     sa = a.stats()["remote"]
     assert sa["written_chunks"] == 4 and sa["coded_writes"] == 4
-    lossy = name in codecs.LOSSY
+    lossy = name in layer_codec.LOSSY
     ek, ev = through(name, t)
     assert b.match(t) == len(t)
     k, v = b.get(t)
@@ -248,7 +250,7 @@ def test_a_corrupt_remote_value_is_a_counted_miss_never_data(open_small, redis_s
 
 
 def test_remote_codec_arguments_are_checked(open_small, redis_server):
-    from kvstore.remote.config import RemoteConfig
+    from kvstore.tiers.remote.config import RemoteConfig
 
     cfg = RemoteConfig(urls=(redis_server.url,), codec="zstd")
     with pytest.raises(ValueError, match="codecs\\['remote'\\]"):

@@ -27,8 +27,8 @@ import xxhash
 import zstandard
 
 import kvstore
-from kvstore.hashing import chain_seed, chunk_hash
-from kvstore.remote import value as rv
+from kvstore.format.hashing import chain_seed, chunk_hash
+from kvstore.tiers.remote import value as rv
 from tests.kvstore.conftest import assert_get_exact, put_causal
 from tests.kvstore.kvgen import SMALL
 from tests.kvstore.redis_servers import Proxy, wait_for

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvstore.remote import RemoteConfig, RemoteTier
-from kvstore.remote import value as rv
+from kvstore.tiers.remote import RemoteConfig, RemoteTier
+from kvstore.tiers.remote import value as rv
 from tests.kvstore.kvgen import SMALL
 
 L = SMALL.num_layers
@@ -182,7 +182,7 @@ def test_tier_state_machine(redis_server):
 
 
 def test_layer_groups_cover_every_layer_once_first_layer_alone():
-    from kvstore.remote.link import layer_groups
+    from kvstore.tiers.remote.link import layer_groups
 
     for n in (1, 2, 3, 30, 64):
         g = layer_groups(n)

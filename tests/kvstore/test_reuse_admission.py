@@ -5,7 +5,7 @@ control that shows the rule matters."""
 
 import pytest
 
-from kvstore.policy import AccessStats, ReturnModel, ReuseProbability
+from kvstore.eviction.policies import AccessStats, ReturnModel, ReuseProbability
 from tests.kvstore.conftest import Clock, put_causal
 from tests.kvstore.kvgen import causal_kv
 

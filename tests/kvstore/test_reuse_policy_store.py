@@ -1,11 +1,12 @@
-"""``policy="reuse"`` in the real kvstore.Store learns from its puts (kvstore.learning): a put
-that extends an earlier context is that conversation returning. Compared with a ReturnModel fed
+"""``policy="reuse"`` in the real kvstore.Store learns from its puts
+(kvstore.eviction.reuse_learning): a put that extends an earlier context is that conversation
+returning. Compared with a ReturnModel fed
 the same sequence by hand (the oracle), then with hand-computed eviction numbers."""
 
 import numpy as np
 import pytest
 
-from kvstore.policy import ReturnModel
+from kvstore.eviction.policies import ReturnModel
 from tests.kvstore.conftest import Clock, put_causal
 from tests.kvstore.kvgen import causal_kv
 

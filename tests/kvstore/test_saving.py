@@ -5,7 +5,7 @@ import threading
 import pytest
 
 import kvstore
-from kvstore.verify import verify_path
+from kvstore.tools.verify import verify_path
 from tests.kvstore.conftest import assert_get_exact, put_causal
 from tests.kvstore.kvgen import SMALL, causal_kv
 
@@ -200,7 +200,7 @@ def test_put_refused_before_evicting_when_held_chunks_block_it(open_small):
 EXITING_WRITER = """
 import sys, time
 import kvstore
-from kvstore import segments
+from kvstore.format import segments
 from tests.kvstore.kvgen import SMALL, causal_kv
 
 real = segments.fdatasync

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import kvstore
-from kvstore.verify import verify_path
+from kvstore.tools.verify import verify_path
 from tests.kvstore.crash_writer import context
 from tests.kvstore.kvgen import SMALL, causal_kv
 from tests.kvstore.test_crash import _exact
@@ -137,7 +137,7 @@ def test_sigkill_one_of_three_writers(tmp_path, mode):
 STUCK_WRITER = """
 import sys, threading
 import kvstore
-from kvstore import segments
+from kvstore.format import segments
 from tests.kvstore.kvgen import SMALL, causal_kv
 
 def stuck(fd):
@@ -186,7 +186,7 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
     chunk and writes its own into the same slot. The read must not return the other bytes,
     and its checksum failure is a race (retried, then a miss), never a quarantine of a good
     chunk. The read is paused between taking its pins and reading (fault injection)."""
-    from kvstore import read as read_path
+    from kvstore.pipelines import get as read_path
 
     path = tmp_path / "st"
     reading, resume = threading.Event(), threading.Event()
@@ -243,7 +243,7 @@ def test_a_put_whose_extension_another_process_committed_meanwhile_stores_nothin
     extension of it (9 tokens). The commit finds its tokens served whole and stores no
     context of its own (before: both contexts stayed, the shorter one superseded by nothing),
     as if the two puts had run in the other order."""
-    from kvstore import write as write_path
+    from kvstore.pipelines import put as write_path
 
     path = tmp_path / "st"
     writing, resume = threading.Event(), threading.Event()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore import codecs
+from kvstore.codecs import layer_codec
 from tests.kvstore.kvgen import causal_kv
 
 # Chunks of 64 tokens: 64 KiB raw, 34 KiB through int8 (36 KiB page-aligned): pages do not
@@ -41,7 +41,7 @@ def open_at():
 
 
 def int8_slot() -> int:
-    per_layer = codecs.encoded_size("int8", codecs.LayerShape("float16", 2, C, 64))
+    per_layer = layer_codec.encoded_size("int8", layer_codec.LayerShape("float16", 2, C, 64))
     return -(-2 * per_layer // 4096) * 4096
 
 
@@ -135,7 +135,7 @@ def test_the_slot_codec_is_fixed_at_creation_and_bounds_the_disk_codec(tmp_path,
             gk, gv = s.get(t)
             assert torch.equal(gk, ek) and torch.equal(gv, ev)
             s.put([x + (disk == "fp8") for x in t4], k4, v4)
-    from kvstore.verify import verify_path
+    from kvstore.tools.verify import verify_path
 
     report = verify_path(path)  # reads and checks every stored extent
     assert report["ok"] and report["chunks_checked"] == 3 + 2 + 2 and not report["errors"]
@@ -156,7 +156,7 @@ def test_a_truncated_segment_is_found_in_coded_slots_too(tmp_path, open_at):
         assert s.match(t) == len(t)
         assert torch.equal(s.get(t)[0], ek)
     seg = path / "segments" / "seg-000000.kv"
-    per_layer = codecs.encoded_size("int8", codecs.LayerShape("float16", 2, C, 64))
+    per_layer = layer_codec.encoded_size("int8", layer_codec.LayerShape("float16", 2, C, 64))
     os.truncate(seg, 5 * int8_slot() + 2 * per_layer - 100)  # into the last chunk's extent
     with kvstore.open(path) as s:
         assert s.match(t) < len(t)

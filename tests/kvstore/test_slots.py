@@ -1,14 +1,14 @@
-"""Free disk slots (kvstore.slots) against a plain set, and the prefix tree without IO."""
+"""Free disk slots (kvstore.view.disk_slots) against a plain set, and the prefix tree without IO."""
 
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from kvstore.hashing import as_tokens
-from kvstore.records import ChunkRecord, ContextRecord
-from kvstore.slots import RangeSet, SlotAllocator
-from kvstore.tree import ContextTree, served
+from kvstore.format.hashing import as_tokens
+from kvstore.format.records import ChunkRecord, ContextRecord
+from kvstore.view.disk_slots import RangeSet, SlotAllocator
+from kvstore.view.prefix_tree import ContextTree, served
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "discard", "range"]), st.integers(0, 60),
                          st.integers(0, 8)), max_size=80)

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 import kvstore
-from kvstore.verify import verify_store
+from kvstore.tools.verify import verify_store
 from tests.kvstore.kvgen import SMALL, causal_kv, lcp
 
 CHUNK = 4

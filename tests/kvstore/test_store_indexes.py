@@ -11,9 +11,9 @@ import torch
 
 import kvstore
 from kvstore.index import ContextIndexes, IndexSpec, build_index
-from kvstore.index.context import positioned_keys
+from kvstore.index.context_dir import positioned_keys
 from kvstore.rope import apply_rope
-from kvstore.verify import verify_path
+from kvstore.tools.verify import verify_path
 from tests.kvstore.kvgen import causal_kv
 
 TOKENS = list(range(100, 160))  # 60 tokens: 15 chunks of 4
@@ -285,7 +285,7 @@ def test_a_stray_file_in_the_index_root_does_not_break_open(open_small, layout):
 def test_stored_keys_position_rows_bit_for_bit(open_small, layout):
     """The store's key source gives exactly the positioned keys the indexes were built over,
     for any rows and for whole heads, read through get once."""
-    from kvstore.context_indexes import StoredKeys
+    from kvstore.index.lifecycle import StoredKeys
 
     s = open_small()
     k, v = causal_kv(layout, TOKENS)

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 import kvstore
-from kvstore.verify import verify_path
+from kvstore.tools.verify import verify_path
 from tests.kvstore.crash_writer import context
 from tests.kvstore.kvgen import SMALL, causal_kv
 from tests.kvstore.test_crash import _exact

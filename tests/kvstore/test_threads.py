@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from kvstore import segments as segment_files
-from kvstore.verify import verify_store
+from kvstore.format import segments as segment_files
+from kvstore.tools.verify import verify_store
 from tests.kvstore.conftest import assert_get_exact, put_causal
 from tests.kvstore.kvgen import causal_kv
 

@@ -1,4 +1,4 @@
-"""The slow-disk knob: a token bucket on segment reads (kvstore.throttle)."""
+"""The slow-disk knob: a token bucket on segment reads (kvstore.tiers.disk_throttle)."""
 
 import time
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.throttle import ReadThrottle, TokenBucket
+from kvstore.tiers.disk_throttle import ReadThrottle, TokenBucket
 from tests.kvstore.conftest import put_causal
 from tests.kvstore.kvgen import causal_kv
 

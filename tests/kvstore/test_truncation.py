@@ -1,4 +1,4 @@
-"""The truncation plan (kvstore.truncation): which history tokens a turn keeps, against a
+"""The truncation plan (engine.truncation): which history tokens a turn keeps, against a
 step-by-step reference on explicit index lists."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.truncation import Truncation
+from engine.truncation import Truncation
 
 
 def reference_kept(history, needed, window, drop_ratio, sink):

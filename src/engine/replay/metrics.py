@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.replay.server import Job, ServerStats
-from kvstore.fsutil import atomic_write
+from kvstore.format.durable import atomic_write
 
 COLUMNS = ("method", "conv", "conv_id", "turn", "seq", "warmup", "arrival_s", "start_s",
            "first_token_s", "finish_s", "ttft_s", "queue_s", "load_s", "compute_s", "decode_s",

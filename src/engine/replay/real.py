@@ -21,7 +21,7 @@ from engine.generate import Generator
 from engine.loadcompute import LoadRates
 from engine.model import Model
 from engine.replay.server import Job, Method
-from kvstore.truncation import Truncation
+from engine.truncation import Truncation
 
 HINT_JOBS = 64  # waiting jobs handed to the store as hints
 

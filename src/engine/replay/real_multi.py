@@ -24,7 +24,7 @@ from engine.model import Model
 from engine.replay.multi import ScaleOut
 from engine.replay.real import OneJobAtATime, RealExecutor, _ConvState
 from engine.replay.server import Job, Method
-from kvstore.truncation import Truncation
+from engine.truncation import Truncation
 
 
 class RealMultiServerExecutor(OneJobAtATime):

@@ -174,7 +174,7 @@ def _run_real_servers(trace: Trace, method: Method, cfg: ReplayConfig, model, ti
     import uuid
 
     from engine.replay.real_multi import RealMultiServerExecutor
-    from kvstore.remote import RemoteConfig
+    from kvstore.tiers.remote import RemoteConfig
 
     base = os.path.join(cfg.store_dir, f"{method.label}-x{scale.servers}"
                         + ("-shared" if scale.shared else ""))

@@ -42,7 +42,7 @@ class Method:
     load: str = "split"
 
     def __post_init__(self) -> None:
-        from kvstore.policy import POLICIES
+        from kvstore.eviction.policies import POLICIES
 
         if self.kind not in METHOD_KINDS:
             raise ValueError(f"method must be one of {METHOD_KINDS}, got {self.kind!r}")
@@ -67,7 +67,7 @@ class Method:
         """``re``, ``as`` (= ``as:scheduler``), ``as:lru``, ``of``, ``of:fifo``, or a policy
         name alone (``lru``, ``belady``: AS with that policy); a third part picks the load
         (``as:scheduler:all``, ``belady:all``)."""
-        from kvstore.policy import POLICIES
+        from kvstore.eviction.policies import POLICIES
 
         t = text.strip().lower()
         head, _, load = t.partition(":") if t.split(":")[0] in POLICIES else ("", "", "")

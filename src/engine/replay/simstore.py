@@ -5,24 +5,26 @@ where the scheduler next needs it) and applies the same rules as :class:`kvstore
 
 * the disk tier holds every stored context (DRAM is an inclusive cache over it); when a save
   needs room, whole contexts leave in the order of the policy's priority function (the same
-  :mod:`kvstore.policy` classes and :class:`~kvstore.policy.PriorityHeap`);
+  :mod:`kvstore.eviction.policies` classes and :class:`~kvstore.eviction.policies.PriorityHeap`);
 * DRAM takes every saved context (write-through staging) and every context read from disk,
   evicting by the same priorities;
 * with a queue-aware policy, the contexts of the next ``prefetch`` window of waiting jobs move
   from disk into DRAM in the background, at the disk's bandwidth, never evicting a context that
-  is needed sooner; the windows come from :meth:`kvstore.schedule.Windows.derive`.
+  is needed sooner; the windows come from :meth:`kvstore.eviction.jobs.Windows.derive`.
 
 Differences from the real store, by design: the unit is a whole context (the store places
 chunks, so it can hold part of a context in DRAM); a context replaced by a longer one (the next
 turn) or by a truncated one is updated in place; saving costs no time here (asynchronous saving
 hides it, docs/benchmarks.md Fig. 20).
 
-Policies that say so (``belady``, ``reuse``: see :mod:`kvstore.policy`) get three more rules:
+Policies that say so (``belady``, ``reuse``: see :mod:`kvstore.eviction.policies`) get three more
+rules:
 a running job's context is not pinned once the job has read it (``pins_running``), a save
 ranked below every victim it would need is refused (``admission``; an admitted save goes into
 DRAM only if that evicts nothing ranked above it), and victims that still fit after the save are put
 back (``size_aware``). A time-varying policy (``reuse``) gets the wall clock and every
-context's turns and save time, learns from each return (:class:`~kvstore.policy.ReturnModel`)
+context's turns and save time, learns from each return
+(:class:`~kvstore.eviction.policies.ReturnModel`)
 and has its priorities refreshed whenever the clock moved on by a twentieth of the mean think
 time seen, before a save that must evict. Every save, read and drop goes to ``log`` (a
 :class:`~engine.replay.offline.RequestLog`) when one is given: the offline bound's input.
@@ -41,7 +43,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from engine.replay.offline import RequestLog
-from kvstore.policy import (
+from kvstore.eviction.jobs import Windows
+from kvstore.eviction.policies import (
     AccessStats,
     EvictionPolicy,
     Priority,
@@ -50,7 +53,6 @@ from kvstore.policy import (
     ReturnTracker,
     make_policy,
 )
-from kvstore.schedule import Windows
 
 _RUNNING = Queued(position=-1, in_window=True)
 UNKNOWN = object()  # put(next_use=UNKNOWN): not known yet (finish() will give it)

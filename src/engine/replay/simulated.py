@@ -10,7 +10,7 @@ from engine.replay.costs import CostModel
 from engine.replay.offline import RequestLog
 from engine.replay.server import Job, Method
 from engine.replay.simstore import SimStore
-from kvstore.policy import make_policy
+from kvstore.eviction.policies import make_policy
 
 
 class CostLimits:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.truncation import Truncation
+from engine.truncation import Truncation
 
 
 @dataclass(frozen=True, kw_only=True)

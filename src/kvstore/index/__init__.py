@@ -8,12 +8,12 @@ prefix filter (only tokens ``< limit``). Indexes keep no key vectors: they read 
 KV through a :class:`~kvstore.index.keys.HeadKeys` (:mod:`kvstore.index.keys`).
 """
 
+from kvstore.format.index_files import load_index, save_index
 from kvstore.index.build import build_index
-from kvstore.index.context import ContextIndexes
+from kvstore.index.context_dir import ContextIndexes
 from kvstore.index.flat import FlatIndex
 from kvstore.index.graph import GraphIndex
 from kvstore.index.keys import ArrayKeys, HeadKeys, KeySource
-from kvstore.index.persist import load_index, save_index
 from kvstore.index.pq import PQIndex
 from kvstore.index.spec import IndexSpec, recall
 

@@ -13,7 +13,7 @@ when built or loaded. The interface is two methods:
 ``n`` and ``dim`` give the shape. A context's keys are a :class:`KeySource`:
 ``head(layer, kv_head) -> HeadKeys``. Implementations: :class:`ArrayKeys` (keys already in
 memory, e.g. a decode session's own KV) and the store's ``StoredKeys``
-(:mod:`kvstore.context_indexes`), which reads the stored fp16 pre-RoPE keys through the
+(:mod:`kvstore.index.lifecycle`), which reads the stored fp16 pre-RoPE keys through the
 store's get path and positions them on demand with :mod:`kvstore.rope`.
 """
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import kvstore
-from kvstore.store import Store
+from kvstore.store.facade import Store
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ pytest.importorskip("llama_cpp")
 import kvstore  # noqa: E402
 from kvstore.integrations.llama_cpp import KVStoreLlamaCache  # noqa: E402
 from kvstore.integrations.llama_cpp.identity import identify  # noqa: E402
-from kvstore.verify import verify_path  # noqa: E402
+from kvstore.tools.verify import verify_path  # noqa: E402
 from tests.integrations.llama_cpp.helpers import (  # noqa: E402
     complete,
     gguf_path,

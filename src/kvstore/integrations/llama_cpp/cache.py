@@ -39,12 +39,12 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import KVStoreError, LayoutMismatch
-from kvstore.hashing import as_tokens
+from kvstore.format.hashing import as_tokens
 from kvstore.integrations.llama_cpp import context
 from kvstore.integrations.llama_cpp.identity import Identity, Unsupported, identify
 from kvstore.integrations.llama_cpp.state import StateError
 from kvstore.integrations.shared import Lease, acquire
-from kvstore.store import Store
+from kvstore.store.facade import Store
 
 log = logging.getLogger("kvstore.integrations.llama_cpp")
 

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from kvstore.config import check_codecs, check_size
-from kvstore.policy import make_policy
-from kvstore.remote.config import RemoteConfig
+from kvstore.eviction.policies import make_policy
+from kvstore.store.config import check_codecs, check_size
+from kvstore.tiers.remote.config import RemoteConfig
 
 SIZE_KEYS = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
-from kvstore.store import Store
+from kvstore.store.facade import Store
 
 log = logging.getLogger("vllm.kvstore")
 

@@ -30,9 +30,9 @@ from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm import packing
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats
-from kvstore.layerwise import LayerLoad
-from kvstore.saving import SaveHandle
-from kvstore.store import Store
+from kvstore.pipelines.layer_load import LayerLoad
+from kvstore.pipelines.saving import SaveHandle
+from kvstore.store.facade import Store
 
 log = logging.getLogger("vllm.kvstore")
 

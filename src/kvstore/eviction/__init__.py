@@ -1,0 +1,3 @@
+"""What leaves a tier and when: priority functions, the one victim chooser, what the reuse policy
+learns, the scheduler's look-ahead.
+"""

@@ -1,0 +1,310 @@
+"""The catalog's record formats: fixed binary layouts (``struct`` + raw arrays).
+
+No code-executing serialization format, so an untrusted store is safe to open: every decoder
+checks version and lengths before building a record and raises :class:`FormatError` otherwise.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
+
+from kvstore.codecs.layer_codec import NAMES as CODEC_NAMES
+from kvstore.errors import FormatError
+from kvstore.format.hashing import HASH_BYTES
+
+_CHUNK_V1 = struct.Struct("<B16sIII")  # version 1: parent, n_tokens, slot, num_layers
+_CHUNK_V2 = struct.Struct("<B16sIIQI")  # version 2: + gen (the commit that wrote the extent)
+_CHUNK_V3 = struct.Struct("<B16sIIQIB")  # version 3: + codec id, then per-layer stored lengths
+_CONTEXT = struct.Struct("<BQQQI")  # version, n_tokens, created, last_access, n_chunks
+_RESERVATION = struct.Struct("<BII")  # version, n_slots, n_held
+_INDEX_V1 = struct.Struct("<BQ")  # version 1: bytes of the context's index directory
+_INDEX = struct.Struct("<BQQ")  # version 2: + tag (the directory's unique suffix)
+OWNER_BYTES = 16
+MAX_SLOT = (1 << 32) - 1  # slots are stored as uint32
+_U4 = np.dtype("<u4")
+_U8 = np.dtype("<u8")
+
+
+def _id_bytes(tokens: np.ndarray | bytes) -> bytes:
+    """Token ids as little-endian uint32 bytes: the bytes object ``tokens`` views if it views
+    exactly one, else a copy."""
+    if isinstance(tokens, bytes):
+        return tokens
+    base = tokens.base
+    if isinstance(base, bytes) and tokens.dtype == _U4 and len(base) == tokens.nbytes:
+        return base
+    return np.ascontiguousarray(tokens, dtype=_U4).tobytes()
+
+
+class ChunkRecord:
+    """Metadata of one stored chunk; its payload is one extent in a disk slot.
+
+    ``checksums[l]`` is the xxh3_64 of layer l's bytes (K then V) inside the extent, so a
+    layer-wise read is verified too. ``tokens`` are kept to answer partial-chunk matches and to
+    rule out hash collisions. ``gen`` is the catalog generation of the commit that made the
+    chunk visible: a reader that finds bytes failing their checksum re-checks (slot, gen) to
+    tell a slot reused by another process (a miss) from corruption.
+
+    ``codec`` is the id (:data:`kvstore.codecs.layer_codec.NAMES`) of the codec the extent was
+    stored
+    through; a codec other than ``none`` (0) also records ``lengths[l]``, the stored bytes of
+    layer l (layers lie back to back in the slot), and ``checksums`` cover those stored bytes.
+    A raw chunk is written as version 2, so stores that never use a codec keep their format;
+    version 3 carries the codec. Versions 1 and 2 decode as codec ``none``.
+
+    Compact in memory (a store keeps one per stored chunk resident): the token ids are one
+    bytes object (:attr:`token_ids`, which the prefix tree's child index shares), the
+    checksums and lengths another; ``tokens``, ``checksums`` and ``lengths`` are read-only
+    array views of them made on access (assigning an array replaces the bytes).
+
+    Thread-safety: none; a record is mutated only by its owner (the put building it, or the
+    tree with the store's metadata lock held).
+    """
+
+    __slots__ = ("key", "parent", "n_tokens", "slot", "gen", "codec", "_sums", "_ids")
+
+    def __init__(self, key: bytes, parent: bytes, n_tokens: int, slot: int, gen: int,
+                 checksums: np.ndarray, tokens: np.ndarray | bytes, codec: int = 0,
+                 lengths: np.ndarray | None = None) -> None:
+        self.key = key
+        self.parent = parent
+        self.n_tokens = n_tokens
+        self.slot = slot
+        self.gen = gen
+        self.codec = codec
+        self._ids = _id_bytes(tokens)
+        if (codec == 0) != (lengths is None):
+            raise ValueError("a chunk record has per-layer lengths exactly when its codec is "
+                             "not none")
+        self._sums = b""
+        self._set_sums(checksums, lengths)
+
+    def _set_sums(self, checksums: np.ndarray, lengths: np.ndarray | None) -> None:
+        sums = np.ascontiguousarray(checksums, dtype=_U8).tobytes()
+        if lengths is not None:
+            sums += np.ascontiguousarray(lengths, dtype=_U4).tobytes()
+        self._sums = sums
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._sums) // (8 if self.codec == 0 else 12)
+
+    @property
+    def checksums(self) -> np.ndarray:  # [num_layers] uint64, read-only
+        return np.frombuffer(self._sums, _U8, self.num_layers)
+
+    @checksums.setter
+    def checksums(self, value: np.ndarray) -> None:
+        self._set_sums(value, self.lengths)
+
+    @property
+    def lengths(self) -> np.ndarray | None:  # [num_layers] uint32 when codec != 0
+        if self.codec == 0:
+            return None
+        nl = self.num_layers
+        return np.frombuffer(self._sums, _U4, nl, 8 * nl)
+
+    @property
+    def tokens(self) -> np.ndarray:  # [n_tokens] uint32, read-only
+        return np.frombuffer(self._ids, _U4)
+
+    @tokens.setter
+    def tokens(self, value: np.ndarray | bytes) -> None:
+        self._ids = _id_bytes(value)
+
+    @property
+    def token_ids(self) -> bytes:
+        """The token ids as little-endian uint32 bytes (the record's own copy)."""
+        return self._ids
+
+    def __repr__(self) -> str:
+        return (f"ChunkRecord(key={self.key.hex()}, parent={self.parent.hex()}, "
+                f"n_tokens={self.n_tokens}, slot={self.slot}, gen={self.gen}, "
+                f"codec={self.codec})")
+
+    def layer_span(self, layer: int, raw_layer_bytes: int) -> tuple[int, int]:
+        """(offset in the slot, stored bytes) of layer ``layer``."""
+        lengths = self.lengths
+        if lengths is None:
+            return layer * raw_layer_bytes, raw_layer_bytes
+        return int(lengths[:layer].sum()), int(lengths[layer])
+
+    def stored_bytes(self, raw_layer_bytes: int) -> int:
+        """Bytes of the extent in its slot."""
+        if self.codec == 0:
+            return raw_layer_bytes * (len(self._sums) >> 3)
+        return int(self.lengths.sum())  # type: ignore[union-attr]
+
+    def encode(self) -> bytes:
+        nl = self.num_layers
+        if self.codec == 0:
+            return _CHUNK_V2.pack(2, self.parent, self.n_tokens, self.slot, self.gen, nl) \
+                + self._sums + self._ids
+        hdr = _CHUNK_V3.pack(3, self.parent, self.n_tokens, self.slot, self.gen, nl, self.codec)
+        return hdr + self._sums + self._ids
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> ChunkRecord:
+        if len(raw) < 1 or raw[0] not in (1, 2, 3):
+            raise FormatError(f"chunk record {key.hex()} is malformed (unknown version)")
+        codec = 0
+        try:
+            if raw[0] == 2:
+                _, parent, n, slot, gen, nl = _CHUNK_V2.unpack_from(raw)
+                o = _CHUNK_V2.size
+            elif raw[0] == 1:
+                _, parent, n, slot, nl = _CHUNK_V1.unpack_from(raw)
+                gen, o = 0, _CHUNK_V1.size
+            else:
+                _, parent, n, slot, gen, nl, codec = _CHUNK_V3.unpack_from(raw)
+                o = _CHUNK_V3.size
+        except struct.error as e:
+            raise FormatError(f"chunk record {key.hex()} is truncated: {e}") from None
+        per_layer = 12 if raw[0] == 3 else 8
+        if len(raw) != o + per_layer * nl + 4 * n or len(key) != HASH_BYTES or n == 0 \
+                or (raw[0] == 3 and not 0 < codec < len(CODEC_NAMES)):
+            raise FormatError(f"chunk record {key.hex()} is malformed (version {raw[0]})")
+        rec = cls.__new__(cls)
+        rec.key, rec.parent, rec.n_tokens, rec.slot, rec.gen, rec.codec = \
+            key, parent, n, slot, gen, codec
+        t = o + per_layer * nl
+        rec._sums = raw[o:t]
+        rec._ids = raw[t:]
+        return rec
+
+
+_KEYS: dict[int, struct.Struct] = {}
+_KEY_OF = attrgetter("key")
+# Token counts of contexts repeat (a million contexts have far fewer distinct lengths): one
+# int object per count (for the first 65,536 counts seen), shared by every record of that
+# length.
+_COUNTS: dict[int, int] = {}
+_COUNTS_MAX = 1 << 16
+
+
+def _shared_count(n: int) -> int:
+    got = _COUNTS.get(n)
+    if got is not None:
+        return got
+    if len(_COUNTS) < _COUNTS_MAX:
+        _COUNTS[n] = n
+    return n
+
+
+def _keys(n: int) -> struct.Struct:
+    """The format of ``n`` chunk keys back to back (one unpack makes the tuple of keys)."""
+    fmt = _KEYS.get(n)
+    if fmt is None:
+        fmt = struct.Struct(f"{HASH_BYTES}s" * n)
+        if n <= 64:
+            _KEYS[n] = fmt
+    return fmt
+
+
+@dataclass(slots=True, eq=False)
+class ContextRecord:
+    """A stored context: the ordered chunks of one put, keyed by its last chunk's address."""
+
+    key: bytes
+    n_tokens: int
+    created: int
+    last_access: int
+    chunks: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        hdr = _CONTEXT.pack(1, self.n_tokens, self.created, self.last_access, len(self.chunks))
+        return hdr + b"".join(self.chunks)
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes,
+               chunks: Mapping[bytes, ChunkRecord] | None = None) -> ContextRecord:
+        """The record stored under ``key``. With ``chunks`` (records by key), the keys it
+        holds, and its own, are those records' own key objects where they exist (one copy of
+        each key in memory, however many records name it)."""
+        try:
+            ver, n, created, last, nc = _CONTEXT.unpack_from(raw)
+        except struct.error as e:
+            raise FormatError(f"context record {key.hex()} is truncated: {e}") from None
+        if ver != 1 or len(raw) != _CONTEXT.size + HASH_BYTES * nc or nc == 0 \
+                or len(key) != HASH_BYTES:
+            raise FormatError(f"context record {key.hex()} is malformed (version {ver})")
+        keys = (_KEYS.get(nc) or _keys(nc)).unpack_from(raw, _CONTEXT.size)
+        if chunks:
+            try:
+                keys = tuple(map(_KEY_OF, map(chunks.__getitem__, keys)))
+            except KeyError:  # one is missing: recovery drops the context
+                keys = tuple([c if r is None else r.key
+                              for c, r in zip(keys, map(chunks.get, keys), strict=True)])
+            if keys[-1] == key:
+                key = keys[-1]
+        return cls(key, _shared_count(n), created, last, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Disk slots a put in progress is writing, and the stored chunks it reuses (held: no
+    process may free them until the put commits or aborts). Keyed by (owner, seq); the owner
+    is the process (see :mod:`kvstore.format.writer_registry`), so a dead owner's reservations are
+    reclaimed."""
+
+    owner: bytes
+    seq: int
+    slots: tuple[int, ...]
+    held: tuple[bytes, ...]
+
+    @property
+    def key(self) -> bytes:
+        return self.owner + self.seq.to_bytes(8, "big")
+
+    def encode(self) -> bytes:
+        return (_RESERVATION.pack(1, len(self.slots), len(self.held))
+                + np.asarray(self.slots, dtype="<u4").tobytes() + b"".join(self.held))
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> Reservation:
+        try:
+            ver, ns, nh = _RESERVATION.unpack_from(raw)
+        except struct.error as e:
+            raise FormatError(f"reservation record {key.hex()} is truncated: {e}") from None
+        o = _RESERVATION.size
+        if ver != 1 or len(key) != OWNER_BYTES + 8 or len(raw) != o + 4 * ns + HASH_BYTES * nh:
+            raise FormatError(f"reservation record {key.hex()} is malformed")
+        slots = tuple(int(s) for s in np.frombuffer(raw, "<u4", ns, o))
+        o += 4 * ns
+        held = tuple(raw[o + i * HASH_BYTES : o + (i + 1) * HASH_BYTES] for i in range(nh))
+        return cls(key[:OWNER_BYTES], int.from_bytes(key[OWNER_BYTES:], "big"), slots, held)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """A context's indexes: the directory ``indexes/<context hex>-<tag hex>`` (tag 0: a
+    directory named by the context alone) holding ``nbytes``. Each build gets a new tag, so a
+    directory is only ever written under a name no entry references yet, and removed only once
+    the entry that referenced it is gone."""
+
+    nbytes: int
+    tag: int
+
+    def dirname(self, key: bytes) -> str:
+        return key.hex() if self.tag == 0 else f"{key.hex()}-{self.tag:016x}"
+
+    def encode(self) -> bytes:
+        return _INDEX.pack(2, self.nbytes, self.tag)
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> IndexEntry:
+        if len(key) != HASH_BYTES or not raw or raw[0] not in (1, 2):
+            raise FormatError(f"index entry {key.hex()} is malformed")
+        try:
+            if raw[0] == 1:
+                _, nbytes = _INDEX_V1.unpack(raw)
+                return cls(nbytes, 0)
+            _, nbytes, tag = _INDEX.unpack(raw)
+        except struct.error:
+            raise FormatError(f"index entry {key.hex()} is malformed") from None
+        return cls(nbytes, tag)

@@ -1,0 +1,397 @@
+"""Asynchronous saving (AttentionStore §3.2.2): KV leaves the compute path layer by layer.
+
+During prefill, as soon as layer l's KV exists, :meth:`SaveHandle.layer` copies the new tokens'
+part of it into a host write buffer (from GPU memory with a non-blocking copy); decode-step KV is
+batched (:meth:`SaveHandle.append`). :meth:`SaveHandle.finish` hands the context to a writer
+thread, which stores it with the store's ordinary crash-safe put (extents written and synced,
+then one catalog commit), so nothing half-written ever becomes visible. The write buffer is
+bounded (``write_buffer_bytes``): a new save waits for room only when the writer is that far
+behind. :meth:`Saver.flush` is the durability point; an error in the writer reaches the save's
+future and the next ``flush``.
+
+What a finished save is worth before ``flush()``: it is queued in this process's memory. It is
+written even if the program exits without closing the store: the writer thread is not a daemon
+and runs only while saves are queued, so a normal interpreter exit waits for it. A process that
+is killed (SIGKILL, power loss) loses the saves not yet written; each is stored whole or not at
+all.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.errors import CapacityError, StoreClosed
+from kvstore.format.chunk_extent import empty_kv, raw
+from kvstore.format.hashing import as_tokens
+from kvstore.layout import KVLayout
+from kvstore.pipelines.fork_join import Helpers, copy_all
+from kvstore.tiers.output_pool import OutputPool
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    tokens: np.ndarray
+    namespace: str | None
+    base: int
+    keys: torch.Tensor  # [L, H, T - base, D] CPU
+    values: torch.Tensor
+    ready: torch.cuda.Event | None
+    hold: _Hold
+    future: Future[bool]
+
+
+class _Hold:
+    """What one save holds until it is written or dropped: ``nbytes`` of write buffer and the
+    stored chunks ``held`` (they must not be evicted under it). Released exactly once: by
+    ``abort``, by the writer when the save is over, or by a finalizer when a handle is dropped
+    without either (so a forgotten handle never blocks later saves)."""
+
+    def __init__(self, saver: Saver, nbytes: int, held: list[bytes]) -> None:
+        self._saver = saver
+        self.nbytes = nbytes
+        self.held = held
+        self._lock = threading.Lock()
+        self._released = False
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._saver._done(self.nbytes, self.held)
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+class SaveHandle:
+    """One context being saved; from :meth:`kvstore.Store.begin_save`.
+
+    Use as a context manager: it finishes on success and aborts on an exception. Thread-safety:
+    one thread (the compute) calls a handle's methods.
+    """
+
+    def __init__(self, saver: Saver, layout: KVLayout, tokens: np.ndarray,
+                 namespace: str | None, base: int, capacity: int, held: list[bytes],
+                 nbytes: int, buffers: OutputPool | None = None) -> None:
+        self._saver = saver
+        self._layout = layout
+        self.tokens = tokens  # the prompt's ids; append() adds more
+        self.namespace = namespace
+        self.base = base  # tokens before this are stored already (held until the save ends)
+        self._extra: list[np.ndarray] = []
+        self._n_extra = 0
+        self._hold = hold = _Hold(saver, nbytes, held)
+        # A handle dropped unfinished gives back what it holds (the finalizer holds no
+        # reference to the handle, only to what it must release).
+        self._finalizer = weakref.finalize(self, hold.release)
+        self._state = "open"  # open -> finished | aborted
+        try:
+            if torch.cuda.is_available():  # pinned: the copies from the GPU are asynchronous
+                shape = (layout.num_layers, layout.num_kv_heads, capacity, layout.head_dim)
+                self._k = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=True)
+                self._v = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=True)
+            elif buffers is not None:  # [L, H, cap, D], recycled: no page faults per save
+                self._k, self._v = buffers.kv(layout, capacity)
+            else:  # numpy-allocated (huge pages: fast first touch)
+                self._k, self._v = empty_kv(layout, capacity, 2)
+        except BaseException:
+            self.abort()
+            raise
+        self._layers = np.zeros(layout.num_layers, dtype=bool)
+        self._on_gpu = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) + self._n_extra
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ValueError(f"this save is already {self._state}")
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.device.type == "cuda":
+            self._on_gpu = True
+            dst.copy_(src, non_blocking=True)
+        elif dst.device.type == "cpu" and src.dtype == dst.dtype:
+            np.copyto(raw(dst), raw(src.detach().contiguous()))  # one thread, GIL released
+        else:
+            dst.copy_(src)
+
+    def _check_kv(self, name: str, t: object) -> torch.Tensor:
+        return self._layout.check_tensor(name, t)
+
+    def layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Layer ``layer``'s KV of the prompt, [num_kv_heads, T_prompt, head_dim] each (keys
+        pre-RoPE; the whole context or at least its tokens from ``base`` on, right-aligned)."""
+        self._check_open()
+        lay, T = self._layout, len(self.tokens)
+        if isinstance(layer, bool) or not isinstance(layer, int) \
+                or not 0 <= layer < lay.num_layers:
+            raise ValueError(f"layer must be in [0, {lay.num_layers}), got {layer!r}")
+        for name, t in (("keys", keys), ("values", values)):
+            t = self._check_kv(name, t)
+            if (t.dim() != 3 or t.shape[0] != lay.num_kv_heads or t.shape[2] != lay.head_dim
+                    or t.shape[1] < T - self.base):
+                raise ValueError(f"{name} must be [num_kv_heads={lay.num_kv_heads}, "
+                                 f">= {T - self.base} tokens, head_dim={lay.head_dim}], got "
+                                 f"{list(t.shape)}")
+        if keys.shape != values.shape:
+            raise ValueError(f"keys and values must have one shape, got {list(keys.shape)} and "
+                             f"{list(values.shape)}")
+        n = T - self.base
+        self._copy(self._k[layer, :, :n], keys[:, keys.shape[1] - n :])  # [H, n, D]
+        self._copy(self._v[layer, :, :n], values[:, values.shape[1] - n :])
+        self._layers[layer] = True
+
+    def layers(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Every layer's KV of the prompt at once, [num_layers, num_kv_heads, T_prompt,
+        head_dim] each (keys pre-RoPE; at least the tokens from ``base`` on, right-aligned).
+        Large CPU copies use both cores."""
+        self._check_open()
+        lay, T = self._layout, len(self.tokens)
+        n = T - self.base
+        for name, t in (("keys", keys), ("values", values)):
+            t = self._check_kv(name, t)
+            if (t.dim() != 4 or t.shape[0] != lay.num_layers or t.shape[1] != lay.num_kv_heads
+                    or t.shape[3] != lay.head_dim or t.shape[2] < n):
+                raise ValueError(f"{name} must be [num_layers={lay.num_layers}, num_kv_heads="
+                                 f"{lay.num_kv_heads}, >= {n} tokens, head_dim={lay.head_dim}]"
+                                 f", got {list(t.shape)}")
+        ks, vs = keys[:, :, keys.shape[2] - n :], values[:, :, values.shape[2] - n :]
+        if ks.device.type == "cpu" and self._k.device.type == "cpu":
+            copy_all(self._saver.helpers, [(raw(self._k[:, :, :n]), raw(ks)),
+                                           (raw(self._v[:, :, :n]), raw(vs))])
+        else:
+            self._copy(self._k[:, :, :n], ks)
+            self._copy(self._v[:, :, :n], vs)
+        self._layers[:] = True
+
+    def append(self, tokens: object, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """KV of more tokens after the prompt (decode steps, batched): [L, H, t, D] each."""
+        self._check_open()
+        extra = as_tokens(tokens)
+        t, at = len(extra), self.num_tokens - self.base
+        want = (self._layout.num_layers, self._layout.num_kv_heads, t, self._layout.head_dim)
+        keys, values = self._check_kv("keys", keys), self._check_kv("values", values)
+        if tuple(keys.shape) != want or tuple(values.shape) != want:
+            raise ValueError(f"keys/values must be {list(want)} for {t} tokens, got "
+                             f"{list(keys.shape)} and {list(values.shape)}")
+        if at + t > self._k.shape[2]:
+            raise ValueError(f"append of {t} tokens exceeds max_new_tokens given to begin_save "
+                             f"({self._k.shape[2] - (len(self.tokens) - self.base)})")
+        self._copy(self._k[:, :, at : at + t], keys)
+        self._copy(self._v[:, :, at : at + t], values)
+        self._extra.append(extra)
+        self._n_extra += t
+
+    def finish(self) -> Future[bool]:
+        """Hand the context to the writer; the future completes when it is durable (True),
+        or with False if the store's eviction policy refused it (admission: nothing stored)."""
+        self._check_open()
+        missing = np.flatnonzero(~self._layers)
+        if len(missing):
+            raise ValueError(f"layers {missing.tolist()} were never given to layer()")
+        try:
+            toks = np.concatenate([self.tokens, *self._extra]) if self._extra else self.tokens
+            n = len(toks) - self.base
+            ready = None
+            if self._on_gpu:
+                ready = torch.cuda.Event()
+                ready.record()
+            job = _Job(tokens=toks, namespace=self.namespace, base=self.base,
+                       keys=self._k[:, :, :n], values=self._v[:, :, :n], ready=ready,
+                       hold=self._hold, future=Future())
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "finished"
+        self._finalizer.detach()  # the job owns the hold now: the writer releases it
+        self._saver._submit(job)
+        return job.future
+
+    def abort(self) -> None:
+        """Drop the save; nothing of it is stored. Idempotent."""
+        if self._state == "open":
+            self._state = "aborted"
+            self._finalizer()
+
+    def __enter__(self) -> SaveHandle:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.finish()
+
+
+class Saver:
+    """The write buffer and the writer thread of one store.
+
+    ``write(tokens, keys, values, namespace, base)`` stores one context (the store's put) and
+    returns whether it was stored (False: the eviction policy's admission refused it);
+    ``release(held)`` lets go of the chunks a save held. The writer thread runs while saves
+    are queued and ends when the queue is empty. Thread-safety: all methods may be called from
+    any thread.
+    """
+
+    def __init__(self, *, capacity_bytes: int,
+                 write: Callable[[np.ndarray, torch.Tensor, torch.Tensor, str | None, int], bool],
+                 release: Callable[[list[bytes]], None], helpers: Helpers | None = None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.helpers = helpers  # for large copies into the write buffer
+        self._write = write
+        self._release = release
+        self._cond = threading.Condition()
+        self._used = 0  # bytes of write buffer held by open or queued saves
+        self._error: BaseException | None = None  # the first since the last flush
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._writing: _Job | None = None
+        self._thread: threading.Thread | None = None
+        self._last: threading.Thread | None = None  # joined by close()
+        self._closed = False
+        self.saved = 0
+        self.failed = 0
+
+    def reserve(self, nbytes: int, *, wait: bool = True) -> None:
+        """Wait for ``nbytes`` of write buffer (a save bigger than the buffer waits until the
+        buffer is empty); with ``wait=False``, :class:`CapacityError` at once if there is no
+        room now. Refuses a save larger than this machine's memory."""
+        if nbytes > physical_memory():
+            raise CapacityError(f"a save of {nbytes} bytes does not fit this machine's memory "
+                                f"({physical_memory()} bytes)")
+        with self._cond:
+            def room() -> bool:
+                return self._closed or self._used == 0 \
+                    or self._used + nbytes <= self.capacity_bytes
+            if wait:
+                self._cond.wait_for(room)
+            elif not room():
+                raise CapacityError(f"the write buffer is full ({self._used} of "
+                                    f"{self.capacity_bytes} bytes held by saves not yet "
+                                    f"written); a save of {nbytes} bytes would wait")
+            if self._closed:
+                raise StoreClosed("the store is closing")
+            self._used += nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def pending(self) -> int:
+        """Finished saves not yet written."""
+        with self._cond:
+            return len(self._queue) + (self._writing is not None)
+
+    def _submit(self, job: _Job) -> None:
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._queue.append(job)
+                if self._thread is None:
+                    self._thread = self._last = threading.Thread(target=self._run,
+                                                                 name="kvstore-saver")
+                    self._thread.start()
+        if closed:
+            self._retire(job, StoreClosed("the store closed before this save"))
+            raise StoreClosed("the store is closing")
+
+    def _done(self, nbytes: int, held: list[bytes]) -> None:
+        try:
+            self._release(held)
+        finally:  # the accounting happens even if releasing fails
+            with self._cond:
+                self._used -= nbytes
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                job = self._writing = self._queue.popleft()
+            error = None
+            stored = False
+            try:
+                if job.ready is not None:
+                    job.ready.synchronize()  # the non-blocking copies from the GPU are done
+                stored = self._write(job.tokens, job.keys, job.values, job.namespace, job.base)
+            except BaseException as e:  # handed to the future and the next flush()
+                error = e
+            self._retire(job, error, stored)
+
+    def _retire(self, job: _Job, error: BaseException | None, stored: bool = False) -> None:
+        """A queued save is over (written, failed or abandoned): release what it held, then
+        complete its future."""
+        try:
+            job.hold.release()
+        except BaseException as e:  # reported by flush(); the writer keeps going
+            error = error or e
+        with self._cond:
+            if error is None:
+                self.saved += 1
+            else:
+                self.failed += 1
+                if not isinstance(error, StoreClosed) and self._error is None:
+                    self._error = error  # later ones are in their futures (and counted)
+            if self._writing is job:
+                self._writing = None
+            self._cond.notify_all()
+        if error is None:
+            job.future.set_result(stored)
+        else:
+            job.future.set_exception(error)
+
+    def wait_for(self, tokens: np.ndarray, namespace: str | None) -> None:
+        """Block until no finished-but-unwritten save shares a prefix with ``tokens`` (in
+        ``namespace``); re-raise such a save's error."""
+        with self._cond:
+            jobs = [*self._queue, *([self._writing] if self._writing else [])]
+            futs = [j.future for j in jobs
+                    if j.namespace == namespace and len(j.tokens) and len(tokens)
+                    and j.tokens[0] == tokens[0]]
+        for f in futs:
+            f.result()
+
+    def flush(self) -> None:
+        """Block until every finished save is durable; raise the first error since the last
+        flush (the other failed saves' futures hold theirs)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queue and self._writing is None)
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self, *, abandon: bool) -> None:
+        """Finish (or with ``abandon``, drop) queued saves and wait for the writer. A save
+        being written completes or fails whole."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            dropped = list(self._queue) if abandon else []
+            if abandon:
+                self._queue.clear()
+        for job in dropped:
+            self._retire(job, StoreClosed("the store closed before this save"))
+        with self._cond:
+            self._cond.wait_for(lambda: self._thread is None)
+            last = self._last
+        if last is not None:
+            last.join()

@@ -1,0 +1,633 @@
+"""The store: the public methods of an open store directory, its lifecycle and its lock.
+
+The work lives in parts (see ``docs/store.md``): the catalog (:mod:`kvstore.format.catalog`) is the
+truth every process shares; :mod:`kvstore.view.catch_up` keeps this process's view of it (the prefix
+tree, :mod:`kvstore.view.prefix_tree`, and the free slots, :mod:`kvstore.view.disk_slots`) current;
+puts run the
+pipeline of :mod:`kvstore.pipelines.put`, gets that of :mod:`kvstore.pipelines.get`, layer-wise
+loads that of
+:mod:`kvstore.pipelines.layer_reads`;
+:mod:`kvstore.eviction.lookahead` holds the scheduler's queue and the prefetcher;
+:mod:`kvstore.pipelines.saving` the
+write buffer and the writer thread; :mod:`kvstore.index.lifecycle` the per-head indexes.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from kvstore.codecs import layer_codec
+from kvstore.errors import StoreClosed
+from kvstore.eviction.jobs import as_jobs
+from kvstore.eviction.lookahead import Hints
+from kvstore.eviction.policies import EvictionPolicy
+from kvstore.format import chunk_extent
+from kvstore.format.hashing import as_tokens
+from kvstore.format.open_lock import DirLock
+from kvstore.format.records import ChunkRecord, ContextRecord
+from kvstore.index.context_dir import ContextIndexes
+from kvstore.index.lifecycle import ContextIndexStore, IndexFiles, check_keys, check_spec
+from kvstore.index.spec import IndexSpec
+from kvstore.pipelines.get import Reader, is_current
+from kvstore.pipelines.layer_load import LayerLoad
+from kvstore.pipelines.layer_reads import Loads
+from kvstore.pipelines.put import Writer
+from kvstore.pipelines.row_reads import RowReader
+from kvstore.pipelines.saving import SaveHandle, Saver
+from kvstore.store.argument_checks import check_device, check_kv, check_out
+from kvstore.store.parts import Core
+from kvstore.store.stats_report import assemble_stats
+from kvstore.tiers.disk_throttle import ReadThrottle, TokenBucket
+from kvstore.tiers.remote.link import RemoteLink
+from kvstore.tiers.remote.tier import RemoteTier
+from kvstore.view.catch_up import writing
+from kvstore.view.prefix_tree import served
+
+
+class Store:
+    """An open store directory. Use :func:`kvstore.open`; close with :meth:`close` or ``with``.
+
+    Thread-safety: every public method may be called from any number of threads at once; each
+    states what it waits for. The metadata lock is held only for in-memory work, never during
+    disk IO, an fsync or a catalog commit: gets run in parallel with each other and with puts.
+    Processes: several may have one directory open at once (see :func:`kvstore.open`); each
+    sees the others' committed puts.
+    """
+
+    def __init__(self, core: Core, *, lock: DirLock, policy: EvictionPolicy,
+                 files: IndexFiles) -> None:
+        # Private: kvstore.open() builds a Store once its parts are settled.
+        self._core = core
+        self._lock = lock
+        self.path = core.path
+        self.layout = core.layout
+        self.config = core.config
+        self.readonly = core.readonly
+        self._files = files
+        self._hints = Hints(core, policy, files)
+        core.tree.priority = self._hints.context_priority
+        self._reader = Reader(core, self._hints.chunk_queued, files)
+        self._loads = Loads(core, files)
+        self._writer = Writer(core, policy=policy, queued=self._hints.chunk_queued,
+                              exempt=self._hints.exempt, refresh_hints=self._hints.refresh,
+                              files=files, on_commit=self._hints.changed,
+                              arriving=self._hints.arriving, refused=self._hints.refused)
+        self._indexes = ContextIndexStore(
+            core, files, get=lambda toks, ns: self.get(toks, namespace=ns))
+        self._saver = Saver(
+            capacity_bytes=core.config.write_buffer_bytes,
+            write=self._write_saved, release=self._release_held, helpers=core.helpers)
+        self._remote: RemoteLink | None = None
+
+    def _attach_remote(self, tier: RemoteTier) -> None:
+        """Called once by :func:`kvstore.open` with a connected remote tier."""
+        self._remote = RemoteLink(
+            self._core, tier,
+            get_local=lambda toks, ns, out: self._reader.get(toks, ns, out, None),
+            read_chunk=self._reader.chunk_extent,
+            fill=lambda toks, ns, kr, vr: self._writer.put(toks, kr, vr, ns, learn=False),
+            prefetch_get=lambda toks, ns: self.get(toks, namespace=ns))
+
+    def _write_saved(self, toks: np.ndarray, k: torch.Tensor, v: torch.Tensor,
+                     namespace: str | None, base: int) -> bool:
+        """The writer thread's put of a save, then its write-through (if it was stored)."""
+        stored = self._writer.put(toks, chunk_extent.raw(k), chunk_extent.raw(v), namespace, base)
+        if stored and self._remote is not None:
+            self._remote.after_put(toks, namespace)
+        return stored
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """This process's eviction policy object (e.g. to give ``reuse`` a test clock)."""
+        return self._hints.policy
+
+    @property
+    def problems(self) -> list[str]:
+        """Integrity problems found when the records were last loaded (what was not loaded)."""
+        return list(self._core.mirror.problems)
+
+    # ------------------------------------------------------------------ writing
+    def put(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
+            namespace: str | None = None, index: IndexSpec | None = None) -> bool:
+        """Store the KV of ``tokens``; durable when it returns. Returns True once stored (or
+        if it was already), False if the eviction policy's admission refused it (``reuse``,
+        ``belady``: it would have had to evict contexts all ranked above it; nothing is
+        written or evicted, counted in ``stats()["evictions"]["bypassed_puts"]``; not an
+        error, so a refused save does not fail :meth:`flush`).
+
+        ``keys``/``values``: [num_layers, num_kv_heads, T, head_dim] in the layout dtype, keys
+        without rotary encoding. Chunks already stored (a shared prefix, by any process) are
+        not written again. A stored context that is a strict prefix of ``tokens`` is
+        superseded (its KV stays servable through this one, but its indexes go with it). With
+        ``index``, per-head indexes of that spec are built over the context's keys (RoPE at
+        0..T-1) and stored with it (see :meth:`build_indexes`); keys that cannot be indexed
+        are refused before anything is stored.
+
+        Thread-safe; puts of several threads and processes run at once. The metadata lock is
+        not held while the extents are written and synced or the indexes built.
+        """
+        lay = self.layout
+        toks = as_tokens(tokens)
+        keys = check_kv(lay, "keys", keys, len(toks))
+        values = check_kv(lay, "values", values, len(toks))
+        if index is not None:
+            lay.require_pre_rope("per-head indexes (put(index=...))")
+            check_spec(index, "index", lay.head_dim)
+            check_keys(keys)
+        kr = chunk_extent.raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
+        vr = chunk_extent.raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
+        if not self._writer.put(toks, kr, vr, namespace):
+            return False
+        if self._remote is not None:  # queued for write-through (sent in the background)
+            self._remote.after_put(toks, namespace)
+        if index is not None:
+            self._indexes.attach(toks, namespace, keys, index)
+        return True
+
+    def delete(self, tokens: object, *, namespace: str | None = None) -> bool:
+        """Remove the context stored for exactly ``tokens``; chunks other contexts share stay.
+
+        Returns False if no context was stored for exactly these tokens. Thread-safe (one
+        catalog transaction; other processes see the removal at their next call)."""
+        toks = as_tokens(tokens)
+        core = self._core
+        with core.mutex:
+            core.check_writable()
+        with writing(core.catalog, core.mirror, core.mutex) as txn:
+            with core.mutex:
+                core.check_writable()
+                core.mirror.catch_up(txn)
+                ctx = core.tree.exact_context(toks, namespace)
+                dirs: list = []
+                if ctx is not None:
+                    keep = {k for r in txn.reservations() for k in r.held}
+                    _, dirs = core.mirror.drop_contexts(txn, [ctx.key], keep)
+        self._files.remove(dirs)
+        return ctx is not None
+
+    def begin_save(self, tokens: object, *, namespace: str | None = None,
+                   max_new_tokens: int = 0, wait: bool = True) -> SaveHandle:
+        """Start saving the context ``tokens`` asynchronously (AttentionStore §3.2.2).
+
+        Give each layer's KV to :meth:`SaveHandle.layer` as soon as it exists (during prefill),
+        decode-step KV of up to ``max_new_tokens`` more tokens to :meth:`SaveHandle.append`, then
+        :meth:`SaveHandle.finish`: a writer thread stores the context (crash-safe, all or
+        nothing) and the returned future completes when it is durable. Only tokens after the
+        already stored full chunks are copied (``SaveHandle.base``; when it is ``len(tokens)``
+        there is nothing new to store); this process does not evict those chunks until the
+        save ends (another process may: the save then fails with a clear error).
+        Thread-safe; waits while the write buffer (``write_buffer_bytes``) is full, or with
+        ``wait=False`` raises :class:`CapacityError` at once (a caller that must not block
+        drops the save).
+        """
+        toks = as_tokens(tokens)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(wait, bool):
+            raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
+        core = self._core
+        c = core.config.chunk_tokens
+        with core.mutex:
+            core.check_writable()
+            if core.closing:
+                raise StoreClosed(f"store {self.path!r} is closing")
+            core.mirror.catch_up()
+            pieces = core.tree.resolve(toks, namespace)
+            held = [p.rec.key for p in pieces if p.use == p.rec.n_tokens == c]
+            core.tree.hold(held)
+        base = len(held) * c
+        capacity = len(toks) + max_new_tokens - base
+        nbytes = capacity * self.layout.token_bytes
+        try:
+            self._saver.reserve(nbytes, wait=wait)
+        except BaseException:
+            self._release_held(held)
+            raise
+        return SaveHandle(self._saver, self.layout, toks, namespace, base, capacity, held,
+                          nbytes, core.buffers)
+
+    def _release_held(self, keys: list[bytes]) -> None:
+        with self._core.mutex:
+            self._core.tree.release(keys)
+
+    def save_async(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
+                   namespace: str | None = None) -> Future[bool]:
+        """:meth:`put` on the writer thread: returns once the KV is copied into the write
+        buffer; the future completes when it is durable, with put's result (False: the
+        policy's admission refused it). Thread-safe."""
+        toks = as_tokens(tokens)
+        keys = check_kv(self.layout, "keys", keys, len(toks))
+        values = check_kv(self.layout, "values", values, len(toks))
+        with self.begin_save(toks, namespace=namespace) as save:
+            save.layers(keys, values)
+            return save.finish()
+
+    def wait_saved(self, tokens: object, *, namespace: str | None = None) -> None:
+        """Block until asynchronous saves that may extend what the store serves for
+        ``tokens`` are written (so :meth:`match` sees them); raises such a save's error.
+        Thread-safe."""
+        self._core.check_open()
+        self._saver.wait_for(as_tokens(tokens), namespace)
+
+    def flush(self, *, remote: bool = False) -> None:
+        """The durability point of asynchronous saves: block until every finished save is
+        durable; raise the first error a save met since the last flush. With ``remote=True``,
+        then also wait until every chunk queued for write-through so far has been sent to the
+        remote tier (or failed to: remote failures are counted in ``stats()["remote"]``, never
+        raised). Thread-safe."""
+        self._core.check_open()
+        if not isinstance(remote, bool):
+            raise TypeError(f"remote must be a bool, got {type(remote).__name__}")
+        self._saver.flush()
+        if remote and self._remote is not None:
+            self._remote.flush()
+            self._remote.wait_filled()
+
+    def put_shared_doc(self, name: str, data: bytes) -> bool:
+        """Store a small document (e.g. a conversation's state) in the remote tier, where
+        stores on other machines find it by ``name``. False if there is no remote tier or it
+        did not answer (counted in stats). Thread-safe."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if not isinstance(data, bytes):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        self._core.check_open()
+        return self._remote is not None and self._remote.tier.put_doc(name, data)
+
+    def shared_doc(self, name: str) -> bytes | None:
+        """A document stored by :meth:`put_shared_doc` (by any store on this Redis), or None.
+        Untrusted bytes: validate before use. Thread-safe."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        self._core.check_open()
+        return None if self._remote is None else self._remote.tier.get_doc(name)
+
+    def set_prefill_rate(self, tokens_per_s: float | None) -> None:
+        """How fast the caller recomputes (prefills) KV, in tokens per second, or None
+        (unknown). With a remote tier, :meth:`match` then counts a remote prefix only if
+        fetching it is estimated (from the link's measured latency and bandwidth) to end
+        sooner than recomputing it. Thread-safe."""
+        if tokens_per_s is not None:
+            if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, int | float) \
+                    or not tokens_per_s > 0 or tokens_per_s == float("inf"):
+                raise ValueError(f"tokens_per_s must be a positive finite number or None, got "
+                                 f"{tokens_per_s!r}")
+            tokens_per_s = float(tokens_per_s)
+        if self._remote is not None:
+            self._remote.prefill_rate = tokens_per_s
+
+    # ------------------------------------------------------------------ reading
+    def match(self, tokens: object, *, namespace: str | None = None) -> int:
+        """How many leading tokens of ``tokens`` the store can serve (from any tier, as
+        committed by any process). Thread-safe. Without a remote tier it never waits for IO;
+        with one, tokens after the local prefix cost one pipelined round trip to Redis (and
+        count only if fetching them pays, see :meth:`set_prefill_rate`); a remote failure
+        is a shorter match, never an error."""
+        toks = as_tokens(tokens)
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            pieces = core.tree.resolve(toks, namespace)
+            n = served(pieces)
+        if self._remote is not None and n < len(toks):
+            n = self._remote.match(toks, namespace, pieces)
+        with core.mutex:
+            core.counters.match_calls += 1
+            core.counters.matched_tokens += n
+        return n
+
+    def _local_tokens(self, toks: np.ndarray, namespace: str | None) -> int:
+        with self._core.mutex:
+            self._core.check_open()
+            self._core.mirror.catch_up()
+            return served(self._core.tree.resolve(toks, namespace))
+
+    def lossy_tokens(self, tokens: object, *, namespace: str | None = None) -> int:
+        """How many of the tokens ``match(tokens)`` would serve come from chunks stored through
+        a lossy codec (their KV is not bit-identical to a recompute): local chunks, and chunks
+        after the local prefix that lossy remote values served to a recent get or load of
+        these tokens. Thread-safe; no IO."""
+        toks = as_tokens(tokens)
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            pieces = core.tree.resolve(toks, namespace)
+            n = sum(p.use for p in pieces if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY)
+        if self._remote is not None and served(pieces) < len(toks):
+            n += self._remote.lossy_tokens(toks, namespace, pieces)
+        return n
+
+    def get(self, tokens: object, *, namespace: str | None = None,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None,
+            device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of all of ``tokens``: (keys, values), [num_layers, num_kv_heads, T, head_dim].
+
+        Keys are pre-RoPE, in the layout dtype, on CPU unless ``device`` is given; with
+        ``out=(k, v)`` the preallocated tensors are filled and returned. Raises KeyError if not
+        every token is stored, :class:`CorruptData` if stored bytes fail their checksum (the
+        contexts holding them are then dropped, so a retry sees a shorter match).
+
+        Thread-safe; gets of several threads run in parallel with each other and with puts
+        (a get never waits for a put's fsync).
+        """
+        toks = as_tokens(tokens)
+        dev = None if device is None else check_device(device)
+        if out is not None:
+            out = check_out(self.layout, out, len(toks))
+            if dev is not None and dev != out[0].device:
+                raise ValueError(f"device={device!r} disagrees with out tensors on "
+                                 f"{out[0].device}")
+        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
+            return self._remote.get(toks, namespace, out, dev)
+        return self._reader.get(toks, namespace, out, dev)
+
+    def load_layers(self, tokens: object, *, namespace: str | None = None,
+                    buffer_layers: int | None = None,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    device: str | torch.device | None = None, start: int = 0) -> LayerLoad:
+        """Start loading the KV of ``tokens`` layer by layer; returns a :class:`LayerLoad`.
+
+        A loader thread fills layer 0, 1, ... of (keys, values) [L, H, T, D] (pre-RoPE) in an
+        execution buffer of the hbm tier on ``device`` (default CPU; on CUDA each layer goes
+        through pinned host memory and a copy stream), or in ``out`` (contiguous CPU tensors);
+        ``wait(l)`` blocks until layer l is ready. With ``buffer_layers=B`` the loader loads at
+        most B layers before compute first waits, then stays at most B + 1 layers ahead of the
+        layer compute waits for (None: no bound). Layers read from disk are verified one by one
+        and are not copied into the DRAM tier. The chunks' disk slots are pinned until the load
+        ends (this process does not reuse them; if another process does, ``wait`` raises
+        KeyError: a miss). :meth:`LayerLoad.close` gives the execution buffer back. Raises
+        KeyError if not every token is stored, CapacityError if the execution buffer does not
+        fit ``hbm_bytes``. Thread-safe.
+
+        ``start``: load only positions [start, len(tokens)) of the stored ``tokens`` (T =
+        len(tokens) - start; the back of a prefix whose front is recomputed, the Cake-style
+        split). Only the chunks covering them are read, each layer verified against its
+        checksum as always; the keys stay pre-RoPE (their true positions are start.. on use).
+        Tokens served by the remote tier are fetched whole first, then sliced.
+        """
+        toks = as_tokens(tokens)
+        if isinstance(start, bool) or not isinstance(start, int | np.integer):
+            raise TypeError(f"start must be an int, got {type(start).__name__}")
+        if not 0 <= start < len(toks):
+            raise ValueError(f"start must be in [0, {len(toks)}) for {len(toks)} tokens, "
+                             f"got {start}")
+        start = int(start)
+        dev = check_device(device) if device is not None else torch.device("cpu")
+        if out is not None:
+            out = check_out(self.layout, out, len(toks) - start)
+            k_out, v_out = out
+            if k_out.device.type != "cpu" or not (k_out.is_contiguous()
+                                                  and v_out.is_contiguous()):
+                raise ValueError("out tensors of load_layers must be contiguous CPU tensors")
+            if device is not None and dev != k_out.device:
+                raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
+        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
+            return self._remote.layer_load(toks, namespace, start=start,
+                                           buffer_layers=buffer_layers, out=out, device=dev,
+                                           hbm=self._loads.hbm)
+        return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
+                                 device=dev, start=start)
+
+    def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:
+        """A :class:`~kvstore.pipelines.row_reads.RowReader` over the stored context of
+        ``tokens``: reads the K/V rows of chosen token positions one layer at a time (offloaded
+        sparse decode),
+        verified per chunk-layer like every read. KeyError unless every token is stored in
+        this machine's tiers (row reads do not go to the remote tier). Thread-safe."""
+        toks = as_tokens(tokens)
+        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
+            raise KeyError("row reads serve contexts stored in this machine's tiers only")
+        return RowReader(self._core, self._files, toks, namespace, self._hints.chunk_queued)
+
+    def residency(self, tokens: object, *, namespace: str | None = None) -> dict[str, int]:
+        """Where the KV of ``tokens`` is: tokens served from this process's DRAM, from disk
+        only, and not stored. Counts no access. Thread-safe."""
+        toks = as_tokens(tokens)
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            out = {"dram": 0, "disk": 0, "missing": len(toks)}
+            for p in core.tree.resolve(toks, namespace):
+                out["dram" if p.rec.key in core.dram else "disk"] += p.use
+                out["missing"] -= p.use
+            return out
+
+    # ------------------------------------------------------------------ per-head indexes
+    def build_indexes(self, tokens: object, spec: IndexSpec, *,
+                      namespace: str | None = None) -> bool:
+        """Build and store per-(layer, kv-head) indexes for the stored context of exactly
+        ``tokens`` (late materialization, AlayaDB §7.2: a context is indexed once it is
+        stored). Keys are indexed with RoPE at positions 0..T-1. The files live in the store
+        directory under the context, checksummed, and are removed when the context is (delete,
+        eviction, a longer put that supersedes it). Existing indexes are replaced. Returns
+        False if no context of exactly these tokens is stored (or it left meanwhile).
+        Thread-safe; the build runs without the metadata lock."""
+        self.layout.require_pre_rope("per-head indexes (build_indexes)")
+        check_spec(spec, "spec", self.layout.head_dim)
+        return self._indexes.build(as_tokens(tokens), namespace, spec)
+
+    def indexes(self, tokens: object, *, namespace: str | None = None
+                ) -> ContextIndexes | None:
+        """The stored indexes covering ``tokens``: those of the stored context of exactly these
+        tokens, or of a longer stored context that starts with them (query it with
+        ``limit=len(tokens)``, the prefix filter). None if no such context has indexes.
+
+        Every file is checked: a head whose file is corrupt or missing is rebuilt from the
+        stored keys (and rewritten, in a writable store; counted in ``stats()["indexes"]``);
+        if the manifest itself is bad, the context's indexes are dropped and counted as
+        corrupt, and None is returned; if the stored keys cannot be read for a rebuild (a
+        corrupt chunk), None is returned too. Thread-safe: files are read and heads rebuilt
+        without the metadata lock.
+
+        The index files hold no keys: the returned indexes read the context's keys through
+        this store's get path on their first query that needs them (re-ranking, the graph
+        walk). If the context was evicted or a chunk failed its checksum since this call, that
+        query raises ``KeyError`` or :class:`CorruptData` (a miss: recompute).
+        """
+        self.layout.require_pre_rope("per-head indexes (indexes)")
+        return self._indexes.read(as_tokens(tokens), namespace)
+
+    def index_dirs(self) -> dict[bytes, str]:
+        """Context key -> directory of the contexts that have indexes. Thread-safe."""
+        return self._indexes.dirs()
+
+    def check_indexes(self) -> dict[bytes, str | None]:
+        """Context key -> None if its index directory reads back whole (manifest and every
+        file's checksums), else what is wrong. Reads only; repairs nothing. Thread-safe."""
+        return self._indexes.check_all()
+
+    # ------------------------------------------------------------------ scheduler hints
+    def set_queue(self, jobs: object, *, running: object = ()) -> None:
+        """Hand the store the scheduler's waiting jobs, the next to run first (AttentionStore
+        §3.3). Each job is its prompt's token ids (or ``(tokens, namespace)``, or a
+        :class:`kvstore.Job`). ``running``: jobs executing now (same forms); their stored
+        contexts are kept in DRAM ahead of every waiting job's, since they are being read, but
+        they do not count in the windows. Replaces the previous queue; call it whenever the
+        queue changes.
+
+        With the ``scheduler`` (or ``belady``) policy, a background thread then fetches from
+        disk into DRAM the stored contexts of the next ``prefetch_window`` jobs, and eviction
+        looks ahead ``eviction_window`` jobs (see :mod:`kvstore.eviction.jobs`; both windows are in
+        ``stats()["queue"]``). With ``lru``/``fifo`` the queue is recorded but not used.
+        Thread-safe.
+        """
+        queue = as_jobs(jobs)
+        self._hints.set_queue(queue, as_jobs(running))
+        if self._remote is not None and queue:
+            window = max(1, self._hints.windows.prefetch)
+            self._remote.prefetch(queue[:window])
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        """Block until the prefetcher has acted on the latest queue and store changes (False
+        on timeout). Re-raises an IO error the prefetcher met. With a remote tier, also
+        until queued jobs' KV was fetched from Redis and stored locally. Thread-safe."""
+        ok = self._hints.prefetcher.wait_idle(timeout)
+        if self._remote is not None:
+            ok = self._remote.wait_prefetched(timeout) and ok
+        return ok
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, object]:
+        """Bytes and chunk counts per tier, hits/misses, evictions, sharing (this process's
+        counters; the disk tier as committed by every process). Thread-safe."""
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            return assemble_stats(core, tiers=self._loads.tiers(), hints=self._hints,
+                                  saver=self._saver, indexes=self._indexes,
+                                  remote=self._remote, exclusive=self._lock.exclusive)
+
+    def contexts(self) -> list[ContextRecord]:
+        """Snapshot of the stored contexts (copies). Thread-safe."""
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            return [ContextRecord(c.key, c.n_tokens, c.created, c.last_access, c.chunks)
+                    for c in core.tree.contexts.values()]
+
+    def chunk_records(self) -> list[ChunkRecord]:
+        """Snapshot of the chunk records. Thread-safe."""
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            return list(core.tree.chunks.values())
+
+    def segment_file_bytes(self) -> int:
+        """Apparent bytes of the segment files present. Thread-safe."""
+        return sum(self._core.segments.existing().values())
+
+    def read_extent(self, rec: ChunkRecord) -> np.ndarray:
+        """Read a chunk's stored bytes straight from disk (bypassing DRAM), unverified and not
+        decoded; :class:`CorruptData` if its record claims more than a slot. Thread-safe."""
+        core = self._core
+        core.check_open()
+        buf = np.empty(chunk_extent.check_stored(rec, core.layout, core.geo.slot_stride),
+                       dtype=np.uint8)
+        core.segments.read(rec.slot, [buf])
+        return buf
+
+    def is_current(self, rec: ChunkRecord) -> bool:
+        """Whether the catalog still holds ``rec`` (same slot and generation): a reader that
+        finds bytes failing their checksum asks this to tell a race from corruption."""
+        return is_current(self._core, rec)
+
+    def checksums_of(self, extent_bytes: np.ndarray, rec: ChunkRecord | None = None
+                     ) -> np.ndarray:
+        """Per-layer checksums of a raw extent, or of ``rec``'s stored bytes (as
+        :meth:`read_extent` returns them) when ``rec`` is given."""
+        if rec is not None and rec.codec != 0:
+            return chunk_extent.stored_checksums(rec, extent_bytes,
+                                           rec.n_tokens * self.layout.layer_token_bytes)
+        return chunk_extent.checksums(extent_bytes, self.layout.num_layers)
+
+    def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
+        """Make this process's disk tier slow, for tests and benchmarks: every segment read
+        from now on is held to ``throttle.bytes_per_s`` (:mod:`kvstore.tiers.disk_throttle`; the
+        bytes
+        are still read from the file and verified). None removes the limit. Not persisted.
+        Thread-safe (reads in flight keep the bucket they started with)."""
+        if throttle is not None and not isinstance(throttle, ReadThrottle):
+            raise TypeError(f"throttle must be a kvstore.ReadThrottle or None, "
+                            f"got {type(throttle).__name__}")
+        self._core.check_open()
+        self._core.segments.throttle = None if throttle is None else TokenBucket(throttle)
+
+    def drop_caches(self) -> None:
+        """Empty this process's DRAM tier and the OS page cache of the segment files (for
+        benchmarks). Thread-safe."""
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            for key in core.dram.keys():
+                core.dram.discard(key)
+        core.segments.drop_cache()
+
+    # ------------------------------------------------------------------ closing
+    def close(self, *, abandon_pending: bool = False) -> None:
+        """Finish IO, persist access times, release files and the lock. Idempotent.
+
+        Finished asynchronous saves are written first (with ``abandon_pending``, those not yet
+        started are dropped: their futures get :class:`StoreClosed`); either way each context is
+        stored whole or not at all. Layer-wise loads still running are cancelled (their waiters
+        get an error). No thread of the store outlives close(). Thread-safe.
+        """
+        core = self._core
+        with core.mutex:
+            if core.closed:
+                return
+            core.closing = True  # no new layer-wise loads, saves or prefetches from here on
+        self._hints.prefetcher.close()
+        self._saver.close(abandon=abandon_pending)
+        if self._remote is not None:  # sends what write-through queued (unless abandoning)
+            self._remote.close(abandon=abandon_pending)
+        for load in self._loads.running():
+            load.close()
+        self._writer.wait_idle()  # puts writing without the lock
+        with core.mutex:
+            if core.closed:
+                return
+            core.closed = True
+        try:
+            if not self.readonly and core.failed is None:
+                with core.catalog.write() as txn:
+                    for r in txn.reservations():  # left by an abort that could not commit
+                        if core.owner is not None and r.owner == core.owner.id:
+                            txn.delete_reservation(r.key)
+                    with core.mutex:
+                        core.mirror.flush_access(txn)
+        finally:
+            core.helpers.close()
+            core.segments.close()
+            self._files.close()
+            if core.owner is not None:
+                core.owner.close()
+                core.owner.dir.close()
+            # The directory lock goes first: while a process holds it, its catalog is open
+            # (a joiner relies on it to tell a live lock file from a planted one).
+            self._lock.release()
+            core.catalog.close()
+            core.root.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        core = self._core
+        state = "closed" if core.closed else f"{len(core.tree.contexts)} contexts"
+        return f"<kvstore.Store {self.path!r} {state}>"
+
+
+

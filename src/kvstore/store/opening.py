@@ -1,0 +1,371 @@
+"""Opening a store directory: the lock, the format checks, repair, and the assembled parts.
+
+An opener that finds the store unused by any other process (it holds it *alone* while it sets
+up) may create it, upgrade its format, change its disk budget, resize segment files, and repair
+everything a crash left: reservations of dead processes, contexts whose chunks are missing or
+corrupt, orphan chunks, index directories without an entry and staging leftovers. An opener
+that joins processes already using the store repairs only what is provably dead (reservations
+of processes that are gone, records no process can still be writing), and must agree with them
+on the settings they share (``disk_bytes``, ``chunk_tokens``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import replace
+
+from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
+from kvstore.eviction.policies import make_policy
+from kvstore.format.catalog import CATALOG, FORMAT_VERSION, Catalog
+from kvstore.format.directory import Dir, UnsafePath
+from kvstore.format.open_lock import DirLock, acquire
+from kvstore.format.segments import SEGMENTS, SegmentFiles, SegmentGeometry
+from kvstore.format.writer_registry import PROCS, Owner, collect_dead
+from kvstore.index.lifecycle import INDEXES, IndexFiles
+from kvstore.layout import KVLayout
+from kvstore.pipelines.fork_join import Helpers
+from kvstore.pipelines.put import reclaim_dead
+from kvstore.pipelines.saving import physical_memory
+from kvstore.store.config import SLOT_CODECS, StoreConfig, check_codecs, check_size
+from kvstore.store.counters import Counters
+from kvstore.store.facade import Store
+from kvstore.store.parts import Core
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.output_pool import OutputPool
+from kvstore.tiers.remote.config import RemoteConfig
+from kvstore.tiers.remote.tier import RemoteTier
+from kvstore.view.catch_up import Mirror, gc_paused
+from kvstore.view.disk_slots import SlotAllocator
+from kvstore.view.prefix_tree import ContextTree
+from kvstore.view.recovery import RecoveryPlan
+from kvstore.view.recovery import apply as apply_recovery
+from kvstore.view.recovery import plan as recovery_plan
+
+BUFFER_POOL_BYTES = 512 << 20  # idle host memory kept for get() results and save buffers
+
+
+def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
+               dram_bytes: int | None = None, disk_bytes: int | None = None,
+               hbm_bytes: int | None = None, write_buffer_bytes: int | None = None,
+               chunk_tokens: int | None = None, policy: str | None = None,
+               codecs: Mapping[str, str] | None = None, slot_codec: str | None = None,
+               readonly: bool = False, exclusive: bool = False,
+               remote: str | list[str] | tuple[str, ...] | RemoteConfig | None = None) -> Store:
+    """Open (or create) the store directory ``path``.
+
+    On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
+    hbm 1 GiB of execution buffers, write buffer 256 MiB, chunk_tokens 256, policy
+    "scheduler"). On reopen, ``layout`` and ``chunk_tokens`` may be omitted (stored values are
+    used) but must match if given (:class:`LayoutMismatch`); sizes, policy and codecs given
+    replace the stored ones.
+
+    ``codecs`` maps a tier to the codec new chunks are stored through on it, e.g.
+    ``{"disk": "zstd"}`` (default ``none`` everywhere; see :mod:`kvstore.codecs.layer_codec`). Each
+    chunk
+    records its codec, so chunks stored under another config are still read right.
+    ``slot_codec`` (creation only; default ``none``: slots of a raw chunk's size) sizes the
+    disk slots for a fixed-size lossy codec's chunks (``int8``, ``fp8``, ``int4``): the disk
+    budget holds that many more chunks, and a context's coded chunks lie next to each other
+    (sequential reads). The disk codec must then be one whose chunks fit (ValueError), and a
+    chunk that codec cannot take (non-finite values) cannot be stored (ValueError).
+
+    Sharing: any number of processes may open one store at once, all reading and writing; each
+    keeps a private DRAM tier and sees the others' committed puts. ``disk_bytes`` can change
+    only while no other process has the store open (ValueError otherwise); the other sizes and
+    the policy are each process's own. ``exclusive=True`` refuses to open while any other
+    process has the store open, and keeps every later opener out (:class:`StoreLocked`).
+    ``readonly`` opens a store that must exist and never writes to it; it may share the store
+    with readers and writers.
+
+    ``remote``: a shared tier below disk on Redis, ``"redis://[:password@]host:port[/db]"``, a
+    list of Redis Cluster node URLs, or a :class:`kvstore.RemoteConfig` (see
+    :mod:`kvstore.tiers.remote`). Credentials Redis refuses raise :class:`RemoteAuthError` here; a
+    server that does not answer only leaves the tier's breaker open (the store serves from its
+    local tiers and retries in the background).
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if layout is not None and not isinstance(layout, KVLayout):
+        raise TypeError(f"layout must be a kvstore.KVLayout, got {type(layout).__name__}")
+    sizes = {"dram_bytes": check_size("dram_bytes", dram_bytes),
+             "disk_bytes": check_size("disk_bytes", disk_bytes),
+             "hbm_bytes": check_size("hbm_bytes", hbm_bytes),
+             "write_buffer_bytes": check_size("write_buffer_bytes", write_buffer_bytes)}
+    if chunk_tokens is not None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
+            raise TypeError(f"chunk_tokens must be an int, got {type(chunk_tokens).__name__}")
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if policy is not None:
+        make_policy(policy)
+    if codecs is not None:
+        codecs = check_codecs(codecs)
+    if slot_codec is not None and slot_codec not in SLOT_CODECS:
+        raise ValueError(f"slot_codec must be one of {list(SLOT_CODECS)}, got {slot_codec!r}")
+    for name, flag in (("readonly", readonly), ("exclusive", exclusive)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if readonly and exclusive:
+        raise ValueError("readonly and exclusive cannot both be set")
+    remote_cfg = None if remote is None else RemoteConfig.of(remote)
+    given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy,
+                               "codecs": codecs, "slot_codec": slot_codec}.items()
+             if v is not None}
+    if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
+        raise FileNotFoundError(f"no kvstore at {path!r}")
+    root = Dir.open_root(path, create=not readonly)
+    try:
+        lock = acquire(root, exclusive=exclusive, readonly=readonly)
+        try:
+            catalog = _open_catalog(root, lock, readonly)
+        except BaseException:
+            lock.release()
+            raise
+        try:
+            layout, config = _settle_format(root, catalog, layout, given, lock, readonly)
+            store = _assemble(root, catalog, lock, layout, config, readonly)
+        except BaseException:
+            lock.release()  # first, as Store.close does
+            catalog.close()
+            raise
+    except BaseException:
+        root.close()
+        raise
+    lock.settle()
+    if remote_cfg is not None:
+        try:
+            tier = RemoteTier(_remote_codec(remote_cfg, config.codecs["remote"]), store.layout)
+            try:
+                tier.connect()
+            except BaseException:
+                tier.close()
+                raise
+            store._attach_remote(tier)
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+def _open_catalog(root: Dir, lock: DirLock, readonly: bool) -> Catalog:
+    """The catalog, opened by this opener (which holds ``OPENING``). A joiner checks that the
+    catalog's lock file is the one the others use (:class:`StoreTampered` otherwise); one that
+    finds nobody using it because the others all closed meanwhile is alone after all."""
+    try:
+        catalog = Catalog(root, readonly=readonly, walk=lock.alone, joining=not lock.alone)
+    except StoreTampered:
+        if lock.alone or not lock.become_alone():
+            raise
+        catalog = Catalog(root, readonly=readonly, walk=True, joining=False)
+    if catalog.unlocked:
+        lock.keep_exclusive()  # read without a lock file: no writer may come in meanwhile
+    if not lock.alone:
+        lock.settle()  # its environment holds LMDB's lock now: later joiners can check it
+    return catalog
+
+
+def _remote_codec(cfg: RemoteConfig, codec: str) -> RemoteConfig:
+    """The remote tier's config with the codec of ``codecs={"remote": ...}``; a
+    :class:`RemoteConfig` naming another codec than that is a ``ValueError``."""
+    if codec == "none" or cfg.codec == codec:
+        return cfg
+    if cfg.codec != "none":
+        raise ValueError(f"codecs['remote']={codec!r} disagrees with the RemoteConfig's "
+                         f"codec={cfg.codec!r}")
+    return replace(cfg, codec=codec)
+
+
+def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None,
+                   given: dict[str, object], lock: DirLock,
+                   readonly: bool) -> tuple[KVLayout, StoreConfig]:
+    """The store's layout and this opener's config; creates or upgrades the catalog when this
+    opener holds the store alone."""
+    path = root.path
+    try:
+        fmt = catalog.get_meta("format")
+    except (TypeError, ValueError) as e:
+        raise CorruptData(f"the catalog of {path!r} has an unreadable format record: {e}"
+                          ) from None
+    writable_alone = lock.alone and not readonly
+    if fmt is None:
+        _refuse_new_over_old(root)
+        if readonly:
+            raise FormatError(f"{path!r} holds no initialized kvstore")
+        if not lock.alone:
+            raise FormatError(f"{path!r} is being created by another process; open it again "
+                              f"once that process has opened it")
+        if layout is None:
+            raise ValueError(f"layout is required to create a new store at {path!r}")
+        config = StoreConfig(**given)  # type: ignore[arg-type]
+        config.check_budget(layout)
+        with catalog.write() as txn:
+            txn.put_meta("layout", layout.to_dict())
+            txn.put_meta("config", config.to_dict())
+            txn.put_meta("clock", 0)
+            txn.put_meta("format", FORMAT_VERSION)  # last: marks the store initialized
+        return layout, config
+    if fmt == 1:
+        if not writable_alone:
+            raise FormatError(f"store {path!r} has format 1; open it for writing, with no other "
+                              f"process using it, once to upgrade it to format {FORMAT_VERSION}")
+        catalog.migrate_v1()
+    elif fmt != FORMAT_VERSION:
+        raise FormatError(f"store format {fmt!r} is not supported (expected {FORMAT_VERSION})")
+    try:
+        stored = KVLayout.from_dict(catalog.get_meta("layout"))  # type: ignore[arg-type]
+        stored_cfg = StoreConfig.from_dict(catalog.get_meta("config"))
+    except (TypeError, ValueError, KeyError) as e:
+        raise FormatError(f"store metadata at {path!r} is invalid: {e}") from None
+    if layout is not None and layout != stored:
+        raise LayoutMismatch(f"store at {path!r} was created for {stored}, not {layout}")
+    if "chunk_tokens" in given and given["chunk_tokens"] != stored_cfg.chunk_tokens:
+        raise LayoutMismatch(f"store at {path!r} uses chunk_tokens={stored_cfg.chunk_tokens}, "
+                             f"not {given['chunk_tokens']}")
+    if "slot_codec" in given and given["slot_codec"] != stored_cfg.slot_codec:
+        raise LayoutMismatch(f"store at {path!r} has disk slots sized for "
+                             f"slot_codec={stored_cfg.slot_codec!r}, not {given['slot_codec']!r} "
+                             f"(fixed at creation)")
+    if not lock.alone and given.get("disk_bytes", stored_cfg.disk_bytes) != stored_cfg.disk_bytes:
+        raise ValueError(f"disk_bytes={given['disk_bytes']} differs from the store's "
+                         f"{stored_cfg.disk_bytes}, and other processes have {path!r} open: the "
+                         f"disk budget can change only when no other process uses the store")
+    config = replace(stored_cfg, **given)  # type: ignore[arg-type]
+    config.check_budget(stored)
+    if config != stored_cfg and writable_alone:
+        with catalog.write() as txn:
+            txn.put_meta("config", config.to_dict())
+    return stored, config
+
+
+def _refuse_new_over_old(root: Dir) -> None:
+    """An empty catalog means a new store only in a directory that holds no store data: one
+    with segment files, index directories or owner files lost its catalog (or had it
+    damaged), and a new store must not start over the old data."""
+    for name in (SEGMENTS, INDEXES):
+        st = root.lstat(name)
+        if st is None:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafePath(f"{root.show(name)!r} is not the store's own directory")
+        with root.sub(name) as d:
+            if d.listdir():
+                raise CorruptData(
+                    f"the catalog of {root.path!r} records no store, but {root.show(name)!r} "
+                    f"holds data: the catalog is lost or damaged; refusing to start a new "
+                    f"store over it (move the directory away to start afresh)")
+
+
+def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
+              config: StoreConfig, readonly: bool) -> Store:
+    path = root.path
+    policy = make_policy(config.policy)
+    if config.dram_bytes > physical_memory():
+        raise ValueError(f"dram_bytes={config.dram_bytes} is more than this machine's memory "
+                         f"({physical_memory()} bytes); give a smaller dram_bytes")
+    geo = SegmentGeometry.for_budget(slot_bytes=config.disk_slot_bytes(layout),
+                                     disk_bytes=config.disk_bytes)
+    counters = Counters()
+    tree = ContextTree(fingerprint=layout.fingerprint, chunk_tokens=config.chunk_tokens,
+                       priority=lambda rec: 0.0)  # the store sets the policy's priority
+    slots = SlotAllocator(geo.total_slots)
+    dram = DramTier(capacity_bytes=config.dram_bytes, slot_bytes=config.slot_bytes(layout),
+                    policy=policy)  # chunks decoded, or as stored
+    mirror = Mirror(catalog=catalog, tree=tree, slots=slots, dram=dram, counters=counters)
+    segments = SegmentFiles(root, geo, readonly=readonly)
+    files = None
+    owner = None
+    repaired = None
+    try:
+        with gc_paused():  # one pass of the collector over what the repair and load made
+            files = IndexFiles(root, readonly=readonly)
+            if not readonly:
+                procs = root.sub(PROCS, create=True)
+                try:
+                    if lock.alone:
+                        repaired = _repair_alone(root, procs, catalog, segments, files, geo,
+                                                 layout, config, counters)
+                    owner = Owner(root, procs)
+                except BaseException:
+                    procs.close()
+                    raise
+            core = Core(path=path, root=root, layout=layout, config=config, readonly=readonly,
+                        geo=geo, catalog=catalog, segments=segments, tree=tree, slots=slots,
+                        dram=dram, mirror=mirror, counters=counters,
+                        helpers=Helpers(2, "kvstore-io"),
+                        buffers=OutputPool(BUFFER_POOL_BYTES), owner=owner)
+            if not readonly and not lock.alone:
+                _repair_joining(core)
+            store = Store(core, lock=lock, policy=policy, files=files)
+            with core.mutex:
+                with catalog.read() as txn:  # an opener alone loads what its repair kept
+                    mirror.reload(txn, repaired)
+    except BaseException:
+        segments.close()
+        if files is not None:
+            files.close()
+        if owner is not None:
+            owner.close()
+            owner.dir.close()
+        raise
+    return store
+
+
+def _repair_alone(root: Dir, procs: Dir, catalog: Catalog, segments: SegmentFiles,
+                  files: IndexFiles, geo: SegmentGeometry, layout: KVLayout, config: StoreConfig,
+                  counters: Counters) -> RecoveryPlan:
+    """Repair what crashes left, with no other process using the store. Returns the
+    recovery plan it applied (its kept records are what the catalog now holds)."""
+    present = segments.existing()
+    layer_token_bytes = layout.layer_token_bytes
+
+    def extent_end(rec):
+        seg, off = geo.locate(rec.slot)
+        return seg, off + rec.stored_bytes(rec.n_tokens * layer_token_bytes)
+
+    with catalog.write() as txn:
+        stale = txn.reservations()  # every owner is gone: nobody else has the store open
+        for r in stale:
+            txn.delete_reservation(r.key)
+        counters.reclaimed_reservations += len(stale)
+        chunks = txn.chunk_map()
+        contexts = txn.context_map(chunks)
+        p = recovery_plan(chunks, contexts, total_slots=geo.total_slots, extent_end=extent_end,
+                          segment_sizes=present, chunk_tokens=config.chunk_tokens)
+        apply_recovery(p, txn)
+        entries = list(txn.indexes())
+        indexed = {e.dirname(k) for k, e in entries if k in p.keep_contexts}
+        for k, e in entries:
+            if e.dirname(k) not in indexed:
+                txn.delete_index(k)
+        counters.malformed_records += txn.delete_malformed()
+    counters.corrupt_chunks += p.bad_chunks
+    counters.dropped_contexts += len(p.dropped)
+    counters.evicted_contexts += len(p.evicted)
+    counters.collected_orphans += len(p.orphans)
+    counters.collected_indexes += files.collect(indexed)
+    collect_dead(root, procs)
+    # Segment files are created lazily on first write; existing ones of the wrong size
+    # (truncated, or the budget changed) are resized now; files beyond the budget go.
+    for seg, size in present.items():
+        if seg >= geo.num_segments:
+            segments.remove(seg)
+        elif size == geo.segment_size(seg):
+            segments.mark_ready(seg)
+        else:
+            segments.prepare(seg)
+    return p
+
+
+def _repair_joining(core: Core) -> None:
+    """Reclaim what processes that died while others used the store left behind."""
+    with core.catalog.write() as txn:
+        with core.mutex:
+            core.mirror.reload(txn)
+            reclaim_dead(core, txn)
+    present = core.segments.existing()
+    for seg, size in present.items():
+        if seg < core.geo.num_segments and size == core.geo.segment_size(seg):
+            core.segments.mark_ready(seg)

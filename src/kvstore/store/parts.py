@@ -1,0 +1,88 @@
+"""The parts of an open store that its pipelines share (a plain holder, not a doer).
+
+``mutex`` is the metadata lock: it guards the tree, the free slots, the DRAM tier's entries,
+the mirror and the counters, and is held only for in-memory work. It is never held during a
+disk read, a disk write, an fsync or a catalog commit. Lock order: a catalog write transaction
+(LMDB's writer lock) may be taken before ``mutex``, never after it, so a thread holding
+``mutex`` never waits for a writer.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from kvstore.errors import KVStoreError, StoreClosed, StoreTampered
+from kvstore.format.catalog import Catalog
+from kvstore.format.directory import Dir
+from kvstore.format.records import ChunkRecord
+from kvstore.format.segments import SegmentFiles, SegmentGeometry
+from kvstore.format.writer_registry import Owner
+from kvstore.layout import KVLayout
+from kvstore.pipelines.fork_join import Helpers
+from kvstore.store.config import StoreConfig
+from kvstore.store.counters import Counters
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.output_pool import OutputPool
+from kvstore.view.catch_up import Mirror
+from kvstore.view.disk_slots import SlotAllocator
+from kvstore.view.prefix_tree import ContextTree
+
+
+@dataclass(eq=False, kw_only=True)
+class Core:
+    path: str
+    root: Dir  # the store directory, open: every file is reached through it
+    layout: KVLayout
+    config: StoreConfig
+    readonly: bool
+    geo: SegmentGeometry
+    catalog: Catalog
+    segments: SegmentFiles
+    tree: ContextTree
+    slots: SlotAllocator
+    dram: DramTier
+    mirror: Mirror
+    counters: Counters
+    helpers: Helpers
+    buffers: OutputPool  # recycled host memory: get() results, write buffers of saves
+    owner: Owner | None  # None when read-only
+    mutex: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+    closing: bool = False  # no new loads, saves or prefetches
+    failed: BaseException | None = None  # no more writes: a commit failed ambiguously, or
+    # the store was tampered with under this process (StoreTampered)
+
+    def extent_bytes(self, n_tokens: int) -> int:
+        return n_tokens * self.layout.token_bytes
+
+    def staged_bytes(self, n_tokens: int) -> int:
+        """Bytes a DRAM copy of a new chunk of ``n_tokens`` takes when a put stages it: its
+        raw extent, or with a DRAM codec (the disk codec, of fixed size) its encoded bytes."""
+        return self.config.extent_bytes(self.layout, self.config.codecs["dram"], n_tokens)
+
+    def coded_copy(self, rec: ChunkRecord) -> bool:
+        """A DRAM copy of ``rec`` holds its coded (stored) bytes, to be decoded when read."""
+        return self.config.dram_coded and rec.codec != 0
+
+    def cached_bytes(self, rec: ChunkRecord) -> int:
+        """Bytes a DRAM copy of ``rec`` takes: its stored bytes where the DRAM tier keeps
+        chunks as stored (a DRAM codec), else its raw extent. (The DRAM tier refuses a copy
+        larger than its slots: a claim of a hostile catalog is never read into one.)"""
+        if self.config.dram_coded:
+            return rec.stored_bytes(rec.n_tokens * self.layout.layer_token_bytes)
+        return self.extent_bytes(rec.n_tokens)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreClosed(f"store {self.path!r} is closed")
+
+    def check_writable(self) -> None:
+        self.check_open()
+        if self.readonly:
+            raise PermissionError(f"store {self.path!r} was opened read-only")
+        if isinstance(self.failed, StoreTampered):
+            raise StoreTampered(f"writes to {self.path!r} are refused: {self.failed}")
+        if self.failed is not None:
+            raise KVStoreError(f"a catalog commit of {self.path!r} failed ({self.failed!r}); "
+                               f"close and reopen the store before writing again")

@@ -1,0 +1,570 @@
+"""What a store does with its remote tier: read-through, write-through, prefetch, stats.
+
+* ``match``: after the local prefix (its full chunks), the chain addresses of the rest of the
+  tokens are looked up in one pipelined round trip (headers only, verified); the remote
+  prefix counts only if fetching it is estimated to end sooner than recomputing it at the
+  caller's prefill rate (:mod:`kvstore.tiers.remote.estimate`).
+* ``get``: the local full-chunk prefix comes from the local tiers, the rest in one pipelined
+  ``GET`` round trip, every byte verified; then (``fill="disk"``) the fetched context is saved
+  locally in the background (DRAM and disk), without sending it back to Redis.
+* ``load_layers``: the same, layer by layer with ``GETRANGE``, in round trips of 1, 2, 4, 8,
+  ... layers, so the first layers arrive first.
+* write-through: each put queues its chunks; a worker thread sends those Redis lacks
+  (``EXISTS``, then ``SET NX``), reading them from the local tiers when it gets to them.
+* prefetch: the scheduler's next jobs whose prompts Redis serves further than the local tiers
+  are fetched (and filled) by a worker thread.
+
+A remote failure never raises from ``match``/``get``: the chunk is a miss (a ``get`` of tokens
+that only the remote could have served raises ``KeyError`` like any miss), and it is counted in
+``stats()["remote"]``. Each public call's remote round trips end by one deadline
+(``RemoteConfig.deadline_s``, :mod:`kvstore.tiers.remote.deadline`): what has not arrived by then is
+a miss too. Local eviction never deletes a remote copy.
+
+Thread-safety: every method may be called from any thread at once; no method holds the store's
+metadata lock during a remote call.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kvstore.codecs import layer_codec
+from kvstore.errors import StoreClosed
+from kvstore.eviction.jobs import Job
+from kvstore.format import chunk_extent
+from kvstore.format.hashing import chunk_hash, common_prefix_len
+from kvstore.format.records import ChunkRecord
+from kvstore.pipelines.fork_join import copy_all
+from kvstore.pipelines.gather import gather
+from kvstore.pipelines.layer_load import LayerLoad
+from kvstore.store.parts import Core
+from kvstore.tiers.exec_buffers import HbmTier
+from kvstore.tiers.remote import value as rv
+from kvstore.tiers.remote.deadline import call_deadline
+from kvstore.tiers.remote.estimate import worth_fetching
+from kvstore.tiers.remote.queue import Worker
+from kvstore.tiers.remote.tier import RemoteTier
+from kvstore.view.prefix_tree import Piece, served
+
+RECENT = 4096  # keys fetched from remote, remembered so that filling them does not send them back
+
+
+@dataclass(slots=True)
+class LinkCounters:
+    matches: int = 0  # matches that consulted the remote tier
+    matched_tokens: int = 0  # tokens matches found remotely beyond the local prefix
+    declined_tokens: int = 0  # ... of which fetching was estimated not to pay
+    gets: int = 0  # gets (and layer-wise loads) served partly from remote
+    served_tokens: int = 0
+    misses: int = 0  # gets the remote could not complete
+    filled: int = 0  # fetched contexts saved locally
+    fill_refused: int = 0  # ... not saved: the eviction policy's admission refused them
+    fill_skipped: int = 0  # ... not saved: the write buffer was full
+    fill_failed: int = 0
+    prefetched: int = 0  # jobs whose KV the prefetcher fetched from remote
+    queued_writes: int = 0  # chunks queued for write-through
+    lossy_served_tokens: int = 0  # tokens served from values stored through a lossy codec
+    fill_skipped_lossy: int = 0  # fetched contexts not saved locally: a lossy value served them
+    coded_writes: int = 0  # chunks written through the remote codec (not "none")
+    raw_fallback_writes: int = 0  # chunks the remote codec could not take, written raw
+    lossy_source_writes: int = 0  # chunks stored lossily here, sent through their own codec
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    key: bytes
+    start: int  # token offset in the request
+    tokens: np.ndarray
+    parent: bytes
+
+
+def best_kid(kids: list[tuple[bytes, np.ndarray]], want: np.ndarray
+             ) -> tuple[bytes, np.ndarray, int] | None:
+    """The stored partial chunk sharing the longest prefix with ``want``: (key, its tokens,
+    tokens shared), None if none shares any. Ties go to the smaller key (deterministic)."""
+    best = None
+    for key, toks in kids:
+        n = common_prefix_len(toks, want)
+        if n and (best is None or n > best[2] or (n == best[2] and key < best[0])):
+            best = (key, toks, n)
+    return best
+
+
+def layer_groups(num_layers: int) -> dict[int, list[int]]:
+    """Layers fetched together by a layer-wise load, by first layer: groups of 1, 2, 4, 8, ...
+    layers, so layer 0 arrives after one small round trip and the whole load takes about
+    log2(L) round trips rather than L (each round trip also waits for the server to be
+    scheduled, which on a busy machine costs more than the bytes)."""
+    out: dict[int, list[int]] = {}
+    start, size = 0, 1
+    while start < num_layers:
+        group = list(range(start, min(num_layers, start + size)))
+        for layer in group:
+            out[layer] = group
+        start, size = start + size, size * 2
+    return out
+
+
+class RemoteLink:
+    def __init__(self, core: Core, tier: RemoteTier, *,
+                 get_local: Callable[[np.ndarray, str | None, tuple[torch.Tensor, torch.Tensor]],
+                                     None],
+                 read_chunk: Callable[[bytes], tuple[ChunkRecord, np.ndarray] | None],
+                 fill: Callable[[np.ndarray, str | None, np.ndarray, np.ndarray], None],
+                 prefetch_get: Callable[[np.ndarray, str | None], None]) -> None:
+        self.core = core
+        self.tier = tier
+        self._get_local = get_local  # local KV of toks into the leading tokens of out tensors
+        self._read_chunk = read_chunk  # key -> (record, extent) from the local tiers, or None
+        # store a fetched context locally: (toks, ns, raw k, raw v) -> False if refused
+        self._fill = fill
+        self.last_fill_error = ""
+        self._prefetch_get = prefetch_get
+        self._lock = threading.Lock()
+        self.counters = LinkCounters()
+        self.prefill_rate: float | None = None
+        self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # chain keys of chunks recently served from lossy values (for lossy_tokens; no IO)
+        self._lossy: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._writes: Worker[tuple[bytes, bytes]] = Worker(
+            self._write_batch, name="kvstore-remote-write", batch=16,
+            max_items=tier.cfg.max_queued_chunks, key=lambda it: it[0])
+        self._fills: Worker[tuple[np.ndarray, str | None, torch.Tensor, torch.Tensor]] = Worker(
+            self._fill_batch, name="kvstore-remote-fill", batch=1, max_items=4,
+            key=lambda it: (it[1], it[0].tobytes()))
+        self._prefetches: Worker[Job] = Worker(
+            self._prefetch_batch, name="kvstore-remote-prefetch", batch=1, max_items=256,
+            key=lambda j: (j.namespace, j.tokens.tobytes()))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    # ------------------------------------------------------------------ addressing
+    def _rest(self, toks: np.ndarray, namespace: str | None,
+              pieces: list[Piece]) -> tuple[int, list[_Chunk]]:
+        """The local full-chunk prefix length and the chunks of the remaining tokens."""
+        c = self.core.config.chunk_tokens
+        full = 0
+        for p in pieces:
+            if p.use != c or p.rec.n_tokens != c:
+                break
+            full += 1
+        parent = pieces[full - 1].rec.key if full else self.core.tree.seed(namespace)
+        out = []
+        for start in range(full * c, len(toks), c):
+            part = toks[start:start + c]
+            key = chunk_hash(parent, part)
+            out.append(_Chunk(key, start, part, parent))
+            parent = key
+        return full * c, out
+
+    def _local(self, toks: np.ndarray, namespace: str | None) -> list[Piece]:
+        core = self.core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            return core.tree.resolve(toks, namespace)
+
+    # ------------------------------------------------------------------ match
+    def match(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece]) -> int:
+        """How many leading tokens the local tiers and the remote tier together serve, of
+        which the remote part only if fetching it pays."""
+        local = served(pieces)
+        if local == len(toks):
+            return local
+        base, rest = self._rest(toks, namespace, pieces)
+        if base + sum(len(ch.tokens) for ch in rest) <= local:
+            return local
+        with self.tier.deadline():
+            return self._match_remote(local, base, rest)
+
+    def _match_remote(self, local: int, base: int, rest: list[_Chunk]) -> int:
+        headers, kids = self.tier.headers_and_kids([(ch.key, ch.tokens) for ch in rest],
+                                                   [(ch.parent, ch.tokens) for ch in rest])
+        self._count("matches")
+        options: list[tuple[int, int]] = []
+        end, nbytes = base, 0
+        found: list[tuple[bytes, rv.Header]] = []
+        for ch, h, ks in zip(rest, headers, kids, strict=True):
+            if h is None:  # a stored partial chunk may still share a prefix with the rest
+                kid = best_kid(ks, ch.tokens)
+                if kid is not None and end + kid[2] > local:
+                    end += kid[2]
+                    nbytes += len(kid[1]) * self.core.layout.token_bytes
+                    options.append((end - local, nbytes))
+                break
+            found.append((ch.key, h))
+            end += len(ch.tokens)
+            nbytes += h.value_bytes
+            if end > local:
+                options.append((end - local, nbytes))
+        if not options:
+            return local
+        if self.prefill_rate is not None and self.tier.estimate.needs_probe() and found:
+            self.tier.probe(found)
+        pick = worth_fetching(self.tier.estimate, options, self.prefill_rate)
+        n = local + (options[pick][0] if pick >= 0 else 0)
+        self._count("matched_tokens", options[-1][0])
+        self._count("declined_tokens", options[-1][0] - (n - local))
+        return n
+
+    # ------------------------------------------------------------------ get
+    def get(self, toks: np.ndarray, namespace: str | None,
+            out: tuple[torch.Tensor, torch.Tensor] | None,
+            device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of all of ``toks`` from the local full-chunk prefix and the remote tier;
+        KeyError (a miss) if the remote tier cannot serve the rest."""
+        local = self._local(toks, namespace)
+        base, rest = self._rest(toks, namespace, local)
+        with self.tier.deadline():
+            exts = self.tier.values_and_headers([(ch.key, ch.tokens) for ch in rest])
+            pieces = [(np.asarray(e[0]), len(ch.tokens), ch.start, len(ch.tokens))
+                      for ch, e in zip(rest, exts, strict=True) if e is not None]
+            if exts and exts[-1] is None and all(e is not None for e in exts[:-1]):
+                kid = self._kid_extent(rest[-1])  # the tail inside a longer partial chunk
+                if kid is not None:
+                    exts[-1] = (kid[0], kid[2])
+                    pieces.append((np.asarray(kid[0]), kid[1], rest[-1].start,
+                                   len(rest[-1].tokens)))
+        missing = sum(e is None for e in exts)
+        if missing:
+            self._count("misses")
+            raise KeyError(f"only the first {base} of the {len(toks)} tokens are stored "
+                           f"locally, and {missing} of the {len(rest)} remaining chunks are "
+                           f"not usable in the remote tier: a miss")
+        lay = self.core.layout
+        if out is not None and out[0].device.type == "cpu":
+            k_out, v_out = out
+        else:
+            k_out, v_out = self.core.buffers.kv(lay, len(toks))
+        if base:
+            self._get_local(toks[:base], namespace, (k_out, v_out))
+        gather(lay, chunk_extent.raw(k_out), chunk_extent.raw(v_out), pieces, self.core.helpers)
+        self._remember([ch.key for ch in rest])
+        self._count("gets")
+        self._count("served_tokens", len(toks) - base)
+        lossy = self._served_lossy(local, base, rest, [e[1] for e in exts])  # type: ignore[index]
+        if lossy:  # a local copy would lose the lossy mark (the local tiers store raw KV)
+            self._count("fill_skipped_lossy")
+        else:
+            self._fill_local(toks, namespace, k_out, v_out)
+        if out is not None and out[0].device.type != "cpu":
+            out[0].copy_(k_out)
+            out[1].copy_(v_out)
+            return out
+        if device is not None and device.type != "cpu":
+            return k_out.to(device), v_out.to(device)
+        return k_out, v_out
+
+    def _kid(self, ch: _Chunk) -> tuple[bytes, np.ndarray] | None:
+        """A stored partial chunk after ``ch.parent`` that starts with all of ``ch.tokens``."""
+        kid = best_kid(self.tier.kids([(ch.parent, ch.tokens)])[0], ch.tokens)
+        if kid is None or kid[2] < len(ch.tokens):
+            return None
+        return kid[0], kid[1]
+
+    def _kid_extent(self, ch: _Chunk) -> tuple[np.ndarray, int, rv.Header] | None:
+        """(verified extent, its tokens, its header) of :meth:`_kid`; two more round
+        trips."""
+        kid = self._kid(ch)
+        if kid is None:
+            return None
+        got = self.tier.values_and_headers([kid])[0]
+        return None if got is None else (got[0], len(kid[1]), got[1])
+
+    def _served_lossy(self, local: list[Piece], base: int, rest: list[_Chunk],
+                      headers: list[rv.Header]) -> int:
+        """Count a get or load whose remote part was served (partly) by lossy values, in
+        the store's counters as a local lossy read is; the tokens they served."""
+        n = sum(len(ch.tokens) for ch, h in zip(rest, headers, strict=True) if h.lossy)
+        if not n:
+            return 0
+        self._count("lossy_served_tokens", n)
+        with self._lock:
+            for ch, h in zip(rest, headers, strict=True):
+                if h.lossy:
+                    self._lossy[ch.key] = None
+                    self._lossy.move_to_end(ch.key)
+            while len(self._lossy) > RECENT:
+                self._lossy.popitem(last=False)
+        local_lossy = sum(min(p.use, max(0, base - p.start)) for p in local
+                          if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY)
+        with self.core.mutex:
+            if not local_lossy:  # else the local part counted this get already
+                self.core.counters.lossy_gets += 1
+            self.core.counters.lossy_tokens_served += n
+        return n
+
+    def lossy_tokens(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece]) -> int:
+        """Tokens after the local full-chunk prefix that values of a lossy codec served to a
+        recent get or load of this context (remembered, no IO)."""
+        _, rest = self._rest(toks, namespace, pieces)
+        with self._lock:
+            return sum(len(ch.tokens) for ch in rest if ch.key in self._lossy)
+
+    def _fill_local(self, toks: np.ndarray, namespace: str | None, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """Queue a copy of a fetched context to be stored locally (skipped, and counted, when
+        four are queued already: memory stays bounded and the get never waits)."""
+        if self.tier.cfg.fill == "none" or self.core.readonly:
+            return
+        kc, vc = self.core.buffers.kv(self.core.layout, len(toks))
+        copy_all(self.core.helpers, [(chunk_extent.raw(kc), chunk_extent.raw(k)),
+                                     (chunk_extent.raw(vc), chunk_extent.raw(v))])
+        if not self._fills.offer((toks.copy(), namespace, kc, vc)):
+            self._count("fill_skipped")
+
+    def _fill_batch(self, batch: list[tuple[np.ndarray, str | None, torch.Tensor,
+                                            torch.Tensor]]) -> None:
+        for toks, ns, k, v in batch:
+            try:
+                stored = self._fill(toks, ns, chunk_extent.raw(k), chunk_extent.raw(v))
+            except StoreClosed:
+                return
+            except Exception as e:  # counted and shown in stats(); the get had its data
+                self._count("fill_failed")
+                with self._lock:
+                    self.last_fill_error = f"{type(e).__name__}: {e}"[:300]
+                continue
+            self._count("filled" if stored else "fill_refused")
+
+    def _remember(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._recent[k] = None
+                self._recent.move_to_end(k)
+            while len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
+
+    # ------------------------------------------------------------------ layer-wise
+    def layer_load(self, toks: np.ndarray, namespace: str | None, *, start: int,
+                   buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
+                   device: torch.device, hbm: Callable[[torch.device], HbmTier]) -> LayerLoad:
+        """``Store.load_layers`` of tokens that extend past the local tiers into the remote
+        one: into ``out``, or an execution buffer of ``hbm(device)`` on the CPU, layer by layer
+        (:meth:`load_layers`); to a CUDA device through host memory at once. With ``start``
+        (positions [start, n) only) all of them are fetched at once and the tail handed out as
+        an already loaded load."""
+        if start:
+            k, v = self.get(toks, namespace, None, None)  # [L, H, n, D] each
+            k, v = k[:, :, start:], v[:, :, start:]  # [L, H, n - start, D]
+            if out is not None:
+                out[0].copy_(k)
+                out[1].copy_(v)
+                k, v = out
+            else:
+                k, v = k.to(device).contiguous(), v.to(device).contiguous()
+            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
+                             on_done=lambda: None).start()
+        if out is not None:
+            return self.load_layers(toks, namespace, buffer_layers=buffer_layers, kv=out,
+                                    on_close=None)
+        if device.type != "cpu":  # through host memory, then to the device at once
+            k, v = self.get(toks, namespace, None, None)
+            k, v = k.to(device), v.to(device)
+            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
+                             on_done=lambda: None).start()
+        tier = hbm(device)
+        nbytes = self.core.extent_bytes(len(toks))
+        buf = tier.acquire(nbytes)
+        lay = self.core.layout
+        kv = buf.view(lay.torch_dtype).view(2, *lay.kv_shape(len(toks)))
+        return self.load_layers(toks, namespace, buffer_layers=buffer_layers,
+                                kv=(kv[0], kv[1]), on_close=lambda: tier.release(buf),
+                                on_abandon=lambda: tier.forget(nbytes))
+
+    def load_layers(self, toks: np.ndarray, namespace: str | None, *,
+                    buffer_layers: int | None, kv: tuple[torch.Tensor, torch.Tensor],
+                    on_close: Callable[[], None] | None,
+                    on_abandon: Callable[[], None] | None = None) -> LayerLoad:
+        """A layer-wise load of ``toks`` into ``kv`` (CPU [L, H, T, D]): the local prefix at
+        once, the remote chunks by ``GETRANGE`` in growing groups of layers
+        (:func:`layer_groups`)."""
+        local = self._local(toks, namespace)
+        base, rest = self._rest(toks, namespace, local)
+        # one deadline for the whole load: its loader thread fetches the layers by it
+        with self.tier.deadline() as expires:
+            headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
+            keys = [ch.key for ch in rest]
+            if headers and headers[-1] is None and all(h is not None for h in headers[:-1]):
+                kid = self._kid(rest[-1])  # the tail inside a longer stored partial chunk
+                if kid is not None:
+                    keys[-1] = kid[0]
+                    headers[-1] = self.tier.headers([kid])[0]
+        if any(h is None for h in headers):
+            self._count("misses")
+            if on_close is not None:
+                on_close()
+            raise KeyError(f"{sum(h is None for h in headers)} of the {len(rest)} chunks "
+                           f"after the local prefix are not usable in the remote tier: a miss")
+        k_out, v_out = kv
+        try:
+            if base:
+                self._get_local(toks[:base], namespace, (k_out, v_out))
+        except BaseException:
+            if on_close is not None:
+                on_close()
+            raise
+        kr, vr = chunk_extent.raw(k_out), chunk_extent.raw(v_out)
+        lay = self.core.layout
+        items = list(zip(keys, headers, strict=True))
+
+        groups = layer_groups(lay.num_layers)
+        fetched: dict[int, list[np.ndarray | None]] = {}
+
+        def load_layer(layer: int) -> None:
+            if layer not in fetched:  # the first layer of its group: fetch the group
+                fetched.clear()
+                with call_deadline(expires=expires):
+                    fetched.update(self.tier.layers(items, groups[layer]))
+            parts = fetched.pop(layer)
+            for ch, part in zip(rest, parts, strict=True):
+                if part is None:
+                    self._count("misses")
+                    raise KeyError(f"layer {layer} of chunk {ch.key.hex()} did not arrive from "
+                                   f"the remote tier (lost, refused, or past the load's "
+                                   f"deadline): a miss")
+                n, use = len(part) // (lay.layer_token_bytes), len(ch.tokens)
+                x = part.view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
+                np.copyto(kr[layer, :, ch.start:ch.start + use], x[0, :, :use])
+                np.copyto(vr[layer, :, ch.start:ch.start + use], x[1, :, :use])
+
+        def done() -> None:
+            self._count("gets")
+            self._count("served_tokens", len(toks) - base)
+            self._served_lossy(local, base, rest, headers)  # type: ignore[arg-type]
+
+        load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
+                         on_close=on_close, on_abandon=on_abandon)
+        return load.start()
+
+    # ------------------------------------------------------------------ write-through
+    def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
+        """Queue the chunks of a stored context for write-through (waits if the queue is
+        full). Chunks just fetched from remote are not sent back."""
+        if not self.tier.cfg.write_through:
+            return
+        c = self.core.config.chunk_tokens
+        parent = self.core.tree.seed(namespace)
+        items = []
+        with self._lock:
+            recent = self._recent
+            for start in range(0, len(toks), c):
+                key = chunk_hash(parent, toks[start:start + c])
+                if key not in recent:
+                    items.append((key, b""))
+                parent = key
+        self._count("queued_writes", self._writes.submit(items))
+
+    def _write_batch(self, batch: list[tuple[bytes, bytes]]) -> None:
+        tier = self.tier
+        keys = [k for k, _ in batch]
+        with tier.deadline():
+            there = tier.exists(keys)
+        send: list[tuple[bytes, bytes]] = []
+        kids: list[tuple[bytes, bytes, np.ndarray]] = []
+        c = self.core.config.chunk_tokens
+        for k, e in zip(keys, there, strict=True):
+            if e is None:
+                tier._count("write_failed")
+            elif e:
+                tier._count("already_present")
+            else:
+                got = self._read_chunk(k)
+                if got is None:  # evicted or superseded locally before it could be sent
+                    tier._count("write_failed")
+                    continue
+                rec, ext = got
+                if rec.n_tokens < c:  # findable by a longer prompt through its parent
+                    kids.append((rec.parent, rec.key, rec.tokens))
+                send.append((k, self._value(k, rec, ext)))
+        if send:
+            with tier.deadline():
+                sent = tier.put(send, kids)
+            for ok in sent:
+                tier._count("written_chunks" if ok else "already_present" if ok is False
+                            else "write_failed")
+
+    def _value(self, key: bytes, rec: ChunkRecord, ext: np.ndarray) -> bytes:
+        """The remote value of a local chunk (``ext``: its decoded extent), through the
+        remote codec; raw if a lossy codec cannot take it (non-finite KV). A chunk stored here
+        through a lossy disk codec is no recompute's KV: unless the remote codec is lossy too,
+        it goes through its own disk codec, so that the value says it is lossy (a lossless
+        remote codec would carry the lossy KV unmarked)."""
+        lay, codec = self.core.layout, self.tier.cfg.codec
+        local = layer_codec.NAMES[rec.codec]
+        if layer_codec.is_lossy(local) and not layer_codec.is_lossy(codec):
+            codec = local  # re-encoding decoded values: within the codec's bound of them
+            self._count("lossy_source_writes")
+        if codec != "none":
+            try:
+                val = rv.encode_bytes(key, rec.tokens, ext, lay.num_layers, codec=codec,
+                                      layout=lay)
+                self._count("coded_writes")
+                return val
+            except ValueError:
+                self._count("raw_fallback_writes")
+        # a chunk stored through a disk codec keeps checksums of its encoded bytes; ext is
+        # decoded, so its checksums are computed afresh
+        sums = rec.checksums if rec.codec == 0 else None
+        return rv.encode_bytes(key, rec.tokens, ext, lay.num_layers, checksums=sums)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every chunk queued for write-through so far was sent (or failed, as
+        counted in stats). False on timeout."""
+        return self._writes.wait(timeout)
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, jobs: list[Job]) -> None:
+        """Fetch (and fill locally) the remote KV of these queued jobs in the background."""
+        if self.tier.cfg.fill == "none" or self.core.readonly:
+            return
+        self._prefetches.submit(jobs)
+
+    def _prefetch_batch(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            with self.tier.deadline():  # one deadline for the job's match and get
+                pieces = self._local(job.tokens, job.namespace)
+                n = self.match(job.tokens, job.namespace, pieces)
+                if n > served(pieces):
+                    try:
+                        self._prefetch_get(job.tokens[:n], job.namespace)
+                    except KeyError:  # evicted from Redis meanwhile: counted as a miss
+                        continue
+                    self._count("prefetched")
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        """Block until queued remote prefetches and the local fills they cause are done."""
+        return self._prefetches.wait(timeout) and self._fills.wait(timeout)
+
+    def wait_filled(self, timeout: float | None = None) -> bool:
+        """Block until fetched contexts queued to be stored locally are stored."""
+        return self._fills.wait(timeout)
+
+    # ------------------------------------------------------------------ lifecycle, stats
+    def close(self, *, abandon: bool = False) -> None:
+        """Stop prefetching; send what write-through has queued (unless ``abandon``); close
+        the connections."""
+        try:
+            self._prefetches.close(abandon=True)
+            self._fills.close(abandon=abandon)
+            self._writes.close(abandon=abandon)
+        finally:
+            self.tier.close()
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            c = asdict(self.counters)
+        return {**self.tier.stats(), **c, "prefill_rate": self.prefill_rate,
+                "write_queue": self._writes.pending, "write_errors": self._writes.errors,
+                "write_dropped": self._writes.dropped,
+                "last_write_error": self._writes.last_error,
+                "prefetch_errors": self._prefetches.errors,
+                "last_fill_error": self.last_fill_error}
