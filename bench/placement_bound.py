@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from bench.issue16_oracle import OracleExecutor, trace_rates
+from bench.placement_oracle import OracleExecutor, trace_rates
 from engine.replay.costs import PRESETS, parse_bytes, preset
 from engine.replay.metrics import rows, summarize
 from engine.replay.offline import RequestLog, dual_bound, intervals_from_log
