@@ -1,4 +1,4 @@
-"""A DRAM tier that keeps chunks coded (issue 15, codecs per tier): gets against raw stores.
+"""A DRAM tier that keeps chunks coded (codecs per tier, docs/store.md): gets against raw stores.
 
 Real KV: SmolLM2's fp16 KV (keys pre-RoPE) of ``--kv-tokens`` tokens of ShareGPT conversations
 the other benches do not use (``--skip``), stored in three stores of chunks of 256 tokens:
@@ -24,7 +24,7 @@ of each store, in turn), so all see the same disk and the same neighbours' load:
   ``--dram-fraction`` of their raw bytes: GB/s and the DRAM hit fraction per store. The page
   cache is dropped before every get, so a DRAM miss is a disk read.
 
-Usage (the numbers in docs/benchmarks.md):
+Usage (the numbers in docs/benchmarks/codecs.md):
     PYTHONPATH=src:. .venv/bin/python bench/dram_codec.py --out bench/results/dram_codec.json
 """
 

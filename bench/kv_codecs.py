@@ -1,4 +1,4 @@
-"""KV codecs on real SmolLM2 KV (issue 15, item 1): size, speed, cold-disk gets, and quality.
+"""KV codecs on real SmolLM2 KV: size, speed, cold-disk gets, and quality.
 
 Real KV: the model's fp16 KV (keys pre-RoPE) of ``--kv-tokens`` ChatML tokens of ShareGPT
 conversations that the other benches do not use (``--skip``). Per codec (``none`` is the raw
@@ -38,7 +38,7 @@ does
 today), against ``layer_codec.decode_into`` of every chunk straight into [L, H, T, D]; both with
 the native decoders, checked to write the same bytes, alternating in each repetition.
 
-Usage (the numbers in docs/benchmarks.md):
+Usage (the numbers in docs/benchmarks/codecs.md):
     PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --out bench/results/kv_codecs.json
     PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --no-quality --reps 7  # speed only
     PYTHONPATH=src .venv/bin/python bench/kv_codecs.py --decode-into --codecs int8 --reps 15 \

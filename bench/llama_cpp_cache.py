@@ -17,7 +17,7 @@ Measures, for the same 2,048-token prompt (SmolLM2-135M Q4_1, f16 KV, one Llama)
 
 Every timing is ``time.perf_counter`` around the call, after ``--warmup`` unmeasured runs;
 the JSON keeps raw samples and percentiles, the machine's load average before and after, and
-the ratios the issue sets targets for (all measured in this run).
+the ratios the targets are set on (all measured in this run).
 
     .venv/bin/python bench/llama_cpp_cache.py --out bench/results/llama_cpp_cache.json
 """

@@ -1,4 +1,4 @@
-"""Issue 16: placement against the offline bound, and load-or-compute against both pure
+"""Placement against the offline bound, and load-or-compute against both pure
 strategies, on the whole ShareGPT file in simulated mode.
 
 For one setting (preset, DRAM, λ, think time, seed) and each disk capacity of ``--disks``, every
@@ -30,7 +30,7 @@ from engine.replay.workload import WorkloadConfig, build_trace
 
 def run_point(trace, method: Method | str, cost, *, bound: bool = True) -> dict[str, object]:
     """One replay; ``method`` a :class:`Method` or ``oracle:<whether|when|both>`` (the reuse
-    policy told part of the future: bench/issue16_oracle.py)."""
+    policy told part of the future: bench/placement_oracle.py)."""
     log = RequestLog()
     if isinstance(method, str):
         ex = OracleExecutor(cost, method.split(":", 1)[1], log=log)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-bound", action="store_true",
                    help="skip the offline bound (faster, for iterating)")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--out", default="bench/results/issue16.json")
+    p.add_argument("--out", default="bench/results/placement_bound.json")
     args = p.parse_args(argv)
 
     from engine.model import load_model

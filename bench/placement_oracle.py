@@ -1,5 +1,5 @@
-"""Issue 16 diagnosis: the ``reuse`` policy given part of the future by the trace (bench only,
-never a production policy).
+"""Where Belady's lead comes from: the ``reuse`` policy given part of the future by the trace
+(bench only, never a production policy).
 
 * ``whether``: knows whether each stored context is read again (p = 1 or 0), not when: the
   expected wait comes from the learned survival function, as online.

@@ -1,7 +1,7 @@
-"""Markdown tables from bench/issue16.py's JSON files: hit rates against Belady and the
+"""Markdown tables from bench/placement_bound.py's JSON files: hit rates against Belady and the
 offline bound per disk capacity, and TTFT of load-all, split and recompute.
 
-Usage: ``python bench/issue16_report.py bench/results/issue16-*.json``.
+Usage: ``python bench/placement_report.py bench/results/placement-oracle-*.json``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ ORACLES = ("rates", "when", "whether", "both")
 
 
 def oracle_table(doc: dict) -> str:
-    """The reuse policy told part of the future (bench/issue16_oracle.py), against Belady."""
+    """The reuse policy told part of the future (bench/placement_oracle.py), against Belady."""
     by: dict[int, dict[str, dict]] = {}
     for p in doc["points"]:
         by.setdefault(p["disk_bytes"], {})[p["method"]] = p
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         o = oracle_table(doc)
         if o:
-            print("With part of the future (diagnosis, bench/issue16_oracle.py):")
+            print("With part of the future (diagnosis, bench/placement_oracle.py):")
             print()
             print(o)
             print()

@@ -1,4 +1,4 @@
-"""LLM calls inside SQL, planned for prefix sharing (issue 17): token hit rates, planner cost
+"""LLM calls inside SQL, planned for prefix sharing: token hit rates, planner cost
 and end-to-end runs with SmolLM2 on bokeh-sampledata's movies database.
 
 Datasets (DuckDB, single-threaded so a join's own order is reproducible):

@@ -1,4 +1,4 @@
-"""The remote tier (issue 14) against its ceilings, measured in the same run.
+"""The remote tier against its ceilings, measured in the same run.
 
   get  : a remote get of a 2K-token SmolLM2 context (store B fetching what store A wrote
          through) against pipelined raw redis-py GETs of the same values from the same server

@@ -1,4 +1,4 @@
-"""TTFT of a follow-up turn: recompute vs reuse from DRAM vs reuse from cold disk (issue 3).
+"""TTFT of a follow-up turn: recompute vs reuse from DRAM vs reuse from cold disk.
 
 For each history length (default 1K/2K/4K tokens of real ShareGPT chat) the follow-up turn adds
 ``--new`` tokens (default 100). Measured per repetition, in rotating order:

@@ -1,4 +1,4 @@
-"""Sparse attention fidelity and speed on SmolLM2 over a real long context (issue 6).
+"""Sparse attention fidelity and speed on SmolLM2 over a real long context.
 
 A ShareGPT context of ``--tokens`` tokens is prefilled once. Its per-head indexes are built
 (flat needs none; PQ and graph over the keys with RoPE at 0..N-1, as the store builds them),
@@ -15,7 +15,7 @@ sink + window + what each kv-head's index retrieves):
     .venv/bin/python bench/sparse_attention.py --tokens 8192 --steps 64 \\
         --out bench/results/sparse_attention_8k.json
 
-``--offload`` (issue 15, item 5) stores the context in a store (its DRAM tier, or with
+``--offload`` stores the context in a store (its DRAM tier, or with
 ``--offload-tier disk`` no DRAM tier: every row read goes to disk, verified per chunk-layer)
 with its PQ indexes, and decodes each ``--configs`` entry through
 :class:`engine.offload.OffloadedSession`, which holds only the window, the indexes' compact

@@ -1,4 +1,4 @@
-"""Load, compute, or both (issue 16, real mode): TTFT of a follow-up turn whose history is on a
+"""Load, compute, or both (real mode): TTFT of a follow-up turn whose history is on a
 slow disk, for load-all, recompute-all and the Cake-style split.
 
 The store's DRAM tier is 0 bytes, so every hit is a disk hit, and the page cache of the segment

@@ -1,4 +1,4 @@
-"""Store throughput against the machine's ceilings, measured in one run (issue 2).
+"""Store throughput against the machine's ceilings, measured in one run.
 
 For each layout (SmolLM2-135M and a Llama-8B-sized one) and one context of ``T`` tokens:
 

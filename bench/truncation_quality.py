@@ -1,4 +1,4 @@
-"""Perplexity after context-window truncation: AS vs TT vs NKVT (issue 3, AttentionStore Table 1).
+"""Perplexity after context-window truncation: AS vs TT vs NKVT (AttentionStore Table 1).
 
 Each sample is W + M + 1 consecutive tokens of ChatML-rendered real ShareGPT conversations
 (consecutive conversations are concatenated until long enough; samples do not overlap). The
