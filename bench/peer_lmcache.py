@@ -1,7 +1,8 @@
-"""kvstore against LMCache 0.5.6 (CPU-only peer) on the same bytes, in one run (issue 12, item 4).
+"""kvstore against LMCache 0.5.6 (CPU-only peer) on the same bytes, in one run.
 
-The peer runs in its own virtualenv (LMCache pins numpy<=2.2.6; recipe and script in
-``../shared/peers/lmcache/``): this script starts ``peer_bench.py --levels engine
+The peer runs in its own virtualenv (LMCache pins numpy<=2.2.6; built by
+``bash bench/lmcache_peer/setup.sh VENV``, named with ``--peer-venv VENV``): this script starts
+``bench/lmcache_peer/peer_bench.py --levels engine
 --drop-file-cache`` with the peer venv's python as a subprocess, BEFORE and AFTER measuring the
 store, so drift of the noisy machine cannot favour either side, and takes from its JSON the
 retrieve times of LMCache's engine with the CPU backend (``engine_cpu``) and with the local-disk
@@ -26,9 +27,11 @@ up to ``--context-tokens`` tokens (default 4,096), each a fresh token sequence, 
 A pass reads every context once; its GB/s is the total bytes over the pass's wall time.
 GB/s is 1e9 bytes/s; ratios are kvstore/LMCache between medians (the peer's samples of both runs
 pooled; the per-run and best-sample ratios are in the JSON too). Skipped (exit 0, JSON note)
-when the peer venv is absent.
+when no peer venv is given or it is absent.
 
-    .venv/bin/python bench/peer_lmcache.py [--total-mb 1024] [--reps 3] [--out FILE]
+    bash bench/lmcache_peer/setup.sh VENV          # once
+    .venv/bin/python bench/peer_lmcache.py --peer-venv VENV [--total-mb 1024] [--reps 3] \
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -458,11 +461,13 @@ def write_json(path: str, obj: dict[str, object]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--peer-venv", default="/work/peer/lmcache-venv",
-                   help="virtualenv with LMCache 0.5.6 (default /work/peer/lmcache-venv)")
-    p.add_argument("--peer-script", default=os.path.join("..", "shared", "peers", "lmcache",
+    p.add_argument("--peer-venv", default=None,
+                   help="virtualenv with LMCache 0.5.6, built by bench/lmcache_peer/setup.sh "
+                        "VENV (without it the bench is skipped)")
+    p.add_argument("--peer-script", default=os.path.join("bench", "lmcache_peer",
                                                          "peer_bench.py"),
-                   help="peer_bench.py; a relative path is taken from the repository root")
+                   help="the peer's bench (default bench/lmcache_peer/peer_bench.py); a "
+                        "relative path is taken from the repository root")
     p.add_argument("--total-mb", type=float, default=1024.0,
                    help="KV per run in MiB, as peer_bench.py's --total-mb (default 1024)")
     p.add_argument("--context-tokens", type=int, default=4096,
@@ -494,14 +499,16 @@ def main(argv: list[str] | None = None) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     command = " ".join([os.path.basename(sys.executable)] + sys.argv)
-    peer_py = os.path.join(args.peer_venv, "bin", "python")
+    peer_py = os.path.join(args.peer_venv or "", "bin", "python")
     script = args.peer_script if os.path.isabs(args.peer_script) else \
         os.path.normpath(os.path.join(REPO, args.peer_script))
     missing = [x for x in (peer_py, script) if not os.path.exists(x)]
-    if missing:
+    if args.peer_venv is None or missing:
+        what = "no --peer-venv given" if args.peer_venv is None else \
+            "missing " + ", ".join(missing)
         note = {"bench": "peer_lmcache", "skipped": True, "command": command,
-                "reason": "peer not installed: missing " + ", ".join(missing) +
-                " (install with ../shared/peers/lmcache/setup.sh VENV_DIR)"}
+                "reason": f"peer not installed: {what} (build it with "
+                          "bash bench/lmcache_peer/setup.sh VENV, then pass --peer-venv VENV)"}
         write_json(args.out, note)
         print(json.dumps(note))
         return 0
