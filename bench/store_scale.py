@@ -28,7 +28,7 @@ the put pipeline would have committed, 20,000 contexts per catalog transaction, 
 store's own catalog and segment files while the store is open alone. Everything measured is
 the store's own code.
 
-    python bench/store_scale.py --sizes 1000,10000,100000,1000000 --dir /tmp/kvstore-scale \\
+    python bench/store_scale.py --sizes 1000,10000,100000,1000000 --dir DIR \\
         --out bench/results/store_scale.json
 """
 
@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -282,7 +283,9 @@ def measure(path: str, ctxs: Contexts, n: int, args: argparse.Namespace,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,10000,100000,1000000")
-    ap.add_argument("--dir", default="/tmp/kvstore-scale")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "kvstore-scale"),
+                    help="scratch directory for the store (default: kvstore-scale in the "
+                         "temporary directory)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--puts", type=int, default=500, help="real puts timed at each size")
     ap.add_argument("--samples", type=int, default=2000, help="match/get samples per size")
