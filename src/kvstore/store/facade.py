@@ -31,7 +31,8 @@ from kvstore.format.records import ChunkRecord, ContextRecord
 from kvstore.index.context_dir import ContextIndexes
 from kvstore.index.lifecycle import ContextIndexStore, IndexFiles, check_keys, check_spec
 from kvstore.index.spec import IndexSpec
-from kvstore.pipelines.get import Reader, is_current
+from kvstore.pipelines.chunk_reads import is_current
+from kvstore.pipelines.get import Reader
 from kvstore.pipelines.layer_load import LayerLoad
 from kvstore.pipelines.layer_reads import Loads
 from kvstore.pipelines.put import Writer
