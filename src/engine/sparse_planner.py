@@ -218,80 +218,126 @@ def measure_profile(keys: np.ndarray, *, queries: np.ndarray | None = None,
         raise ValueError(f"the context ({N} tokens, {lim} searched) is too short to profile "
                          f"sink {sink} + window {window} + k {max(ks)}")
     spec = spec or IndexSpec()
-    local = local_tokens(lim, sink, window)
-    s_lo = min(sink, lim)
-    w_lo = max(s_lo, lim - window)  # retrieved rows in [s_lo, w_lo) move
-    scale = np.float32(D ** -0.5)
     runs: list[tuple[str, int | float]] = [("topk", k) for k in ks] + [("dipr", beta)]
-    base_cfg = SparseConfig(sink=sink, window=window, beta=beta, dipr_cap=dipr_cap,
-                            full_below=0, spec=spec)
+    c = _Probing(keys=keys, q=q, lim=lim, local=local_tokens(lim, sink, window),
+                 s_lo=min(sink, lim), w_lo=max(min(sink, lim), lim - window), runs=runs,
+                 cfg=SparseConfig(sink=sink, window=window, beta=beta, dipr_cap=dipr_cap,
+                                  full_below=0, spec=spec),
+                 indexes=indexes, offload=offload, group=group, itemsize=itemsize)
     layers = []
     for layer in range(L):
-        sizes: dict[str, int] = {}
         flat_keys = torch.from_numpy(np.ascontiguousarray(keys[layer, :, :lim]))  # [H, lim, D]
         # the exact scores of every probe: [H, P, lim], its attention, and its DIPR range
         s_all = np.matmul(q[layer], keys[layer, :, :lim].transpose(0, 2, 1))
-        p_all = np.exp((s_all - s_all.max(-1, keepdims=True)) * scale)
+        p_all = np.exp((s_all - s_all.max(-1, keepdims=True)) * np.float32(D ** -0.5))
         p_all /= p_all.sum(-1, keepdims=True)
-        floors = s_all[:, :, local].max(-1)  # [H, P] the local set's best score
-        opts = []
+        floors = s_all[:, :, c.local].max(-1)  # [H, P] the local set's best score
+        scores = _Scores(s_all=s_all, p_all=p_all, floors=floors, flat_keys=flat_keys)
+        sizes: dict[str, int] = {}
+        opts: list[Option] = []
         for kind in kinds:
-            counting = [_CountingKeys(keys[layer, h]) for h in range(H)]
-            heads: list[object] = []
-            for h in range(H):
-                pre = None if indexes is None else indexes.get(kind)
-                ix = pre.head(layer, h) if pre is not None else None
-                if ix is None and kind != "flat":
-                    ix = build_index(ArrayKeys(keys[layer, h]), replace(spec, kind=kind))
-                heads.append(None if ix is None else ix.bind(counting[h]))
-            held = (held_keys_bytes(n_tokens=N, num_kv_heads=H, head_dim=D)
-                    if offload and holds_keys(kind) else 0)
-            idx_bytes = sum(arrays_bytes(ix) for ix in heads) if keeps_index(kind) else 0
-            sizes[kind] = idx_bytes + held
-            for query, arg in runs:
-                plan = SparsePlan(index=kind, query=query, k=arg if query == "topk" else None,
-                                  beta=float(arg) if query == "dipr" else None)
-                rows: list[list[float]] = []
-                steps: list[tuple[int, int]] = []  # (moved, buffer) per probe step
-                for j0 in range(0, P, group):
-                    qg = np.ascontiguousarray(q[layer, :, j0:j0 + group])  # [H, g, D]
-                    for c in counting:
-                        c.take()
-                    t0 = time.perf_counter()
-                    ids = retrieve(plan, base_cfg, heads, qg, limit=lim,
-                                   floors=floors[:, j0:j0 + group],
-                                   flat_keys=flat_keys if kind == "flat" else None)
-                    us = 1e6 * (time.perf_counter() - t0) / (H * group)
-                    key_rows = sum(c.take() for c in counting)
-                    idx, valid = pad_heads(ids, s_lo, w_lo)  # [H, r]
-                    steps.append((
-                        step_moved_bytes(kind, key_rows=key_rows, value_rows=int(valid.sum()),
-                                         head_dim=D, itemsize=itemsize),
-                        step_buffer_bytes(kind, num_kv_heads=H, padded_rows=idx.shape[1],
-                                          key_rows=key_rows, head_dim=D)))
-                    for h in range(H):
-                        att = np.union1d(ids[h], local)
-                        for j in range(j0, j0 + group):
-                            s = s_all[h, j]
-                            if query == "topk":
-                                want = top_ids(s, arg)
-                            else:
-                                want = np.flatnonzero(s >= max(float(s.max()), floors[h, j])
-                                                      - beta)
-                            rec = len(np.intersect1d(ids[h], want)) / max(len(want), 1)
-                            rows.append([float(p_all[h, j, att].sum()), rec,
-                                         float(len(ids[h])), us])
-                m = np.asarray(rows).mean(0)
-                st = np.asarray(steps)
-                opts.append(Option(kind=kind, query=query, k=plan.k, beta=plan.beta,
-                                   mass=float(m[0]), recall=float(m[1]), tokens=float(m[2]),
-                                   us=float(m[3]), moved=float(st[:, 0].mean()),
-                                   moved_max=float(st[:, 0].max()), buffer=int(st[:, 1].max())))
+            sizes[kind], more = _kind_options(c, layer, kind, scores)
+            opts.extend(more)
         layers.append(LayerProfile(layer=layer, bytes=sizes, options=tuple(opts)))
     base = base_resident_bytes(num_layers=L, num_kv_heads=H, head_dim=D, n_tokens=N,
                                sink=sink, window=window, capacity=capacity)
     return Profile(n_tokens=N, probes=P, offload=offload, layers=tuple(layers), group=group,
                    base_bytes=base, kv_bytes=2 * L * H * N * D * itemsize)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Probing:
+    """What every option's measurement shares (see :func:`measure_profile`)."""
+
+    keys: np.ndarray  # [L, H, N, D] positioned keys, float32
+    q: np.ndarray  # [L, H, P, D] probe queries
+    lim: int  # tokens searched
+    local: np.ndarray  # sink + window token ids
+    s_lo: int  # retrieved rows in [s_lo, w_lo) move
+    w_lo: int
+    runs: list[tuple[str, int | float]]  # (query type, k or beta)
+    cfg: SparseConfig
+    indexes: Mapping[str, object] | None
+    offload: bool
+    group: int
+    itemsize: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Scores:
+    """One layer's exact scores of every probe and what derives from them."""
+
+    s_all: np.ndarray  # [H, P, lim]
+    p_all: np.ndarray  # [H, P, lim] attention
+    floors: np.ndarray  # [H, P] the local set's best score
+    flat_keys: torch.Tensor  # [H, lim, D]
+
+
+def _kind_options(c: _Probing, layer: int, kind: str, sc: _Scores
+                  ) -> tuple[int, list[Option]]:
+    """The index bytes of ``kind`` on ``layer`` and its options, one per query run."""
+    keys, spec = c.keys, c.cfg.spec
+    _, H, N, D = keys.shape
+    counting = [_CountingKeys(keys[layer, h]) for h in range(H)]
+    heads: list[object] = []
+    for h in range(H):
+        pre = None if c.indexes is None else c.indexes.get(kind)
+        ix = pre.head(layer, h) if pre is not None else None
+        if ix is None and kind != "flat":
+            ix = build_index(ArrayKeys(keys[layer, h]), replace(spec, kind=kind))
+        heads.append(None if ix is None else ix.bind(counting[h]))
+    held = (held_keys_bytes(n_tokens=N, num_kv_heads=H, head_dim=D)
+            if c.offload and holds_keys(kind) else 0)
+    idx_bytes = sum(arrays_bytes(ix) for ix in heads) if keeps_index(kind) else 0
+    opts = [_measure_option(c, layer, kind, sc, heads, counting, query, arg)
+            for query, arg in c.runs]
+    return idx_bytes + held, opts
+
+
+def _measure_option(c: _Probing, layer: int, kind: str, sc: _Scores, heads: list[object],
+                    counting: list[_CountingKeys], query: str, arg: int | float) -> Option:
+    """One option (``kind`` searched by ``query`` with k or beta ``arg``) over the probes of
+    ``layer``, ``c.group`` per decode step."""
+    q, lim, local, group = c.q, c.lim, c.local, c.group
+    _, H, _, D = c.keys.shape
+    P = q.shape[2]
+    beta = c.cfg.beta
+    s_all, p_all, floors = sc.s_all, sc.p_all, sc.floors
+    plan = SparsePlan(index=kind, query=query, k=arg if query == "topk" else None,
+                      beta=float(arg) if query == "dipr" else None)
+    rows: list[list[float]] = []
+    steps: list[tuple[int, int]] = []  # (moved, buffer) per probe step
+    for j0 in range(0, P, group):
+        qg = np.ascontiguousarray(q[layer, :, j0:j0 + group])  # [H, g, D]
+        for cnt in counting:
+            cnt.take()
+        t0 = time.perf_counter()
+        ids = retrieve(plan, c.cfg, heads, qg, limit=lim, floors=floors[:, j0:j0 + group],
+                       flat_keys=sc.flat_keys if kind == "flat" else None)
+        us = 1e6 * (time.perf_counter() - t0) / (H * group)
+        key_rows = sum(cnt.take() for cnt in counting)
+        idx, valid = pad_heads(ids, c.s_lo, c.w_lo)  # [H, r]
+        steps.append((
+            step_moved_bytes(kind, key_rows=key_rows, value_rows=int(valid.sum()),
+                             head_dim=D, itemsize=c.itemsize),
+            step_buffer_bytes(kind, num_kv_heads=H, padded_rows=idx.shape[1],
+                              key_rows=key_rows, head_dim=D)))
+        for h in range(H):
+            att = np.union1d(ids[h], local)
+            for j in range(j0, j0 + group):
+                s = s_all[h, j]
+                if query == "topk":
+                    want = top_ids(s, arg)
+                else:
+                    want = np.flatnonzero(s >= max(float(s.max()), floors[h, j]) - beta)
+                rec = len(np.intersect1d(ids[h], want)) / max(len(want), 1)
+                rows.append([float(p_all[h, j, att].sum()), rec, float(len(ids[h])), us])
+    m = np.asarray(rows).mean(0)
+    st = np.asarray(steps)
+    return Option(kind=kind, query=query, k=plan.k, beta=plan.beta, mass=float(m[0]),
+                  recall=float(m[1]), tokens=float(m[2]), us=float(m[3]),
+                  moved=float(st[:, 0].mean()), moved_max=float(st[:, 0].max()),
+                  buffer=int(st[:, 1].max()))
 
 
 _MB = 2**20
@@ -432,6 +478,23 @@ def plan_layers(profile: Profile, *, budget_bytes: int | None = None,
     if not layers or any(not p.options for p in layers):
         raise ValueError("profile must have at least one layer, each with options")
     sr = _Search(profile, budgets, target)
+    _check_reachable(profile, budgets)
+    pick = [min(range(len(p.options)), key=lambda i, li=li, p=p: (
+        sr.order(li, p.options[i]), -sr.value(p.options[i]))) for li, p in enumerate(layers)]
+    why = ["the least budget-weighted cost"] * len(layers)
+    _repair(sr, pick, why)
+    _improve(sr, pick, why, min_gain)
+    _trim(sr, pick, why)
+    _explain(sr, pick, why, min_gain)
+    choices = tuple(p.options[i] for p, i in zip(layers, pick, strict=True))
+    return Plan(choices=choices, profile=profile, budget_bytes=budgets["budget_bytes"],
+                step_bytes=budgets["step_bytes"], resident_bytes=budgets["resident_bytes"],
+                target=target, reasons=tuple(why))
+
+
+def _check_reachable(profile: Profile, budgets: dict[str, int | None]) -> None:
+    """ValueError naming the budget that even the least of every layer exceeds."""
+    layers = profile.layers
     # bounds no plan can beat: each layer's least of each resource
     least_idx = sum(min(p.bytes[o.kind] for o in p.options) for p in layers)
     least = {"budget_bytes": least_idx,
@@ -444,9 +507,11 @@ def plan_layers(profile: Profile, *, budget_bytes: int | None = None,
         if b is not None and least[n] > b:
             raise ValueError(f"{n} ({b}) is below the smallest {what[n]} of any plan "
                              f"({least[n]:.0f} bytes)")
-    pick = [min(range(len(p.options)), key=lambda i, li=li, p=p: (
-        sr.order(li, p.options[i]), -sr.value(p.options[i]))) for li, p in enumerate(layers)]
-    why = ["the least budget-weighted cost"] * len(layers)
+
+
+def _repair(sr: _Search, pick: list[int], why: list[str]) -> None:
+    """Until the plan fits: the swap that shrinks the overrun most (ValueError if none)."""
+    layers, budgets = sr.layers, sr.budgets
     while not sr.fits(pick):  # repair: the swap that shrinks the overrun most
         now, best = sr.overflow(pick), None
         for li, p in enumerate(layers):
@@ -464,6 +529,11 @@ def plan_layers(profile: Profile, *, budget_bytes: int | None = None,
         _, li, i = best
         pick[li] = i
         why[li] = "chosen to fit the budgets"
+
+
+def _improve(sr: _Search, pick: list[int], why: list[str], min_gain: float) -> None:
+    """The fitting swap with the most mass per unit of weighted cost, while one gains."""
+    layers = sr.layers
     while True:  # improve: the fitting swap with the most mass per unit of weighted cost
         best = None
         for li, p in enumerate(layers):
@@ -490,6 +560,11 @@ def plan_layers(profile: Profile, *, budget_bytes: int | None = None,
                    f"{(new.moved - old.moved) / 1024:+.0f} KiB/step, "
                    f"{(layers[li].bytes[new.kind] - layers[li].bytes[old.kind]) / _MB:+.2f} "
                    f"MiB index, the best mass per weighted byte that fits")
+
+
+def _trim(sr: _Search, pick: list[int], why: list[str]) -> None:
+    """Per layer, the cheapest option of no less mass that fits."""
+    layers = sr.layers
     for li, p in enumerate(layers):  # trim: the cheapest option of no less mass that fits
         cur = p.options[pick[li]]
         for i in sorted(range(len(p.options)), key=lambda i, li=li, p=p: sr.order(
@@ -502,6 +577,11 @@ def plan_layers(profile: Profile, *, budget_bytes: int | None = None,
                 pick[li] = i
                 why[li] += f"; {o.label} instead of {cur.label}: as much mass, cheaper"
                 break
+
+
+def _explain(sr: _Search, pick: list[int], why: list[str], min_gain: float) -> None:
+    """Per layer, what held it below its best mass."""
+    layers = sr.layers
     for li, p in enumerate(layers):  # what held back a layer below its best mass
         cur = p.options[pick[li]]
         better = sorted((i for i, o in enumerate(p.options)
@@ -516,7 +596,3 @@ def plan_layers(profile: Profile, *, budget_bytes: int | None = None,
             why[li] += f"; higher mass would exceed a budget: {', '.join(blocked)}"
         else:
             why[li] += "; the highest mass (up to the target) of its options"
-    choices = tuple(p.options[i] for p, i in zip(layers, pick, strict=True))
-    return Plan(choices=choices, profile=profile, budget_bytes=budgets["budget_bytes"],
-                step_bytes=budgets["step_bytes"], resident_bytes=budgets["resident_bytes"],
-                target=target, reasons=tuple(why))

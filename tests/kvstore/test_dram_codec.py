@@ -242,13 +242,13 @@ def test_a_get_whose_reader_fails_waits_for_every_chunk_it_handed_over(tmp_path,
     """When the reader stops on an error it cannot even classify (here: a short read, then the
     catalog cannot be asked whether the chunk changed), the get raises only after the chunks
     already handed over are verified and copied: nothing writes into its buffers later."""
-    from kvstore.pipelines import get as read_path
+    from kvstore.pipelines import chunk_reads, miss_reads
 
     s, _ = _pair(lambda name, **kw: kvstore.open(tmp_path / name, **kw), "int8")
     toks = list(range(4 * CHUNK))
     s.put(toks, *causal_kv(WIDE, toks))
     s.drop_caches()
-    real_read, real_verify = read_path._read_raw, read_path._verify_stored
+    real_read, real_verify = miss_reads.read_raw, miss_reads.verify_stored
     reads, verified = [], []
 
     def read_raw(core, rec, buf):
@@ -265,9 +265,9 @@ def test_a_get_whose_reader_fails_waits_for_every_chunk_it_handed_over(tmp_path,
     def is_current(core, rec):
         raise RuntimeError("the catalog cannot be read (injected)")
 
-    monkeypatch.setattr(read_path, "_read_raw", read_raw)
-    monkeypatch.setattr(read_path, "_verify_stored", verify)
-    monkeypatch.setattr(read_path, "is_current", is_current)
+    monkeypatch.setattr(miss_reads, "read_raw", read_raw)
+    monkeypatch.setattr(miss_reads, "verify_stored", verify)
+    monkeypatch.setattr(chunk_reads, "is_current", is_current)
     try:
         with pytest.raises(RuntimeError, match="catalog"):
             s.get(toks)

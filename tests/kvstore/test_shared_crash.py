@@ -186,11 +186,11 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
     chunk and writes its own into the same slot. The read must not return the other bytes,
     and its checksum failure is a race (retried, then a miss), never a quarantine of a good
     chunk. The read is paused between taking its pins and reading (fault injection)."""
-    from kvstore.pipelines import get as read_path
+    from kvstore.pipelines import miss_reads
 
     path = tmp_path / "st"
     reading, resume = threading.Event(), threading.Event()
-    real = read_path._read_raw  # the get's read of a chunk's stored bytes
+    real = miss_reads.read_raw  # the get's read of a chunk's stored bytes
 
     def paused(core, rec, buf):
         reading.set()
@@ -201,7 +201,7 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
                       dram_bytes=0) as s:
         mine = [1, 2, 3, 4]
         s.put(mine, *causal_kv(SMALL, mine))
-        monkeypatch.setattr(read_path, "_read_raw", paused)
+        monkeypatch.setattr(miss_reads, "read_raw", paused)
         outcome: list[object] = []
 
         def get():
@@ -220,7 +220,7 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
         assert isinstance(outcome[0], KeyError), outcome  # a miss, not the other's bytes
         st = s.stats()
         assert st["sharing"]["read_races"] >= 1 and st["corrupt"]["chunks"] == 0
-        monkeypatch.setattr(read_path, "_read_raw", real)
+        monkeypatch.setattr(miss_reads, "read_raw", real)
         theirs = list(range(700, 708))
         assert s.match(theirs) == 8 and _exact(s, theirs)  # their chunks were not dropped
     assert verify_path(path)["ok"]

@@ -172,52 +172,73 @@ def serve(trace: Trace, executor: Executor, *,
           on_job_done: Callable[[Job], None] | None = None) -> tuple[list[Job], ServerStats]:
     """Replay ``trace`` through ``executor``. Returns every job (in arrival order) and the
     server's busy times. Deterministic: ties in time are broken by arrival order."""
-    cfg = trace.config
-    window = trace.context_window
-    truncation = cfg.truncation
-    warmup = trace.warmup_turns
-    seq = itertools.count()
-    arrivals: list[tuple[float, int, ConvSpec, int]] = []  # (time, tiebreak, conv, turn)
-    for c in trace.conversations:
-        heapq.heappush(arrivals, (c.arrival_s, next(seq), c, 0))
-    history: dict[int, int] = {}
-    jobs: list[Job] = []
-    waiting: deque[Job] = deque()
-    running: list[Job] = []
-    t = 0.0
-    prefill_busy = decode_busy = 0.0
-    iterations = 0
+    return _Server(trace, executor, on_job_done).run()
 
-    def admit_until(now: float) -> None:
-        while arrivals and arrivals[0][0] <= now:
-            at, _, conv, turn = heapq.heappop(arrivals)
-            h = history.get(conv.index, 0)
+
+class _Server:
+    """One replay's loop (:func:`serve`): each iteration admits the arrivals due, then either
+    prefills a batch from the head of the queue (:meth:`_prefill`) or decodes the running
+    jobs up to the next event (:meth:`_decode`)."""
+
+    def __init__(self, trace: Trace, executor: Executor,
+                 on_job_done: Callable[[Job], None] | None) -> None:
+        self.trace, self.executor, self.on_job_done = trace, executor, on_job_done
+        self.seq = itertools.count()
+        # (time, tiebreak, conv, turn)
+        self.arrivals: list[tuple[float, int, ConvSpec, int]] = []
+        for c in trace.conversations:
+            heapq.heappush(self.arrivals, (c.arrival_s, next(self.seq), c, 0))
+        self.history: dict[int, int] = {}
+        self.jobs: list[Job] = []
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.t = 0.0
+        self.prefill_busy = self.decode_busy = 0.0
+        self.iterations = 0
+
+    def run(self) -> tuple[list[Job], ServerStats]:
+        while self.arrivals or self.waiting or self.running:
+            self.iterations += 1
+            self._admit_until(self.t)
+            if not self.waiting and not self.running:
+                self.t = self.arrivals[0][0]
+                continue
+            if not self._prefill():
+                self._decode()
+        return self.jobs, ServerStats(makespan_s=self.t, prefill_busy_s=self.prefill_busy,
+                                      decode_busy_s=self.decode_busy,
+                                      iterations=self.iterations)
+
+    def _admit_until(self, now: float) -> None:
+        trace = self.trace
+        while self.arrivals and self.arrivals[0][0] <= now:
+            at, _, conv, turn = heapq.heappop(self.arrivals)
+            h = self.history.get(conv.index, 0)
             spec = conv.turns[turn]
             # build_trace keeps only turns that fit next to the sink tokens: never a ValueError
-            kept = truncation.kept_length(h, spec.user_len + spec.reply_len, window)
-            job = Job(conv=conv, turn=turn, seq=len(jobs), arrival_s=at,
-                      warmup=len(jobs) < warmup, history=h, kept=kept)
-            jobs.append(job)
-            waiting.append(job)
-            executor.arrive(job)
+            kept = trace.config.truncation.kept_length(h, spec.user_len + spec.reply_len,
+                                                       trace.context_window)
+            job = Job(conv=conv, turn=turn, seq=len(self.jobs), arrival_s=at,
+                      warmup=len(self.jobs) < trace.warmup_turns, history=h, kept=kept)
+            self.jobs.append(job)
+            self.waiting.append(job)
+            self.executor.arrive(job)
 
-    def done(job: Job, now: float) -> None:
+    def _done(self, job: Job, now: float) -> None:
         job.finish_s = now
-        history[job.conv.index] = job.context_after
+        self.history[job.conv.index] = job.context_after
         nxt = None
         if job.turn + 1 < len(job.conv.turns):
             nxt = now + job.conv.turns[job.turn].think_s
-            heapq.heappush(arrivals, (nxt, next(seq), job.conv, job.turn + 1))
-        executor.finish(job, nxt)
-        if on_job_done is not None:
-            on_job_done(job)
+            heapq.heappush(self.arrivals, (nxt, next(self.seq), job.conv, job.turn + 1))
+        self.executor.finish(job, nxt)
+        if self.on_job_done is not None:
+            self.on_job_done(job)
 
-    while arrivals or waiting or running:
-        iterations += 1
-        admit_until(t)
-        if not waiting and not running:
-            t = arrivals[0][0]
-            continue
+    def _prefill(self) -> bool:
+        """Prefill the waiting jobs at the head of the queue that the batch takes, together;
+        False if none could join (the running jobs decode instead)."""
+        executor, waiting, running = self.executor, self.waiting, self.running
         batch: list[Job] = []
         budget = executor.max_prefill_tokens
         while waiting and len(running) + len(batch) < executor.max_batch:
@@ -227,38 +248,39 @@ def serve(trace: Trace, executor: Executor, *,
             if (batch or running) and not executor.fits(running + batch, job):
                 break  # wait for accelerator memory (a job alone is always admitted)
             waiting.popleft()
-            job.start_s = t
+            job.start_s = self.t
             dt = executor.prefill(job, waiting, running + batch)
             budget -= job.prompt_len - job.reused
-            t += dt
-            prefill_busy += dt
+            self.t += dt
+            self.prefill_busy += dt
             batch.append(job)
-        if batch:
-            for job in batch:  # the iteration's tokens come out together
-                job.first_token_s = t
-                job.remaining = max(job.reply_len - 1, 0)
-                if job.remaining == 0:
-                    done(job, t)
-                else:
-                    running.append(job)
-            continue
-        # decode span: up to the first finish, or to an arrival that could join the batch
+        for job in batch:  # the iteration's tokens come out together
+            job.first_token_s = self.t
+            job.remaining = max(job.reply_len - 1, 0)
+            if job.remaining == 0:
+                self._done(job, self.t)
+            else:
+                running.append(job)
+        return bool(batch)
+
+    def _decode(self) -> None:
+        """A decode span: up to the first finish, or to an arrival that could join the
+        batch."""
+        executor, running = self.executor, self.running
         steps = min(j.remaining for j in running)
-        if not waiting and arrivals and len(running) < executor.max_batch:
+        if not self.waiting and self.arrivals and len(running) < executor.max_batch:
             one = executor.decode(running, 1)
             if one > 0:
-                steps = max(1, min(steps, math.ceil((arrivals[0][0] - t) / one)))
+                steps = max(1, min(steps, math.ceil((self.arrivals[0][0] - self.t) / one)))
         dt = executor.decode(running, steps)
-        t += dt
-        decode_busy += dt
+        self.t += dt
+        self.decode_busy += dt
         still = []
         for job in running:
             job.remaining -= steps
             job.decode_s += dt
             if job.remaining <= 0:
-                done(job, t)
+                self._done(job, self.t)
             else:
                 still.append(job)
-        running = still
-    return jobs, ServerStats(makespan_s=t, prefill_busy_s=prefill_busy,
-                             decode_busy_s=decode_busy, iterations=iterations)
+        self.running = still

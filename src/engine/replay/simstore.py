@@ -53,6 +53,7 @@ from kvstore.eviction.policies import (
     ReturnTracker,
     make_policy,
 )
+from kvstore.eviction.victims import choose_victims
 
 _RUNNING = Queued(position=-1, in_window=True)
 UNKNOWN = object()  # put(next_use=UNKNOWN): not known yet (finish() will give it)
@@ -322,25 +323,14 @@ class SimStore:
             self._refresh()  # priorities matter only when something must leave
         pol = self._pol
         mine = self._priority(e) if judge else None
-        victims: list[tuple[SimEntry, Priority]] = []
-        freed = 0
-        while freed < need:
-            vp = self._disk_heap.peek_priority()
-            if mine is not None and mine < vp:  # type: ignore[operator]
-                for ve, p in victims:
-                    self._disk_heap.push(ve.key, p)
-                return False
-            ve = self._entries[self._disk_heap.pop()]
-            victims.append((ve, vp))
-            freed += ve.nbytes
-        if pol.size_aware:  # the most valuable victims first, if the save fits without them
-            for ve, p in sorted(victims, key=lambda v: v[1], reverse=True):
-                if freed - ve.nbytes >= need:
-                    freed -= ve.nbytes
-                    self._disk_heap.push(ve.key, p)
-                    victims.remove((ve, p))
-                    self.counters.kept_back += 1
-        for ve, _ in victims:
+        choice = choose_victims(self._disk_heap, need, _BytesFreed(self._entries), mine=mine,
+                                size_aware=pol.size_aware)
+        if choice is None:
+            return False
+        assert choice.freed >= need, "a context fits the disk (put() checked)"
+        self.counters.kept_back += choice.kept_back
+        victims = [self._entries[k] for k in choice.victims]
+        for ve in victims:
             if pol.exempt(ve.queued):
                 self.counters.disk_evictions_in_window += 1
             self.counters.disk_evictions += 1
@@ -451,3 +441,19 @@ class SimStore:
             self.counters.prefetched += 1
             self.counters.prefetched_bytes += e.nbytes
         self._budget = 0.0  # nothing left that may be fetched now
+
+
+class _BytesFreed:
+    """What victims free in the simulator: each context its own bytes (no shared chunks)."""
+
+    def __init__(self, entries: dict[Hashable, SimEntry]) -> None:
+        self._entries = entries
+
+    def add(self, key: Hashable) -> int:
+        return self._entries[key].nbytes
+
+    def marginal(self, key: Hashable) -> int:
+        return self._entries[key].nbytes
+
+    def put_back(self, key: Hashable) -> None:
+        pass

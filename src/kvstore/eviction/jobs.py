@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.format.hashing import as_tokens
+from kvstore.pipelines.background import OnDemandThread
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,41 +82,36 @@ class Prefetcher:
 
     def __init__(self, step: Callable[[], bool], name: str = "kvstore-prefetch") -> None:
         self._step = step
-        self._name = name
         self._cond = threading.Condition()
         self._requested = 0  # kicks so far
         self._served = 0  # kicks the thread has fully acted on
         self._stopped = False
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._last: threading.Thread | None = None  # joined by close()
+        self._thread = OnDemandThread(self._cond, name=name, take=self._take, work=self._work)
 
     def kick(self) -> None:
         with self._cond:
             if self._stopped:
                 return
             self._requested += 1
-            if self._thread is None:
-                self._thread = self._last = threading.Thread(target=self._run, name=self._name)
-                self._thread.start()
+            self._thread.start_if_idle()
 
-    def _run(self) -> None:
-        while True:
+    def _take(self) -> int | None:
+        """The kicks to act on (with the condition held), or None when all are served."""
+        if self._stopped or self._served >= self._requested:
+            return None
+        return self._requested
+
+    def _work(self, target: int) -> None:
+        try:
+            while not self._stopped and self._step():
+                pass
+        except BaseException as e:  # kept for wait_idle(); prefetching is best effort
             with self._cond:
-                if self._stopped or self._served >= self._requested:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                target = self._requested
-            try:
-                while not self._stopped and self._step():
-                    pass
-            except BaseException as e:  # kept for wait_idle(); prefetching is best effort
-                with self._cond:
-                    self._error = e
-            with self._cond:
-                self._served = target
-                self._cond.notify_all()
+                self._error = e
+        with self._cond:
+            self._served = target
+            self._cond.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every kick so far has been acted on; False on timeout."""
@@ -131,6 +127,4 @@ class Prefetcher:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-            thread = self._last
-        if thread is not None:
-            thread.join()
+        self._thread.join()

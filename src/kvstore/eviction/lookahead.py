@@ -22,7 +22,7 @@ from kvstore.eviction.policies import (
 from kvstore.eviction.reuse_learning import PutLearner
 from kvstore.format.records import ContextRecord
 from kvstore.index.lifecycle import IndexFiles
-from kvstore.pipelines.get import Raced, fill_copy, quarantine
+from kvstore.pipelines.chunk_reads import Raced, fill_copy, quarantine
 from kvstore.store.parts import Core
 from kvstore.view.prefix_tree import Piece
 

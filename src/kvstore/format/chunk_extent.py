@@ -7,7 +7,8 @@ verified layer by layer. :func:`verify` is the one comparison every read path us
 
 A chunk stored through a codec (``ChunkRecord.codec`` != 0) holds each layer's encoded bytes
 instead, back to back (``ChunkRecord.lengths``), and its checksums cover those encoded bytes:
-:func:`encode_layers` makes them, :func:`kvstore.pipelines.get.read_stored` reads and verifies them,
+:func:`encode_layers` makes them, :func:`kvstore.pipelines.chunk_reads.read_stored` reads and
+verifies them,
 :func:`decode_extent` and :func:`decode_into` decode them.
 """
 

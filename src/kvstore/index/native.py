@@ -283,6 +283,18 @@ def csr(adj: list[np.ndarray], dtype: type = np.int32) -> tuple[np.ndarray, np.n
     return ptr, np.ascontiguousarray(idx, dtype=dtype)
 
 
+def _neighbours(ptr: np.ndarray, idx: np.ndarray, u: int, n: int) -> np.ndarray:
+    """The neighbour ids of node ``u`` in the CSR graph (ptr, idx) of ``n`` nodes, checked as
+    the C walks check them (ValueError with their message)."""
+    a, b = int(ptr[u]), int(ptr[u + 1])
+    if not 0 <= a <= b <= len(idx):
+        raise ValueError(_ERRORS[-2][1])
+    nb = idx[a:b].astype(np.int64)
+    if len(nb) and (int(nb.min()) < 0 or int(nb.max()) >= n):
+        raise ValueError(_ERRORS[-2][1])
+    return nb
+
+
 def _dipr_walk_py(keys, ptr, idx, q, seed, beta, floor, lim, capacity) -> np.ndarray:
     """GraphIndex.dipr's walk (AlayaDB Algorithm 1), the reference for the C walk."""
     n = keys.shape[0]
@@ -297,12 +309,7 @@ def _dipr_walk_py(keys, ptr, idx, q, seed, beta, floor, lim, capacity) -> np.nda
         neg, u = heapq.heappop(frontier)
         if len(cand) >= capacity and -neg < best - beta:
             break  # the best unexplored point is already out of range
-        a, b = int(ptr[u]), int(ptr[u + 1])
-        if not 0 <= a <= b <= len(idx):
-            raise ValueError(_ERRORS[-2][1])
-        nb = idx[a:b].astype(np.int64)
-        if len(nb) and (int(nb.min()) < 0 or int(nb.max()) >= n):
-            raise ValueError(_ERRORS[-2][1])
+        nb = _neighbours(ptr, idx, u, n)
         nb = nb[~visited[nb]]
         if not len(nb):
             continue
@@ -391,12 +398,7 @@ def _beam_py(keys, ptr, idx, q, entries, ef, lim, k) -> np.ndarray:
         neg, u = heapq.heappop(cand)
         if len(res) >= ef and -neg < res[0][0]:
             break
-        a, b = int(ptr[u]), int(ptr[u + 1])
-        if not 0 <= a <= b <= len(idx):
-            raise ValueError(_ERRORS[-2][1])
-        nb = idx[a:b].astype(np.int64)
-        if len(nb) and (int(nb.min()) < 0 or int(nb.max()) >= n):
-            raise ValueError(_ERRORS[-2][1])
+        nb = _neighbours(ptr, idx, u, n)
         fresh = []  # unvisited neighbours, a repeated link once
         for v in nb.tolist():
             if not visited[v]:

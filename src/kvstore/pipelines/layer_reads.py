@@ -1,6 +1,6 @@
 """Layer-wise loads (AttentionStore §3.2.1): a loader thread per load fills layer 0, 1, ... of
 an execution buffer from the DRAM tier or disk, verified layer by layer; compute waits on each
-layer's event. Reads go through the primitives of :mod:`kvstore.pipelines.get`.
+layer's event. Reads go through :mod:`kvstore.pipelines.chunk_reads`.
 """
 
 from __future__ import annotations
@@ -10,22 +10,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.errors import CorruptData, StoreClosed
+from kvstore.errors import StoreClosed
 from kvstore.format import chunk_extent
 from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
-from kvstore.pipelines.get import (
-    Raced,
-    copy_layer,
-    count_lossy,
-    quarantine,
-    read_layer,
-    resolve_all,
-)
+from kvstore.pipelines.chunk_reads import copy_layer, read_layer, reading
+from kvstore.pipelines.get import count_lossy, resolve_all
 from kvstore.pipelines.layer_load import LayerLoad, _Loader
 from kvstore.store.parts import Core
 from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.view.prefix_tree import Piece
+
+DURING = "this layer-wise load"
 
 
 class _CudaCopy:
@@ -165,14 +161,12 @@ class Loads:
                 e = core.dram.peek(rec.key, rec.gen)
             if e is not None:
                 try:
-                    part = copy_layer(core, rec, core.dram.buffer(e), layer)  # [2, H, n, D]
+                    with reading(core, rec, self._files, during=DURING):
+                        part = copy_layer(core, rec, core.dram.buffer(e), layer)  # [2, H, n, D]
                     # numpy, not torch: torch's copy would run on the intra-op thread pool
                     # that the compute thread's matmuls use (measured 2x slower prefill)
                     np.copyto(kr[layer, :, a:b], part[0, :, s:e_])  # [H, count, D]
                     np.copyto(vr[layer, :, a:b], part[1, :, s:e_])
-                except CorruptData as err:  # a coded copy that does not decode
-                    quarantine(core, rec, err, self._files)
-                    raise
                 finally:
                     with core.mutex:
                         core.dram.unpin(e)
@@ -184,14 +178,8 @@ class Loads:
                 bufs = chunk_extent.pieces(kr, vr, a, n, range(layer, layer + 1))
             else:  # the whole layer of the chunk (its checksum covers all of it), then a part
                 bufs = [np.empty(nbytes, dtype=np.uint8)]
-            try:
+            with reading(core, rec, self._files, during=DURING):
                 bufs = read_layer(core, rec, layer, bufs, off)
-            except Raced:
-                raise KeyError(f"chunk {rec.key.hex()} was evicted by another process "
-                               f"during this layer-wise load: a miss") from None
-            except CorruptData as err:
-                quarantine(core, rec, err, self._files)
-                raise
             if not whole:
                 part = bufs[0].view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
                 np.copyto(kr[layer, :, a:b], part[0, :, s:e_])

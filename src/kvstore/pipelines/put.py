@@ -38,6 +38,7 @@ from kvstore.errors import (
     StoreTampered,
 )
 from kvstore.eviction.policies import EvictionPolicy, Priority, Queued
+from kvstore.eviction.victims import SlotsFreed, choose_victims
 from kvstore.format import chunk_extent
 from kvstore.format.catalog import WriteTxn
 from kvstore.format.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
@@ -389,76 +390,30 @@ class Writer:
 
     def _choose_victims(self, short: int, held: set[bytes], mine: Priority | None,
                         superseded: set[bytes]) -> list[bytes] | None:
-        """The contexts to evict so that ``short`` more slots become free, by the simulator's
-        rule (``engine.replay.simstore.SimStore._evict_for``), with slots for bytes:
-
-        1. Walk the contexts in policy order (lowest priority first), adding each to the
-           victims, until the victims free ``short`` slots (a chunk is freed once every
-           context holding it is a victim, unless a put holds it or a read pins its slot).
-           With ``mine`` (admission), if the next context ranks strictly above ``mine`` the
-           put is refused: None, nothing evicted. The ``superseded`` contexts (the put's own
-           earlier turns, which its commit drops anyway) are victims before the walk, with no
-           admission check: the simulator replaces a conversation's context in place, and a
-           next turn that does not end on a chunk boundary needs exactly the slot its old
-           partial last chunk frees. CapacityError (nothing evicted) if all of them cannot.
-        2. With ``size_aware``, go through the walk's victims from the highest priority down
-           and put back each one without which the rest still free ``short`` slots.
-
-        So a small low-priority context is not evicted next to a big one that frees enough
-        alone (2. puts it back), but a big context is never evicted ahead of a small one
-        that ranks lower. With the lock held; changes nothing but the heap's tie order and
-        the ``kept_back_contexts`` counter."""
-        tree, slots = self.core.tree, self.core.slots
-        pol = self._policy
-        dec: dict[bytes, int] = {}  # chunk -> victims holding it
-
-        def frees(c: bytes) -> bool:
-            rec = tree.chunks.get(c)
-            return (rec is not None and dec.get(c, 0) == len(tree.holders.get(c, ()))
-                    and c not in held and c not in tree.held and not slots.pinned(rec.slot))
-
-        def marginal(key: bytes) -> int:
-            return sum(1 for c in tree.contexts[key].chunks if frees(c))
-
-        def add(key: bytes) -> int:
-            for c in tree.contexts[key].chunks:
-                dec[c] = dec.get(c, 0) + 1
-            return marginal(key)
-
-        replaced = [k for k in superseded if k in tree.contexts]
-        freed = sum(add(k) for k in replaced)
-        popped: list[tuple[bytes, Priority]] = []
-        chosen: list[tuple[bytes, Priority]] = []
-        try:
-            while freed < short:
-                p = tree.heap.peek_priority()
-                if p is None:
-                    break
-                key = tree.heap.pop()
-                popped.append((key, p))
-                if key in superseded:
-                    continue  # a victim already
-                if mine is not None and mine < p:  # type: ignore[operator]
-                    return None
-                chosen.append((key, p))
-                freed += add(key)
-        finally:
-            for key, p in popped:  # evicted ones leave the heap when they are dropped
-                tree.heap.push(key, p)
-        if freed < short:
+        """The contexts to evict so that ``short`` more slots become free, by the one rule
+        (:func:`kvstore.eviction.victims.choose_victims`, which the replay's simulator uses
+        too), a chunk freed once every context holding it is a victim, unless a put holds it
+        or a read pins its slot. The ``superseded`` contexts (the put's own earlier turns,
+        which its commit drops anyway) are victims before the walk, with no admission check:
+        the simulator replaces a conversation's context in place, and a next turn that does
+        not end on a chunk boundary needs exactly the slot its old partial last chunk frees.
+        None if admission refuses; CapacityError (nothing evicted) if all of them cannot free
+        enough. With the lock held; changes nothing but the heap's tie order and the
+        ``kept_back_contexts`` counter."""
+        freeing = SlotsFreed(self.core.tree, self.core.slots, held)
+        replaced = [k for k in superseded if k in self.core.tree.contexts]
+        freed = sum(freeing.add(k) for k in replaced)
+        choice = choose_victims(self.core.tree.heap, short, freeing, mine=mine,
+                                size_aware=self._policy.size_aware, skip=superseded,
+                                freed=freed)
+        if choice is None:
+            return None
+        if choice.freed < short:
             raise CapacityError(f"need {short} more free disk slots, but evicting every "
-                                f"context frees only {freed} now (the rest hold chunks that "
-                                f"puts, saves or layer-wise loads in progress use)")
-        if pol.size_aware:
-            for key, p in sorted(chosen, key=lambda v: v[1], reverse=True):
-                m = marginal(key)
-                if freed - m >= short:
-                    freed -= m
-                    for c in tree.contexts[key].chunks:
-                        dec[c] -= 1
-                    chosen.remove((key, p))
-                    self.core.counters.kept_back_contexts += 1
-        return replaced + [k for k, _ in chosen]
+                                f"context frees only {choice.freed} now (the rest hold chunks "
+                                f"that puts, saves or layer-wise loads in progress use)")
+        self.core.counters.kept_back_contexts += choice.kept_back
+        return replaced + choice.victims
 
     # ------------------------------------------------------------------ write
     def _write_extents(self, plan: PutPlan, kr: np.ndarray, vr: np.ndarray, base: int) -> None:
@@ -540,78 +495,18 @@ class Writer:
 
     # ------------------------------------------------------------------ commit
     def _commit(self, plan: PutPlan) -> None:
-        """Make a written plan visible in one catalog transaction."""
+        """Make a written plan visible in one catalog transaction: check it still holds
+        (:meth:`_checked`), write its records (:meth:`_publish`), then settle its slots, DRAM
+        copies and counters (:meth:`_settle`)."""
         core = self.core
-        tree = core.tree
         body_done = False
         dirs: list[tuple[bytes, IndexEntry]] = []
         dup: set[bytes] = set()
         try:
             with writing(core.catalog, core.mirror, core.mutex) as txn:
                 with core.mutex:
-                    if core.failed is not None or core.closed:
-                        raise _Refused(StoreClosed(f"store {core.path!r} is closed")
-                                       if core.closed else KVStoreError("writes are refused"))
-                    core.mirror.catch_up(txn)
-                    for r in plan.reused:
-                        cur = tree.chunks.get(r.key)
-                        if r.key in tree.corrupt or cur is None or cur.gen != r.gen:
-                            raise _Refused(CorruptData(
-                                f"chunk {r.key.hex()} of this context's stored prefix failed its "
-                                f"checksum while the put was written; nothing was stored"))
-                    new = []
-                    for rec in plan.records:
-                        cur = tree.chunks.get(rec.key)
-                        if cur is None:
-                            rec.gen = txn.next_gen
-                            new.append(rec)
-                        elif cur.parent == rec.parent and np.array_equal(cur.tokens, rec.tokens):
-                            dup.add(rec.key)  # another process stored it meanwhile
-                        else:
-                            raise _Refused(CorruptData(f"chunk address collision at "
-                                                       f"{rec.key.hex()}"))
-                    others = []
-                    mine = None
-                    for r in txn.reservations():
-                        if r.key == plan.reservation.key:
-                            mine = r
-                        else:
-                            others.append(r)
-                    if mine != plan.reservation:
-                        # Reclaimed as if this process were dead: its slots may be another
-                        # put's now. Commit nothing, give nothing back, write no more.
-                        plan.state = "lost"
-                        err = StoreTampered(
-                            f"the reservation of this put was removed from {core.path!r} by "
-                            f"another process while the put was written (was this process "
-                            f"taken for dead?); nothing was stored, and this process writes "
-                            f"no more: close and reopen the store")
-                        core.failed = err
-                        core.mirror.stale = True
-                        raise _Refused(err)
-                    # extents written into a segment file renamed or replaced meanwhile
-                    # would be unreachable
-                    try:
-                        core.segments.check_named(list(plan.reservation.slots))
-                    except StoreTampered as e:
-                        core.failed = e
-                        raise _Refused(e) from None
-                    pieces = tree.resolve(plan.toks, plan.namespace)
-                    if served(pieces) == len(plan.toks):
-                        # Another process committed, since this put was planned, a context
-                        # that serves all of it (an extension of it): storing this one too
-                        # would keep a context the extension supersedes. Nothing new.
-                        dup.update(r.key for r in plan.records)
-                        core.mirror.touch(pieces[-1].rec.key)
-                    else:
-                        keep = set(plan.chain) | {k for r in others for k in r.held}
-                        superseded = tree.prefix_contexts(plan.toks, plan.chain,
-                                                          plan.namespace)
-                        for rec in new:
-                            txn.put_chunk(rec)
-                        txn.put_context(ContextRecord(plan.chain[-1], len(plan.toks),
-                                                      plan.now, plan.now, tuple(plan.chain)))
-                        _, dirs = core.mirror.drop_contexts(txn, superseded, keep, ahead=False)
+                    new, others = self._checked(plan, txn, dup)
+                    dirs = self._publish(plan, txn, new, others, dup)
                     txn.delete_reservation(plan.reservation.key)
                     core.mirror.flush_access(txn)
                 body_done = True
@@ -624,6 +519,94 @@ class Writer:
                     core.failed = e
             raise
         plan.state = "committed"
+        self._settle(plan, dup)
+        self._files.remove(dirs)
+        self._on_commit()
+
+    def _checked(self, plan: PutPlan, txn: WriteTxn, dup: set[bytes]
+                 ) -> tuple[list[ChunkRecord], list[Reservation]]:
+        """With the lock held, in the commit's transaction: whether the plan may still commit
+        (else :class:`_Refused`). Returns its chunks that are new (their generations set) and
+        the other puts' reservations; adds to ``dup`` the chunks another process stored
+        meanwhile."""
+        core = self.core
+        tree = core.tree
+        if core.failed is not None or core.closed:
+            raise _Refused(StoreClosed(f"store {core.path!r} is closed")
+                           if core.closed else KVStoreError("writes are refused"))
+        core.mirror.catch_up(txn)
+        for r in plan.reused:
+            cur = tree.chunks.get(r.key)
+            if r.key in tree.corrupt or cur is None or cur.gen != r.gen:
+                raise _Refused(CorruptData(
+                    f"chunk {r.key.hex()} of this context's stored prefix failed its "
+                    f"checksum while the put was written; nothing was stored"))
+        new = []
+        for rec in plan.records:
+            cur = tree.chunks.get(rec.key)
+            if cur is None:
+                rec.gen = txn.next_gen
+                new.append(rec)
+            elif cur.parent == rec.parent and np.array_equal(cur.tokens, rec.tokens):
+                dup.add(rec.key)  # another process stored it meanwhile
+            else:
+                raise _Refused(CorruptData(f"chunk address collision at {rec.key.hex()}"))
+        others = []
+        mine = None
+        for r in txn.reservations():
+            if r.key == plan.reservation.key:
+                mine = r
+            else:
+                others.append(r)
+        if mine != plan.reservation:
+            # Reclaimed as if this process were dead: its slots may be another put's now.
+            # Commit nothing, give nothing back, write no more.
+            plan.state = "lost"
+            err = StoreTampered(
+                f"the reservation of this put was removed from {core.path!r} by another "
+                f"process while the put was written (was this process taken for dead?); "
+                f"nothing was stored, and this process writes no more: close and reopen the "
+                f"store")
+            core.failed = err
+            core.mirror.stale = True
+            raise _Refused(err)
+        # extents written into a segment file renamed or replaced meanwhile would be
+        # unreachable
+        try:
+            core.segments.check_named(list(plan.reservation.slots))
+        except StoreTampered as e:
+            core.failed = e
+            raise _Refused(e) from None
+        return new, others
+
+    def _publish(self, plan: PutPlan, txn: WriteTxn, new: list[ChunkRecord],
+                 others: list[Reservation], dup: set[bytes]) -> list[tuple[bytes, IndexEntry]]:
+        """With the lock held, in the commit's transaction: the new chunks and the context,
+        and the contexts they supersede dropped; returns the index directories to remove
+        after the commit."""
+        core = self.core
+        tree = core.tree
+        pieces = tree.resolve(plan.toks, plan.namespace)
+        if served(pieces) == len(plan.toks):
+            # Another process committed, since this put was planned, a context that serves
+            # all of it (an extension of it): storing this one too would keep a context the
+            # extension supersedes. Nothing new.
+            dup.update(r.key for r in plan.records)
+            core.mirror.touch(pieces[-1].rec.key)
+            return []
+        keep = set(plan.chain) | {k for r in others for k in r.held}
+        superseded = tree.prefix_contexts(plan.toks, plan.chain, plan.namespace)
+        for rec in new:
+            txn.put_chunk(rec)
+        txn.put_context(ContextRecord(plan.chain[-1], len(plan.toks), plan.now, plan.now,
+                                      tuple(plan.chain)))
+        _, dirs = core.mirror.drop_contexts(txn, superseded, keep, ahead=False)
+        return dirs
+
+    def _settle(self, plan: PutPlan, dup: set[bytes]) -> None:
+        """After the commit: the slots of chunks another process stored meanwhile go back,
+        the staged DRAM copies become visible (or are dropped), and the counters count."""
+        core = self.core
         with core.mutex:
             core.mirror.catch_up()
             gens = {r.key: r.gen for r in plan.records}
@@ -638,8 +621,6 @@ class Writer:
             if core.config.disk_codec != "none":
                 core.counters.raw_fallback_chunks += sum(
                     1 for r in plan.records if r.key not in dup and r.codec == 0)
-        self._files.remove(dirs)
-        self._on_commit()
 
     def _end_locked(self, plan: PutPlan) -> None:
         """Under the lock: release what a plan held, whatever became of it."""

@@ -24,10 +24,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore.errors import CorruptData
 from kvstore.format import chunk_extent
-from kvstore.pipelines.get import Raced, copy_layer, fill_copy, quarantine, read_layer, resolve_all
+from kvstore.pipelines.chunk_reads import copy_layer, fill_copy, read_layer, reading
+from kvstore.pipelines.get import resolve_all
 from kvstore.store.parts import Core
+
+DURING = "this row read"
 
 
 class RowReader:
@@ -184,11 +186,8 @@ class RowReader:
         """Layer ``layer`` of ``rec``'s DRAM copy ``e`` as raw [2, H, n, D] (a coded copy that
         does not decode is quarantined: CorruptData)."""
         core = self._core
-        try:
+        with reading(core, rec, self._files, during=DURING):
             return copy_layer(core, rec, core.dram.buffer(e), layer)
-        except CorruptData as err:
-            quarantine(core, rec, err, self._files)
-            raise
 
     # ------------------------------------------------------------------ disk
     def _read_disk(self, rec, layer: int, cache) -> tuple[np.ndarray, int]:
@@ -198,7 +197,7 @@ class RowReader:
         lay = core.layout
         n = rec.n_tokens
         shape = (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim)
-        try:
+        with reading(core, rec, self._files, during=DURING):
             if cache is not None:
                 buf = core.dram.buffer(cache)
                 fill_copy(core, rec, buf)
@@ -207,9 +206,3 @@ class RowReader:
             off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
             data = read_layer(core, rec, layer, [np.empty(nbytes, dtype=np.uint8)], off)[0]
             return data.view(chunk_extent._NP_INT[lay.itemsize]).reshape(shape[1:]), nbytes
-        except Raced:
-            raise KeyError(f"chunk {rec.key.hex()} was evicted by another process during "
-                           f"this row read: a miss") from None
-        except CorruptData as err:
-            quarantine(core, rec, err, self._files)
-            raise

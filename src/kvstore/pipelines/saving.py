@@ -33,6 +33,7 @@ from kvstore.errors import CapacityError, StoreClosed
 from kvstore.format.chunk_extent import empty_kv, raw
 from kvstore.format.hashing import as_tokens
 from kvstore.layout import KVLayout
+from kvstore.pipelines.background import OnDemandThread
 from kvstore.pipelines.fork_join import Helpers, copy_all
 from kvstore.tiers.output_pool import OutputPool
 
@@ -261,8 +262,8 @@ class Saver:
         self._error: BaseException | None = None  # the first since the last flush
         self._queue: collections.deque[_Job] = collections.deque()
         self._writing: _Job | None = None
-        self._thread: threading.Thread | None = None
-        self._last: threading.Thread | None = None  # joined by close()
+        self._writer = OnDemandThread(self._cond, name="kvstore-saver", take=self._take,
+                                      work=self._write_job)
         self._closed = False
         self.saved = 0
         self.failed = 0
@@ -303,10 +304,7 @@ class Saver:
             closed = self._closed
             if not closed:
                 self._queue.append(job)
-                if self._thread is None:
-                    self._thread = self._last = threading.Thread(target=self._run,
-                                                                 name="kvstore-saver")
-                    self._thread.start()
+                self._writer.start_if_idle()
         if closed:
             self._retire(job, StoreClosed("the store closed before this save"))
             raise StoreClosed("the store is closing")
@@ -319,23 +317,23 @@ class Saver:
                 self._used -= nbytes
                 self._cond.notify_all()
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                job = self._writing = self._queue.popleft()
-            error = None
-            stored = False
-            try:
-                if job.ready is not None:
-                    job.ready.synchronize()  # the non-blocking copies from the GPU are done
-                stored = self._write(job.tokens, job.keys, job.values, job.namespace, job.base)
-            except BaseException as e:  # handed to the future and the next flush()
-                error = e
-            self._retire(job, error, stored)
+    def _take(self) -> _Job | None:
+        """The next queued save (with the condition held), or None when none is queued."""
+        if not self._queue:
+            return None
+        job = self._writing = self._queue.popleft()
+        return job
+
+    def _write_job(self, job: _Job) -> None:
+        error = None
+        stored = False
+        try:
+            if job.ready is not None:
+                job.ready.synchronize()  # the non-blocking copies from the GPU are done
+            stored = self._write(job.tokens, job.keys, job.values, job.namespace, job.base)
+        except BaseException as e:  # handed to the future and the next flush()
+            error = e
+        self._retire(job, error, stored)
 
     def _retire(self, job: _Job, error: BaseException | None, stored: bool = False) -> None:
         """A queued save is over (written, failed or abandoned): release what it held, then
@@ -390,8 +388,4 @@ class Saver:
                 self._queue.clear()
         for job in dropped:
             self._retire(job, StoreClosed("the store closed before this save"))
-        with self._cond:
-            self._cond.wait_for(lambda: self._thread is None)
-            last = self._last
-        if last is not None:
-            last.join()
+        self._writer.join()

@@ -31,7 +31,8 @@ from kvstore.format.records import ChunkRecord, ContextRecord
 from kvstore.index.context_dir import ContextIndexes
 from kvstore.index.lifecycle import ContextIndexStore, IndexFiles, check_keys, check_spec
 from kvstore.index.spec import IndexSpec
-from kvstore.pipelines.get import Reader, is_current
+from kvstore.pipelines.chunk_reads import is_current
+from kvstore.pipelines.get import Reader
 from kvstore.pipelines.layer_load import LayerLoad
 from kvstore.pipelines.layer_reads import Loads
 from kvstore.pipelines.put import Writer
@@ -44,7 +45,7 @@ from kvstore.tiers.disk_throttle import ReadThrottle, TokenBucket
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.tier import RemoteTier
 from kvstore.view.catch_up import writing
-from kvstore.view.prefix_tree import served
+from kvstore.view.prefix_tree import Piece, served
 
 
 class Store:
@@ -289,11 +290,8 @@ class Store:
         is a shorter match, never an error."""
         toks = as_tokens(tokens)
         core = self._core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            pieces = core.tree.resolve(toks, namespace)
-            n = served(pieces)
+        pieces = self._resolve(toks, namespace)
+        n = served(pieces)
         if self._remote is not None and n < len(toks):
             n = self._remote.match(toks, namespace, pieces)
         with core.mutex:
@@ -301,11 +299,17 @@ class Store:
             core.counters.matched_tokens += n
         return n
 
+    def _resolve(self, toks: np.ndarray, namespace: str | None) -> list[Piece]:
+        """The stored pieces serving a prefix of ``toks`` here, after catching up with the
+        other processes' commits."""
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            return core.tree.resolve(toks, namespace)
+
     def _local_tokens(self, toks: np.ndarray, namespace: str | None) -> int:
-        with self._core.mutex:
-            self._core.check_open()
-            self._core.mirror.catch_up()
-            return served(self._core.tree.resolve(toks, namespace))
+        return served(self._resolve(toks, namespace))
 
     def lossy_tokens(self, tokens: object, *, namespace: str | None = None) -> int:
         """How many of the tokens ``match(tokens)`` would serve come from chunks stored through
@@ -313,12 +317,8 @@ class Store:
         after the local prefix that lossy remote values served to a recent get or load of
         these tokens. Thread-safe; no IO."""
         toks = as_tokens(tokens)
-        core = self._core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            pieces = core.tree.resolve(toks, namespace)
-            n = sum(p.use for p in pieces if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY)
+        pieces = self._resolve(toks, namespace)
+        n = sum(p.use for p in pieces if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY)
         if self._remote is not None and served(pieces) < len(toks):
             n += self._remote.lossy_tokens(toks, namespace, pieces)
         return n

@@ -18,45 +18,11 @@ def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Hints, saver:
                    indexes: ContextIndexStore, remote: RemoteLink | None,
                    exclusive: bool) -> dict[str, object]:
     """The stats of one open store; ``core.mutex`` is held by the caller."""
-    cnt, tree, config = core.counters, core.tree, core.config
-    tiers = list(tiers)
+    cnt, config = core.counters, core.config
     return {
-        "hbm": {
-            "capacity_bytes": config.hbm_bytes,
-            "bytes": sum(t.used_bytes for t in tiers),
-            "idle_bytes": sum(t.idle_bytes for t in tiers),
-            "devices": sorted(str(t.device) for t in tiers),
-        },
-        "dram": {
-            "capacity_bytes": config.dram_bytes,
-            "bytes": core.dram.bytes_used,
-            "chunks": len(core.dram),
-            "slots": core.dram.num_slots,
-            "slot_bytes": core.dram.slot_stride,
-            "codec": config.codecs["dram"],  # chunks kept as stored (coded), or decoded
-        },
-        "disk": {
-            "capacity_bytes": config.disk_bytes,
-            "bytes": sum(core.extent_bytes(r.n_tokens) for r in tree.chunks.values()),
-            "stored_bytes": sum(r.stored_bytes(r.n_tokens * core.layout.layer_token_bytes)
-                                for r in tree.chunks.values()),
-            "slot_bytes": len(tree.chunks) * core.geo.slot_stride,
-            "chunks": len(tree.chunks),
-            "slots": core.geo.total_slots,
-            "contexts": len(tree.contexts),
-            "tokens": sum(s.n_tokens for s in tree.contexts.values()),
-        },
+        **_tiers(core, list(tiers)),
         "hits": {"dram": cnt.dram_hits, "disk": cnt.disk_hits},
-        "codecs": {
-            "config": dict(config.codecs),
-            "chunks": {name: sum(1 for r in tree.chunks.values()
-                                 if layer_codec.NAMES[r.codec] == name)
-                       for name in layer_codec.NAMES},
-            "coded_chunks_written": cnt.coded_chunks_written,
-            "raw_fallback_chunks": cnt.raw_fallback_chunks,
-            "lossy_gets": cnt.lossy_gets,
-            "lossy_tokens_served": cnt.lossy_tokens_served,
-        },
+        "codecs": _codecs(core),
         "misses": cnt.get_misses,
         "evictions": {
             "dram_chunks": core.dram.evictions,
@@ -104,4 +70,51 @@ def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Hints, saver:
             "matches": cnt.match_calls,
             "matched_tokens": cnt.matched_tokens,
         },
+    }
+
+
+def _tiers(core: Core, tiers: list[HbmTier]) -> dict[str, object]:
+    """What each tier holds and can hold."""
+    tree, config = core.tree, core.config
+    return {
+        "hbm": {
+            "capacity_bytes": config.hbm_bytes,
+            "bytes": sum(t.used_bytes for t in tiers),
+            "idle_bytes": sum(t.idle_bytes for t in tiers),
+            "devices": sorted(str(t.device) for t in tiers),
+        },
+        "dram": {
+            "capacity_bytes": config.dram_bytes,
+            "bytes": core.dram.bytes_used,
+            "chunks": len(core.dram),
+            "slots": core.dram.num_slots,
+            "slot_bytes": core.dram.slot_stride,
+            "codec": config.codecs["dram"],  # chunks kept as stored (coded), or decoded
+        },
+        "disk": {
+            "capacity_bytes": config.disk_bytes,
+            "bytes": sum(core.extent_bytes(r.n_tokens) for r in tree.chunks.values()),
+            "stored_bytes": sum(r.stored_bytes(r.n_tokens * core.layout.layer_token_bytes)
+                                for r in tree.chunks.values()),
+            "slot_bytes": len(tree.chunks) * core.geo.slot_stride,
+            "chunks": len(tree.chunks),
+            "slots": core.geo.total_slots,
+            "contexts": len(tree.contexts),
+            "tokens": sum(s.n_tokens for s in tree.contexts.values()),
+        },
+    }
+
+
+def _codecs(core: Core) -> dict[str, object]:
+    """The codecs configured, the chunks stored through each, and what they served."""
+    cnt, tree, config = core.counters, core.tree, core.config
+    return {
+        "config": dict(config.codecs),
+        "chunks": {name: sum(1 for r in tree.chunks.values()
+                             if layer_codec.NAMES[r.codec] == name)
+                   for name in layer_codec.NAMES},
+        "coded_chunks_written": cnt.coded_chunks_written,
+        "raw_fallback_chunks": cnt.raw_fallback_chunks,
+        "lossy_gets": cnt.lossy_gets,
+        "lossy_tokens_served": cnt.lossy_tokens_served,
     }

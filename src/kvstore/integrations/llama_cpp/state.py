@@ -210,14 +210,17 @@ class StateFormat:
             raise StateError(f"{r.what}: cell {i} belongs to sequence {int(cells[i, 2])}, "
                              f"expected {seq_id}")
 
+    def _check_type(self, r: _Reader, layer: int, which: str) -> None:
+        t = r.i32(f"layer {layer} {which} type")
+        if t != self.kv_type:
+            raise StateError(f"{r.what}: layer {layer} {which} type is {type_name(t)}, "
+                             f"expected {type_name(self.kv_type)}")
+
     def _check_rows(self, r: _Reader, n: int, which: str) -> list[int]:
         """Check each layer's (type, row bytes) header; return the offsets of its rows."""
         at = []
         for layer in range(self.num_layers):
-            t = r.i32(f"layer {layer} {which} type")
-            if t != self.kv_type:
-                raise StateError(f"{r.what}: layer {layer} {which} type is {type_name(t)}, "
-                                 f"expected {type_name(self.kv_type)}")
+            self._check_type(r, layer, which)
             row = r.u64(f"layer {layer} {which} row bytes")
             if row != self.row_bytes:
                 raise StateError(f"{r.what}: layer {layer} {which} rows are {row} bytes, "
@@ -231,10 +234,7 @@ class StateFormat:
         at = []
         embd = self.num_kv_heads * self.head_dim
         for layer in range(self.num_layers):
-            t = r.i32(f"layer {layer} V type")
-            if t != self.kv_type:
-                raise StateError(f"{r.what}: layer {layer} V type is {type_name(t)}, expected "
-                                 f"{type_name(self.kv_type)}")
+            self._check_type(r, layer, "V")
             el = r.u32(f"layer {layer} V element bytes")
             if el != self.itemsize:
                 raise StateError(f"{r.what}: layer {layer} V elements are {el} bytes, "

@@ -5,7 +5,7 @@
 (``RemoteConfig``), :mod:`~kvstore.tiers.remote.tier` (connections, pipelined calls, verification),
 :mod:`~kvstore.tiers.remote.breaker` (per-node circuit breakers),
 :mod:`~kvstore.tiers.remote.estimate`
-(link estimates, fetch-only-when-it-pays), :mod:`~kvstore.tiers.remote.queue` (the write-through
+(link estimates, fetch-only-when-it-pays), :mod:`~kvstore.pipelines.background` (the write-through
 worker), :mod:`~kvstore.tiers.remote.link` (what the store calls).
 """
 

@@ -40,6 +40,7 @@ from kvstore.eviction.jobs import Job
 from kvstore.format import chunk_extent
 from kvstore.format.hashing import chunk_hash, common_prefix_len
 from kvstore.format.records import ChunkRecord
+from kvstore.pipelines.background import Worker
 from kvstore.pipelines.fork_join import copy_all
 from kvstore.pipelines.gather import gather
 from kvstore.pipelines.layer_load import LayerLoad
@@ -48,7 +49,6 @@ from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.tiers.remote import value as rv
 from kvstore.tiers.remote.deadline import call_deadline
 from kvstore.tiers.remote.estimate import worth_fetching
-from kvstore.tiers.remote.queue import Worker
 from kvstore.tiers.remote.tier import RemoteTier
 from kvstore.view.prefix_tree import Piece, served
 

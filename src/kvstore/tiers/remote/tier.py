@@ -449,10 +449,7 @@ class RemoteTier:
             if r == b"":  # GETRANGE of an absent key
                 r = None
             try:
-                h = rv.parse_header(r, key=k, tokens=t, num_layers=lay.num_layers,
-                                    raw_layer_bytes_per_token=lay.layer_token_bytes, layout=lay)
-                if n != h.value_bytes:
-                    raise rv.BadValue(f"value of {n} bytes, its header says {h.value_bytes}")
+                h = self._header(r, n, k, t)
             except rv.BadValue:
                 self._bad(r)
                 out.append(None)
@@ -460,6 +457,17 @@ class RemoteTier:
             self._count("found_chunks")
             out.append(h)
         return out, kids
+
+    def _header(self, head: bytes | None, nbytes: int, key: bytes, tokens: np.ndarray
+                ) -> rv.Header:
+        """The checked header of chunk ``key``'s value (its first bytes ``head``, its length
+        ``nbytes``); :class:`~kvstore.tiers.remote.value.BadValue` if it is not that chunk's."""
+        lay = self.layout
+        h = rv.parse_header(head, key=key, tokens=tokens, num_layers=lay.num_layers,
+                            raw_layer_bytes_per_token=lay.layer_token_bytes, layout=lay)
+        if nbytes != h.value_bytes:
+            raise rv.BadValue(f"value of {nbytes} bytes, its header says {h.value_bytes}")
+        return h
 
     def values(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[np.ndarray | None]:
         """The extents of :meth:`values_and_headers` (None where absent or unusable)."""
@@ -495,10 +503,7 @@ class RemoteTier:
             if n == 0:  # absent (GETRANGE of an absent key is empty)
                 r = None
             try:
-                h = rv.parse_header(r, key=k, tokens=t, num_layers=lay.num_layers,
-                                    raw_layer_bytes_per_token=lay.layer_token_bytes, layout=lay)
-                if n != h.value_bytes:
-                    raise rv.BadValue(f"value of {n} bytes, its header says {h.value_bytes}")
+                h = self._header(r, n, k, t)
                 out.append((rv.decode(h, r), h))
             except rv.BadValue:
                 self._bad(r)
