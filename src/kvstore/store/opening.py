@@ -16,6 +16,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import replace
 
+from kvstore.codecs.per_tier import SLOT_CODECS, check_codecs
 from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
 from kvstore.eviction.policies import make_policy
 from kvstore.format.catalog import CATALOG, FORMAT_VERSION, Catalog
@@ -28,7 +29,7 @@ from kvstore.layout import KVLayout
 from kvstore.pipelines.fork_join import Helpers
 from kvstore.pipelines.put import reclaim_dead
 from kvstore.pipelines.saving import physical_memory
-from kvstore.store.config import SLOT_CODECS, StoreConfig, check_codecs, check_size
+from kvstore.store.config import StoreConfig, check_size
 from kvstore.store.counters import Counters
 from kvstore.store.facade import Store
 from kvstore.store.parts import Core
@@ -137,7 +138,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     lock.settle()
     if remote_cfg is not None:
         try:
-            tier = RemoteTier(_remote_codec(remote_cfg, config.codecs["remote"]), store.layout)
+            codec = config.tier_codecs.remote_for(remote_cfg.codec)
+            tier = RemoteTier(replace(remote_cfg, codec=codec), store.layout)
             try:
                 tier.connect()
             except BaseException:
@@ -165,17 +167,6 @@ def _open_catalog(root: Dir, lock: DirLock, readonly: bool) -> Catalog:
     if not lock.alone:
         lock.settle()  # its environment holds LMDB's lock now: later joiners can check it
     return catalog
-
-
-def _remote_codec(cfg: RemoteConfig, codec: str) -> RemoteConfig:
-    """The remote tier's config with the codec of ``codecs={"remote": ...}``; a
-    :class:`RemoteConfig` naming another codec than that is a ``ValueError``."""
-    if codec == "none" or cfg.codec == codec:
-        return cfg
-    if cfg.codec != "none":
-        raise ValueError(f"codecs['remote']={codec!r} disagrees with the RemoteConfig's "
-                         f"codec={cfg.codec!r}")
-    return replace(cfg, codec=codec)
 
 
 def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None,
