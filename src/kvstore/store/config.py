@@ -20,6 +20,7 @@ from kvstore.codecs import per_tier
 from kvstore.codecs.per_tier import TIERS, TierCodecs, check_codecs
 from kvstore.eviction.policies import make_policy
 from kvstore.format.records import MAX_SLOT
+from kvstore.format.segments import SegmentGeometry
 from kvstore.layout import KVLayout
 
 DEFAULT_DRAM_BYTES = 1 << 30  # 1 GiB
@@ -106,6 +107,12 @@ class StoreConfig:
     def disk_slot_bytes(self, layout: KVLayout) -> int:
         """Bytes of one disk slot: a full chunk's extent through ``slot_codec``, page-aligned."""
         return self.tier_codecs.disk_slot_bytes(layout, self.chunk_tokens)
+
+    def segment_geometry(self, layout: KVLayout) -> SegmentGeometry:
+        """Where each disk slot lies in the segment files: slots of :meth:`disk_slot_bytes`
+        filling ``disk_bytes``."""
+        return SegmentGeometry.for_budget(slot_bytes=self.disk_slot_bytes(layout),
+                                          disk_bytes=self.disk_bytes)
 
     def check_budget(self, layout: KVLayout) -> None:
         """Refuse budgets the layout cannot use: a disk tier smaller than one chunk, or one

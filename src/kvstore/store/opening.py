@@ -244,8 +244,7 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     if config.dram_bytes > physical_memory():
         raise ValueError(f"dram_bytes={config.dram_bytes} is more than this machine's memory "
                          f"({physical_memory()} bytes); give a smaller dram_bytes")
-    geo = SegmentGeometry.for_budget(slot_bytes=config.disk_slot_bytes(layout),
-                                     disk_bytes=config.disk_bytes)
+    geo = config.segment_geometry(layout)
     counters = Counters()
     tree = ContextTree(fingerprint=layout.fingerprint, chunk_tokens=config.chunk_tokens,
                        priority=lambda rec: 0.0)  # the store sets the policy's priority
