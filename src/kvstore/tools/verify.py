@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from contextlib import closing
 
 import numpy as np
 
@@ -55,12 +56,6 @@ class _StoredExtents:
         self._segments.close()
         self._root.close()
 
-    def __enter__(self) -> _StoredExtents:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _still_stored(store: Store, rec: ChunkRecord) -> bool:
     """Whether the store still holds ``rec`` at the same slot and generation (it caught up
@@ -110,7 +105,7 @@ def _extent_errors(store: Store, chunks: dict[bytes, ChunkRecord]) -> tuple[list
     errors: list[str] = []
     checked = bad = 0
     lay = store.layout
-    with _StoredExtents(store) as disk:
+    with closing(_StoredExtents(store)) as disk:
         for rec in chunks.values():
             try:
                 raw = disk.read(rec)
@@ -185,7 +180,7 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, object]:
         st = store.stats()
         contexts = store.contexts()
         lengths = sorted(s.n_tokens for s in contexts)
-        with _StoredExtents(store) as disk:
+        with closing(_StoredExtents(store)) as disk:
             seg_bytes = disk.file_bytes()
         return {
             "path": store.path,
