@@ -363,21 +363,30 @@ def decode(name: str, data: object, shape: LayerShape, out: np.ndarray | None = 
         return _dec_zstd(data, shape, out)
     if name in _NATIVE and _use_native(native):
         res = _out(shape, out)
-        _native_layers(name, np.frombuffer(data, dtype=np.uint8), [0], shape,  # type: ignore
-                       size, res)  # type: ignore[arg-type]
+        raw = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]
+        offsets, size, kw = _native_spans(name, raw, [(0, nbytes)], shape)
+        native_decoders.decode_layers(name, raw, offsets, shape, size, res, **kw)  # type: ignore
         return res
     if name == "int4":
         return _dec_int4(data, shape, out)
     return _dec_scaled(data, shape, name, out)
 
 
-def _native_layers(name: str, data: np.ndarray, offsets: list[int], shape: LayerShape,
-                   size: int, out: np.ndarray) -> None:
+def _native_spans(name: str, data: np.ndarray, spans: list[tuple[int, int]],
+                  shape: LayerShape) -> tuple[list[int], int, dict[str, object]]:
+    """For one native call over the layers ``spans``: their offsets, one layer's encoded size
+    and the codec's own arguments (fp8's table, int4's groups), once every span is checked to
+    be one layer's encoded size inside ``data`` (:class:`CorruptData` naming the layer
+    otherwise)."""
+    size = encoded_size(name, shape)
+    for i, (off, n) in enumerate(spans):
+        if n != size or off < 0 or off + n > data.nbytes:
+            raise CorruptData(f"{name} data of layer {i}: {n} bytes at {off} of "
+                              f"{data.nbytes}; one layer of {shape} takes {size}")
     groups, g = _int4_groups(shape)
-    native_decoders.decode_layers(name, data, offsets, shape, size, out,
-                               table=_FP8_VALUES if name == "fp8" else None,
-                               groups=groups if name == "int4" else 0,
-                               g=g if name == "int4" else 0)
+    kw = {"table": _FP8_VALUES if name == "fp8" else None,
+          "groups": groups if name == "int4" else 0, "g": g if name == "int4" else 0}
+    return [off for off, _ in spans], size, kw  # type: ignore[return-value]
 
 
 def decode_layers(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape: LayerShape,
@@ -390,13 +399,9 @@ def decode_layers(name: str, data: np.ndarray, spans: list[tuple[int, int]], sha
     rb = shape.raw_bytes
     if out.dtype != np.uint8 or out.ndim != 1 or out.nbytes != len(spans) * rb:
         raise ValueError(f"out must be a 1-D uint8 array of {len(spans) * rb} bytes")
-    size = encoded_size(name, shape)
     if name in _NATIVE and _use_native(native):
-        for i, (off, n) in enumerate(spans):
-            if n != size or off < 0 or off + n > data.nbytes:
-                raise CorruptData(f"{name} data of layer {i}: {n} bytes at {off} of "
-                                  f"{data.nbytes}; one layer of {shape} takes {size}")
-        _native_layers(name, data, [off for off, _ in spans], shape, size, out)  # type: ignore
+        offsets, size, kw = _native_spans(name, data, spans, shape)
+        native_decoders.decode_layers(name, data, offsets, shape, size, out, **kw)  # type: ignore
         return
     for i, (off, n) in enumerate(spans):
         decode(name, data[off : off + n], shape, out[i * rb : (i + 1) * rb], native=False)
@@ -453,14 +458,6 @@ def _direct(k_out: np.ndarray, v_out: np.ndarray) -> bool:
 def _native_into(name: str, data: np.ndarray, spans: list[tuple[int, int]], shape: LayerShape,
                  k_out: np.ndarray, v_out: np.ndarray, start: int, use: int) -> None:
     """:func:`decode_into` in one native call; spans checked as :func:`decode_layers` does."""
-    size = encoded_size(name, shape)
-    for i, (off, nb) in enumerate(spans):
-        if nb != size or off < 0 or off + nb > data.nbytes:
-            raise CorruptData(f"{name} data of layer {i}: {nb} bytes at {off} of "
-                              f"{data.nbytes}; one layer of {shape} takes {size}")
-    groups, g = _int4_groups(shape)
-    native_decoders.decode_into(name, data, [off for off, _ in spans], shape, size,  # type: ignore
-                             k_out, v_out, start, use,
-                             table=_FP8_VALUES if name == "fp8" else None,
-                             groups=groups if name == "int4" else 0,
-                             g=g if name == "int4" else 0)
+    offsets, size, kw = _native_spans(name, data, spans, shape)
+    native_decoders.decode_into(name, data, offsets, shape, size, k_out, v_out, start, use,
+                                **kw)  # type: ignore[arg-type]

@@ -17,12 +17,11 @@ Thread-safety: every function may be called from any number of threads at once.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import os
 from typing import Protocol
 
 import numpy as np
 
+from kvstore import native_lib
 from kvstore.errors import CorruptData
 
 
@@ -45,37 +44,16 @@ _DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 _CODECS = {"int8": 2, "fp8": 3, "int4": 4}  # the ids kvcodec.c knows
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """(library, why not)."""
-    if os.environ.get("KVSTORE_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-        return None, "disabled by KVSTORE_NATIVE=0"
-    try:
-        spec = importlib.util.find_spec("kvstore._kvcodec")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
-        return None, "kvstore._kvcodec was not built (no C compiler at install?)"
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        lib.kvcodec_abi_version.restype = _I64
-        lib.kvcodec_abi_version.argtypes = []
-        if lib.kvcodec_abi_version() != _ABI_VERSION:
-            return None, f"{spec.origin} is a stale build: reinstall the package"
-        lib.kvcodec_decode.restype = _I64
-        lib.kvcodec_decode.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                                       _P, ctypes.c_int, _P, _I64, ctypes.c_int]
-        lib.kvcodec_decode_into.restype = _I64
-        lib.kvcodec_decode_into.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                                            _I64, _P, ctypes.c_int, _P, _P, _I64, _I64, _I64,
-                                            ctypes.c_int]
-        lib.kvcodec_encode_int8.restype = ctypes.c_int
-        lib.kvcodec_encode_int8.argtypes = [_P, _I64, _I64, _I64, ctypes.c_int, _P, ctypes.c_int]
-    except (OSError, AttributeError) as err:
-        return None, f"cannot load {spec.origin}: {err}"
-    return lib, None
-
-
-_lib, UNAVAILABLE_REASON = _load()
+_lib, _, UNAVAILABLE_REASON = native_lib.load(
+    "kvstore._kvcodec", abi=("kvcodec_abi_version", _ABI_VERSION), functions={
+        "kvcodec_decode": (_I64, [ctypes.c_int, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P,
+                                  ctypes.c_int, _P, _I64, ctypes.c_int]),
+        "kvcodec_decode_into": (_I64, [ctypes.c_int, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                                       _I64, _P, ctypes.c_int, _P, _P, _I64, _I64, _I64,
+                                       ctypes.c_int]),
+        "kvcodec_encode_int8": (ctypes.c_int, [_P, _I64, _I64, _I64, ctypes.c_int, _P,
+                                               ctypes.c_int]),
+    })
 #: the C decoders are in use (tests and benchmarks may set it to False to force numpy/torch).
 AVAILABLE: bool = _lib is not None
 #: the vector instructions the C decoders may use, where the CPU has them: 2 the widest

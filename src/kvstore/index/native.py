@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import ctypes
 import heapq
-import importlib.util
-import os
 import warnings
 from numbers import Integral, Real
 
 import numpy as np
 
+from kvstore import native_lib
 from kvstore.index.spec import top_ids
 
 __all__ = ["AVAILABLE", "LIBRARY", "UNAVAILABLE_REASON", "dipr_walk", "dot_seq",
@@ -55,43 +54,16 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
-    """(library, its path, why not): the built extension opened with ctypes."""
-    if os.environ.get("KVSTORE_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-        return None, None, "disabled by KVSTORE_NATIVE=0"
-    try:
-        spec = importlib.util.find_spec("kvstore.index._kvindex")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
-        return None, None, "kvstore.index._kvindex was not built (no C compiler at install?)"
-    path = spec.origin
-    try:
-        lib = ctypes.CDLL(path)
-        lib.kv_abi_version.restype = _I64
-        lib.kv_abi_version.argtypes = []
-        if lib.kv_abi_version() != _ABI_VERSION:
-            return None, path, (f"{path} is a stale build (ABI {lib.kv_abi_version()}, "
-                                f"expected {_ABI_VERSION}): reinstall the package")
-        lib.kv_dot_seq.restype = ctypes.c_int
-        lib.kv_dot_seq.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P]
-        lib.kv_pq_scores.restype = ctypes.c_int
-        lib.kv_pq_scores.argtypes = [_P, _I64, _I64, _P, _I64, _P]
-        lib.kv_pq_topk.restype = ctypes.c_int
-        lib.kv_pq_topk.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P]
-        lib.kv_dipr_walk.restype = _I64
-        lib.kv_dipr_walk.argtypes = [_P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _P, _I64,
-                                     ctypes.c_double, ctypes.c_int, ctypes.c_double, _I64, _I64,
-                                     _P]
-        lib.kv_graph_search.restype = _I64
-        lib.kv_graph_search.argtypes = [_P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _P, _P, _I64,
-                                        _I64, _I64, _I64, _P]
-    except (OSError, AttributeError) as err:
-        return None, path, f"cannot load {path}: {err}"
-    return lib, path, None
-
-
-_lib, LIBRARY, UNAVAILABLE_REASON = _load()
+_lib, LIBRARY, UNAVAILABLE_REASON = native_lib.load(
+    "kvstore.index._kvindex", abi=("kv_abi_version", _ABI_VERSION), functions={
+        "kv_dot_seq": (ctypes.c_int, [_P, _I64, _I64, _P, _P, _I64, _P]),
+        "kv_pq_scores": (ctypes.c_int, [_P, _I64, _I64, _P, _I64, _P]),
+        "kv_pq_topk": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _I64, _P]),
+        "kv_dipr_walk": (_I64, [_P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _P, _I64,
+                                ctypes.c_double, ctypes.c_int, ctypes.c_double, _I64, _I64, _P]),
+        "kv_graph_search": (_I64, [_P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _P, _P, _I64,
+                                   _I64, _I64, _I64, _P]),
+    })
 #: the C kernels are in use by default (built, loaded, not disabled, and they passed the
 #: self-check below). Tests and benchmarks may set it to False to force the fallbacks.
 AVAILABLE: bool = _lib is not None

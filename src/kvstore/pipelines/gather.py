@@ -15,11 +15,11 @@ checked before any pointer reaches C.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 
 import numpy as np
 
+from kvstore import native_lib
 from kvstore.format import chunk_extent
 from kvstore.layout import KVLayout
 from kvstore.pipelines.fork_join import PARALLEL_COPY_BYTES, Helpers, copy_all
@@ -30,31 +30,10 @@ _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """(library, why not)."""
-    if os.environ.get("KVSTORE_NATIVE", "1").strip() in ("0", "false", "no", "off"):
-        return None, "disabled by KVSTORE_NATIVE=0"
-    try:
-        spec = importlib.util.find_spec("kvstore._kvcopy")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
-        return None, "kvstore._kvcopy was not built (no C compiler at install?)"
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        lib.kvcopy_abi_version.restype = _I64
-        lib.kvcopy_abi_version.argtypes = []
-        if lib.kvcopy_abi_version() != _ABI_VERSION:
-            return None, f"{spec.origin} is a stale build: reinstall the package"
-        lib.kvcopy_gather.restype = ctypes.c_int
-        lib.kvcopy_gather.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64,
-                                      _I64, ctypes.c_int]
-    except (OSError, AttributeError) as err:
-        return None, f"cannot load {spec.origin}: {err}"
-    return lib, None
-
-
-_lib, UNAVAILABLE_REASON = _load()
+_lib, _, UNAVAILABLE_REASON = native_lib.load(
+    "kvstore._kvcopy", abi=("kvcopy_abi_version", _ABI_VERSION),
+    functions={"kvcopy_gather": (ctypes.c_int, [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P,
+                                                _I64, _I64, ctypes.c_int])})
 #: the C gather is in use (tests and benchmarks may set it to False to force numpy).
 AVAILABLE: bool = _lib is not None
 

@@ -178,7 +178,7 @@ class Writer:
         or reserves)."""
         core = self.core
         codec, c = core.config.disk_codec, core.config.chunk_tokens
-        if core.config.slot_codec == "none" or not layer_codec.is_lossy(codec):
+        if not core.config.tier_codecs.refuses_uncodable:
             return
         dtype = core.layout.torch_dtype
         for a in range(base // c * c, len(toks), c):

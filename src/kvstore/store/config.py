@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from types import MappingProxyType
 
 import numpy as np
 
-from kvstore.codecs.layer_codec import LayerShape, check_name, encoded_size
+from kvstore.codecs import per_tier
+from kvstore.codecs.per_tier import TIERS, TierCodecs, check_codecs
 from kvstore.eviction.policies import make_policy
 from kvstore.format.records import MAX_SLOT
-from kvstore.format.segments import align_up
+from kvstore.format.segments import SegmentGeometry
 from kvstore.layout import KVLayout
 
 DEFAULT_DRAM_BYTES = 1 << 30  # 1 GiB
@@ -28,31 +30,6 @@ DEFAULT_WRITE_BUFFER_BYTES = 256 << 20  # 256 MiB
 DEFAULT_HBM_BYTES = 1 << 30  # 1 GiB
 
 SIZES = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
-TIERS = ("dram", "disk", "remote")
-# Codecs slots can be sized for (disk slots: ``slot_codec``; DRAM slots: ``codecs["dram"]``):
-# those whose encoded size the layout fixes.
-SLOT_CODECS = ("none", "int8", "fp8", "int4")
-
-
-def check_codecs(v: object) -> MappingProxyType[str, str]:
-    """A ``codecs`` argument: a mapping tier -> codec name; every tier it omits gets ``none``.
-    Returns a read-only mapping of every tier."""
-    if not isinstance(v, Mapping):
-        raise TypeError(f"codecs must be a mapping of tier name to codec name, "
-                        f"got {type(v).__name__}")
-    out = dict.fromkeys(TIERS, "none")
-    for tier, name in v.items():
-        if tier not in TIERS:
-            raise ValueError(f"codecs has an unknown tier {tier!r}; tiers are {list(TIERS)}")
-        check_name(name, f"codecs[{tier!r}]")
-        out[tier] = name
-    dram = out["dram"]
-    if dram != "none" and (dram not in SLOT_CODECS or dram != out["disk"]):
-        raise ValueError(
-            f"codecs['dram']={dram!r}: the DRAM tier caches chunks either decoded ('none') or "
-            f"as the disk stores them, so a DRAM codec must be the disk codec and one of fixed "
-            f"size ({list(SLOT_CODECS[1:])}); codecs['disk'] is {out['disk']!r}")
-    return MappingProxyType(out)
 
 
 def check_size(name: str, v: object) -> int | None:
@@ -88,19 +65,24 @@ class StoreConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            low = 1 if name == "chunk_tokens" else 0
-            if v < low:
-                raise ValueError(f"{name} must be >= {low}, got {v}")
+            if name == "chunk_tokens" and v < 1:
+                raise ValueError(f"chunk_tokens must be positive, got {v}")
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
             object.__setattr__(self, name, int(v))
         make_policy(self.policy)
         object.__setattr__(self, "codecs", check_codecs(self.codecs))
-        if self.slot_codec not in SLOT_CODECS:
-            raise ValueError(f"slot_codec must be one of {list(SLOT_CODECS)}, got "
-                             f"{self.slot_codec!r}")
+        per_tier.check_slot_codec(self.slot_codec)
 
     def __hash__(self) -> int:
         return hash(tuple((f.name, getattr(self, f.name)) for f in fields(self)
                           if f.name != "codecs") + tuple(sorted(self.codecs.items())))
+
+    @cached_property
+    def tier_codecs(self) -> TierCodecs:
+        """The codec of each tier and of the disk slots (:mod:`kvstore.codecs.per_tier`)."""
+        return TierCodecs(disk=self.codecs["disk"], dram=self.codecs["dram"],
+                          remote=self.codecs["remote"], slot=self.slot_codec)
 
     @property
     def disk_codec(self) -> str:
@@ -109,38 +91,35 @@ class StoreConfig:
     @property
     def dram_coded(self) -> bool:
         """The DRAM tier keeps each chunk as the disk stores it (coded), not decoded."""
-        return self.codecs["dram"] != "none"
+        return self.tier_codecs.dram_coded
 
     def slot_bytes(self, layout: KVLayout) -> int:
         """Bytes of one DRAM slot: a full chunk's extent through the DRAM codec (the raw
         extent without one), page-aligned."""
-        return align_up(self.extent_bytes(layout, self.codecs["dram"]))
+        return self.tier_codecs.dram_slot_bytes(layout, self.chunk_tokens)
 
     def extent_bytes(self, layout: KVLayout, codec: str, n_tokens: int | None = None) -> int:
         """Bytes of an extent of ``n_tokens`` (default: a full chunk) stored through ``codec``
         (fixed-size codecs)."""
-        n = self.chunk_tokens if n_tokens is None else n_tokens
-        shape = LayerShape(layout.dtype, layout.num_kv_heads, n, layout.head_dim)
-        size = encoded_size(codec, shape)
-        assert size is not None, codec
-        return layout.num_layers * size
+        return per_tier.extent_bytes(layout, codec,
+                                     self.chunk_tokens if n_tokens is None else n_tokens)
 
     def disk_slot_bytes(self, layout: KVLayout) -> int:
         """Bytes of one disk slot: a full chunk's extent through ``slot_codec``, page-aligned."""
-        return align_up(self.extent_bytes(layout, self.slot_codec))
+        return self.tier_codecs.disk_slot_bytes(layout, self.chunk_tokens)
+
+    def segment_geometry(self, layout: KVLayout) -> SegmentGeometry:
+        """Where each disk slot lies in the segment files: slots of :meth:`disk_slot_bytes`
+        filling ``disk_bytes``."""
+        return SegmentGeometry.for_budget(slot_bytes=self.disk_slot_bytes(layout),
+                                          disk_bytes=self.disk_bytes)
 
     def check_budget(self, layout: KVLayout) -> None:
         """Refuse budgets the layout cannot use: a disk tier smaller than one chunk, or one
         with more slots than the catalog can address; and, with disk slots sized for a codec,
         a disk codec whose full chunks would not fit them."""
+        self.tier_codecs.check_disk_fits_slots(layout, self.chunk_tokens)
         slot = self.disk_slot_bytes(layout)
-        disk = self.disk_codec
-        if self.slot_codec != "none" and (
-                disk not in SLOT_CODECS or self.extent_bytes(layout, disk) > slot):
-            raise ValueError(
-                f"codecs['disk']={disk!r} does not fit this store's disk slots, which are sized "
-                f"for {self.slot_codec!r} extents (slot_codec, fixed at creation): use "
-                f"{self.slot_codec!r} or a codec whose chunks are no larger")
         if self.disk_bytes < slot:
             raise ValueError(
                 f"disk_bytes={self.disk_bytes} is smaller than one chunk ({slot} bytes for "

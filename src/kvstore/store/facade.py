@@ -31,7 +31,6 @@ from kvstore.format.records import ChunkRecord, ContextRecord
 from kvstore.index.context_dir import ContextIndexes
 from kvstore.index.lifecycle import ContextIndexStore, IndexFiles, check_keys, check_spec
 from kvstore.index.spec import IndexSpec
-from kvstore.pipelines.chunk_reads import is_current
 from kvstore.pipelines.get import Reader
 from kvstore.pipelines.layer_load import LayerLoad
 from kvstore.pipelines.layer_reads import Loads
@@ -521,34 +520,6 @@ class Store:
             core.check_open()
             core.mirror.catch_up()
             return list(core.tree.chunks.values())
-
-    def segment_file_bytes(self) -> int:
-        """Apparent bytes of the segment files present. Thread-safe."""
-        return sum(self._core.segments.existing().values())
-
-    def read_extent(self, rec: ChunkRecord) -> np.ndarray:
-        """Read a chunk's stored bytes straight from disk (bypassing DRAM), unverified and not
-        decoded; :class:`CorruptData` if its record claims more than a slot. Thread-safe."""
-        core = self._core
-        core.check_open()
-        buf = np.empty(chunk_extent.check_stored(rec, core.layout, core.geo.slot_stride),
-                       dtype=np.uint8)
-        core.segments.read(rec.slot, [buf])
-        return buf
-
-    def is_current(self, rec: ChunkRecord) -> bool:
-        """Whether the catalog still holds ``rec`` (same slot and generation): a reader that
-        finds bytes failing their checksum asks this to tell a race from corruption."""
-        return is_current(self._core, rec)
-
-    def checksums_of(self, extent_bytes: np.ndarray, rec: ChunkRecord | None = None
-                     ) -> np.ndarray:
-        """Per-layer checksums of a raw extent, or of ``rec``'s stored bytes (as
-        :meth:`read_extent` returns them) when ``rec`` is given."""
-        if rec is not None and rec.codec != 0:
-            return chunk_extent.stored_checksums(rec, extent_bytes,
-                                           rec.n_tokens * self.layout.layer_token_bytes)
-        return chunk_extent.checksums(extent_bytes, self.layout.num_layers)
 
     def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
         """Make this process's disk tier slow, for tests and benchmarks: every segment read

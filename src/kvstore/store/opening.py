@@ -28,7 +28,7 @@ from kvstore.layout import KVLayout
 from kvstore.pipelines.fork_join import Helpers
 from kvstore.pipelines.put import reclaim_dead
 from kvstore.pipelines.saving import physical_memory
-from kvstore.store.config import SLOT_CODECS, StoreConfig, check_codecs, check_size
+from kvstore.store.config import StoreConfig
 from kvstore.store.counters import Counters
 from kvstore.store.facade import Store
 from kvstore.store.parts import Core
@@ -90,30 +90,17 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     path = os.fspath(path)
     if layout is not None and not isinstance(layout, KVLayout):
         raise TypeError(f"layout must be a kvstore.KVLayout, got {type(layout).__name__}")
-    sizes = {"dram_bytes": check_size("dram_bytes", dram_bytes),
-             "disk_bytes": check_size("disk_bytes", disk_bytes),
-             "hbm_bytes": check_size("hbm_bytes", hbm_bytes),
-             "write_buffer_bytes": check_size("write_buffer_bytes", write_buffer_bytes)}
-    if chunk_tokens is not None:
-        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
-            raise TypeError(f"chunk_tokens must be an int, got {type(chunk_tokens).__name__}")
-        if chunk_tokens <= 0:
-            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    if policy is not None:
-        make_policy(policy)
-    if codecs is not None:
-        codecs = check_codecs(codecs)
-    if slot_codec is not None and slot_codec not in SLOT_CODECS:
-        raise ValueError(f"slot_codec must be one of {list(SLOT_CODECS)}, got {slot_codec!r}")
+    given = {k: v for k, v in {
+        "dram_bytes": dram_bytes, "disk_bytes": disk_bytes, "hbm_bytes": hbm_bytes,
+        "write_buffer_bytes": write_buffer_bytes, "chunk_tokens": chunk_tokens,
+        "policy": policy, "codecs": codecs, "slot_codec": slot_codec}.items() if v is not None}
+    asked = StoreConfig(**given)  # type: ignore[arg-type]  # checks them, before any file
     for name, flag in (("readonly", readonly), ("exclusive", exclusive)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if readonly and exclusive:
         raise ValueError("readonly and exclusive cannot both be set")
     remote_cfg = None if remote is None else RemoteConfig.of(remote)
-    given = {k: v for k, v in {**sizes, "chunk_tokens": chunk_tokens, "policy": policy,
-                               "codecs": codecs, "slot_codec": slot_codec}.items()
-             if v is not None}
     if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
         raise FileNotFoundError(f"no kvstore at {path!r}")
     root = Dir.open_root(path, create=not readonly)
@@ -125,7 +112,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             lock.release()
             raise
         try:
-            layout, config = _settle_format(root, catalog, layout, given, lock, readonly)
+            layout, config = _settle_format(root, catalog, layout, asked, set(given), lock,
+                                            readonly)
             store = _assemble(root, catalog, lock, layout, config, readonly)
         except BaseException:
             lock.release()  # first, as Store.close does
@@ -137,7 +125,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     lock.settle()
     if remote_cfg is not None:
         try:
-            tier = RemoteTier(_remote_codec(remote_cfg, config.codecs["remote"]), store.layout)
+            codec = config.tier_codecs.remote_for(remote_cfg.codec)
+            tier = RemoteTier(replace(remote_cfg, codec=codec), store.layout)
             try:
                 tier.connect()
             except BaseException:
@@ -167,22 +156,12 @@ def _open_catalog(root: Dir, lock: DirLock, readonly: bool) -> Catalog:
     return catalog
 
 
-def _remote_codec(cfg: RemoteConfig, codec: str) -> RemoteConfig:
-    """The remote tier's config with the codec of ``codecs={"remote": ...}``; a
-    :class:`RemoteConfig` naming another codec than that is a ``ValueError``."""
-    if codec == "none" or cfg.codec == codec:
-        return cfg
-    if cfg.codec != "none":
-        raise ValueError(f"codecs['remote']={codec!r} disagrees with the RemoteConfig's "
-                         f"codec={cfg.codec!r}")
-    return replace(cfg, codec=codec)
-
-
-def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None,
-                   given: dict[str, object], lock: DirLock,
+def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None, asked: StoreConfig,
+                   given: set[str], lock: DirLock,
                    readonly: bool) -> tuple[KVLayout, StoreConfig]:
-    """The store's layout and this opener's config; creates or upgrades the catalog when this
-    opener holds the store alone."""
+    """The store's layout and this opener's config: ``asked`` where this opener creates the
+    store, else the stored config with the fields ``given`` taken from ``asked``. Creates or
+    upgrades the catalog when this opener holds the store alone."""
     path = root.path
     try:
         fmt = catalog.get_meta("format")
@@ -199,7 +178,7 @@ def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None,
                               f"once that process has opened it")
         if layout is None:
             raise ValueError(f"layout is required to create a new store at {path!r}")
-        config = StoreConfig(**given)  # type: ignore[arg-type]
+        config = asked
         config.check_budget(layout)
         with catalog.write() as txn:
             txn.put_meta("layout", layout.to_dict())
@@ -221,18 +200,18 @@ def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None,
         raise FormatError(f"store metadata at {path!r} is invalid: {e}") from None
     if layout is not None and layout != stored:
         raise LayoutMismatch(f"store at {path!r} was created for {stored}, not {layout}")
-    if "chunk_tokens" in given and given["chunk_tokens"] != stored_cfg.chunk_tokens:
+    if "chunk_tokens" in given and asked.chunk_tokens != stored_cfg.chunk_tokens:
         raise LayoutMismatch(f"store at {path!r} uses chunk_tokens={stored_cfg.chunk_tokens}, "
-                             f"not {given['chunk_tokens']}")
-    if "slot_codec" in given and given["slot_codec"] != stored_cfg.slot_codec:
+                             f"not {asked.chunk_tokens}")
+    if "slot_codec" in given and asked.slot_codec != stored_cfg.slot_codec:
         raise LayoutMismatch(f"store at {path!r} has disk slots sized for "
-                             f"slot_codec={stored_cfg.slot_codec!r}, not {given['slot_codec']!r} "
+                             f"slot_codec={stored_cfg.slot_codec!r}, not {asked.slot_codec!r} "
                              f"(fixed at creation)")
-    if not lock.alone and given.get("disk_bytes", stored_cfg.disk_bytes) != stored_cfg.disk_bytes:
-        raise ValueError(f"disk_bytes={given['disk_bytes']} differs from the store's "
+    if not lock.alone and "disk_bytes" in given and asked.disk_bytes != stored_cfg.disk_bytes:
+        raise ValueError(f"disk_bytes={asked.disk_bytes} differs from the store's "
                          f"{stored_cfg.disk_bytes}, and other processes have {path!r} open: the "
                          f"disk budget can change only when no other process uses the store")
-    config = replace(stored_cfg, **given)  # type: ignore[arg-type]
+    config = replace(stored_cfg, **{k: getattr(asked, k) for k in given})
     config.check_budget(stored)
     if config != stored_cfg and writable_alone:
         with catalog.write() as txn:
@@ -265,8 +244,7 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
     if config.dram_bytes > physical_memory():
         raise ValueError(f"dram_bytes={config.dram_bytes} is more than this machine's memory "
                          f"({physical_memory()} bytes); give a smaller dram_bytes")
-    geo = SegmentGeometry.for_budget(slot_bytes=config.disk_slot_bytes(layout),
-                                     disk_bytes=config.disk_bytes)
+    geo = config.segment_geometry(layout)
     counters = Counters()
     tree = ContextTree(fingerprint=layout.fingerprint, chunk_tokens=config.chunk_tokens,
                        priority=lambda rec: 0.0)  # the store sets the policy's priority

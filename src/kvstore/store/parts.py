@@ -57,21 +57,19 @@ class Core:
         return n_tokens * self.layout.token_bytes
 
     def staged_bytes(self, n_tokens: int) -> int:
-        """Bytes a DRAM copy of a new chunk of ``n_tokens`` takes when a put stages it: its
-        raw extent, or with a DRAM codec (the disk codec, of fixed size) its encoded bytes."""
-        return self.config.extent_bytes(self.layout, self.config.codecs["dram"], n_tokens)
+        """Bytes a DRAM copy of a new chunk of ``n_tokens`` takes when a put stages it
+        (:meth:`kvstore.codecs.per_tier.TierCodecs.staged_bytes`)."""
+        return self.config.tier_codecs.staged_bytes(self.layout, n_tokens)
 
     def coded_copy(self, rec: ChunkRecord) -> bool:
         """A DRAM copy of ``rec`` holds its coded (stored) bytes, to be decoded when read."""
-        return self.config.dram_coded and rec.codec != 0
+        return self.config.tier_codecs.coded_copy(rec.codec)
 
     def cached_bytes(self, rec: ChunkRecord) -> int:
-        """Bytes a DRAM copy of ``rec`` takes: its stored bytes where the DRAM tier keeps
-        chunks as stored (a DRAM codec), else its raw extent. (The DRAM tier refuses a copy
-        larger than its slots: a claim of a hostile catalog is never read into one.)"""
-        if self.config.dram_coded:
-            return rec.stored_bytes(rec.n_tokens * self.layout.layer_token_bytes)
-        return self.extent_bytes(rec.n_tokens)
+        """Bytes a DRAM copy of ``rec`` takes (:meth:`kvstore.codecs.per_tier.TierCodecs.
+        cached_bytes`). (The DRAM tier refuses a copy larger than its slots: a claim of a
+        hostile catalog is never read into one.)"""
+        return self.config.tier_codecs.cached_bytes(self.layout, rec)
 
     def check_open(self) -> None:
         if self.closed:

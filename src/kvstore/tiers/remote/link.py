@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kvstore.codecs import layer_codec
+from kvstore.codecs.per_tier import remote_value_codec
 from kvstore.errors import StoreClosed
 from kvstore.eviction.jobs import Job
 from kvstore.format import chunk_extent
@@ -498,10 +499,8 @@ class RemoteLink:
         through a lossy disk codec is no recompute's KV: unless the remote codec is lossy too,
         it goes through its own disk codec, so that the value says it is lossy (a lossless
         remote codec would carry the lossy KV unmarked)."""
-        lay, codec = self.core.layout, self.tier.cfg.codec
-        local = layer_codec.NAMES[rec.codec]
-        if layer_codec.is_lossy(local) and not layer_codec.is_lossy(codec):
-            codec = local  # re-encoding decoded values: within the codec's bound of them
+        lay, codec = self.core.layout, remote_value_codec(self.tier.cfg.codec, rec.codec)
+        if codec != self.tier.cfg.codec:  # its own lossy codec: within its bound of them
             self._count("lossy_source_writes")
         if codec != "none":
             try:
