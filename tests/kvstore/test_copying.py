@@ -22,7 +22,7 @@ def _pieces(rng, T, plan):
     """Extents of random bytes for pieces (n_tokens, use) laid end to end in T tokens."""
     out, at = [], 0
     for n, use in plan:
-        buf = rng.integers(0, 256, size=chunk_extent.extent_bytes(LAYOUT, n) + 64, dtype=np.uint8)
+        buf = rng.integers(0, 256, size=chunk_extent.raw_bytes(LAYOUT, n) + 64, dtype=np.uint8)
         out.append((buf, n, at, use))
         at += use
     return out
@@ -34,7 +34,7 @@ def _oracle(pieces, T):
     k = np.zeros((L, H, T, D), np.int16)
     v = np.zeros((L, H, T, D), np.int16)
     for buf, n, start, use in pieces:
-        e = buf[: chunk_extent.extent_bytes(LAYOUT, n)].view(np.int16).reshape(L, 2, H, n, D)
+        e = buf[: chunk_extent.raw_bytes(LAYOUT, n)].view(np.int16).reshape(L, 2, H, n, D)
         for t in range(use):
             k[:, :, start + t] = e[:, 0, :, t]
             v[:, :, start + t] = e[:, 1, :, t]
@@ -70,7 +70,7 @@ def test_large_gather_split_over_helpers_equals_numpy():
     lay = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, model_id="big")
     pieces, at = [], 0
     for n, use in [(256, 256)] * 6 + [(256, 100)]:
-        buf = rng.integers(0, 256, size=chunk_extent.extent_bytes(lay, n), dtype=np.uint8)
+        buf = rng.integers(0, 256, size=chunk_extent.raw_bytes(lay, n), dtype=np.uint8)
         pieces.append((buf, n, at, use))
         at += use
     helpers = Helpers(2, "t")

@@ -66,7 +66,7 @@ def check_slot_codec(name: object) -> str:
     return name  # type: ignore[return-value]
 
 
-def extent_bytes(layout: KVLayout, codec: str, n_tokens: int) -> int:
+def coded_bytes(layout: KVLayout, codec: str, n_tokens: int) -> int:
     """Bytes of an extent of ``n_tokens`` stored through ``codec`` (a fixed-size codec)."""
     shape = LayerShape(layout.dtype, layout.num_kv_heads, n_tokens, layout.head_dim)
     size = encoded_size(codec, shape)
@@ -114,7 +114,7 @@ class TierCodecs:
     def staged_bytes(self, layout: KVLayout, n_tokens: int) -> int:
         """Bytes a DRAM copy of a new chunk of ``n_tokens`` takes when a put stages it: its raw
         extent, or with a DRAM codec (the disk codec, of fixed size) its encoded bytes."""
-        return extent_bytes(layout, self.dram, n_tokens)
+        return coded_bytes(layout, self.dram, n_tokens)
 
     def cached_bytes(self, layout: KVLayout, rec: ChunkRecord) -> int:
         """Bytes a DRAM copy of ``rec`` takes: its stored bytes where the DRAM tier keeps
@@ -126,18 +126,18 @@ class TierCodecs:
     def dram_slot_bytes(self, layout: KVLayout, chunk_tokens: int) -> int:
         """Bytes of one DRAM slot: a full chunk's extent through the DRAM codec (the raw extent
         without one), page-aligned."""
-        return align_up(extent_bytes(layout, self.dram, chunk_tokens))
+        return align_up(coded_bytes(layout, self.dram, chunk_tokens))
 
     def disk_slot_bytes(self, layout: KVLayout, chunk_tokens: int) -> int:
         """Bytes of one disk slot: a full chunk's extent through ``slot``, page-aligned."""
-        return align_up(extent_bytes(layout, self.slot, chunk_tokens))
+        return align_up(coded_bytes(layout, self.slot, chunk_tokens))
 
     def check_disk_fits_slots(self, layout: KVLayout, chunk_tokens: int) -> None:
         """With disk slots sized for a codec, ``ValueError`` unless full chunks through the disk
         codec fit them."""
         if self.slot == "none":
             return
-        if self.disk not in SLOT_CODECS or extent_bytes(layout, self.disk, chunk_tokens) \
+        if self.disk not in SLOT_CODECS or coded_bytes(layout, self.disk, chunk_tokens) \
                 > self.disk_slot_bytes(layout, chunk_tokens):
             raise ValueError(
                 f"codecs['disk']={self.disk!r} does not fit this store's disk slots, which are "

@@ -44,13 +44,13 @@ def empty_kv(layout: KVLayout, n_tokens: int, count: int = 1) -> list[torch.Tens
     return out
 
 
-def extent_bytes(layout: KVLayout, n_tokens: int) -> int:
+def raw_bytes(layout: KVLayout, n_tokens: int) -> int:
     return n_tokens * layout.token_bytes
 
 
 def view(layout: KVLayout, buf: np.ndarray, n_tokens: int) -> np.ndarray:
     """The first extent bytes of a uint8 buffer as a raw integer view [L, 2 (K/V), H, n, D]."""
-    nbytes = extent_bytes(layout, n_tokens)
+    nbytes = raw_bytes(layout, n_tokens)
     return buf[:nbytes].view(_NP_INT[layout.itemsize]).reshape(
         layout.num_layers, 2, layout.num_kv_heads, n_tokens, layout.head_dim)
 

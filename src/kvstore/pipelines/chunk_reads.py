@@ -132,7 +132,7 @@ def read_verified(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
         return
     with SCRATCH.held(core.geo.slot_stride) as scratch:
         stored = read_stored(core, rec, scratch)
-        chunk_extent.decode_extent(core.layout, rec, stored, buf[: core.extent_bytes(rec.n_tokens)])
+        chunk_extent.decode_extent(core.layout, rec, stored, buf[: core.raw_bytes(rec.n_tokens)])
 
 
 def fill_copy(core: Core, rec: ChunkRecord, buf: np.ndarray) -> None:
@@ -161,7 +161,7 @@ def copy_layer(core: Core, rec: ChunkRecord, buf: np.ndarray, layer: int) -> np.
 def raw_extent(core: Core, rec: ChunkRecord, buf: np.ndarray) -> np.ndarray:
     """The raw extent of a DRAM copy of ``rec`` (its slot bytes ``buf``): ``buf``'s head, or a
     new buffer with the coded copy decoded into it."""
-    n = core.extent_bytes(rec.n_tokens)
+    n = core.raw_bytes(rec.n_tokens)
     if not core.coded_copy(rec):
         return buf[:n]
     out = np.empty(n, dtype=np.uint8)

@@ -54,7 +54,7 @@ def gather(layout: KVLayout, k_out: np.ndarray, v_out: np.ndarray,
         if not (0 < use <= n and 0 <= start and start + use <= T):
             raise ValueError(f"a piece of {use} of {n} tokens at {start} does not fit {T} tokens")
         if buf.dtype != np.uint8 or buf.ndim != 1 \
-                or buf.nbytes < chunk_extent.extent_bytes(layout, n):
+                or buf.nbytes < chunk_extent.raw_bytes(layout, n):
             raise ValueError("an extent buffer is not a uint8 array holding its extent")
     use_c = (_lib is not None and AVAILABLE) if native is None else native
     if not use_c or not all(a.flags.c_contiguous and a.dtype.itemsize == layout.itemsize

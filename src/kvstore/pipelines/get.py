@@ -88,7 +88,7 @@ class Reader:
                 cache = core.dram.insert(p.rec.key, p.rec.gen, core.cached_bytes(p.rec), now,
                                          self._queued(p.rec.key))
                 buf = (core.dram.buffer(cache) if cache is not None
-                       else np.empty(core.extent_bytes(p.rec.n_tokens), dtype=np.uint8))
+                       else np.empty(core.raw_bytes(p.rec.n_tokens), dtype=np.uint8))
                 misses.append(Miss(p, cache, buf))
             if not core.readonly:
                 core.mirror.touch(pieces[-1].rec.key)
@@ -152,7 +152,7 @@ class Reader:
             e = core.dram.peek(rec.key, rec.gen)
             if e is None:
                 core.slots.pin(rec.slot)
-        n = core.extent_bytes(rec.n_tokens)
+        n = core.raw_bytes(rec.n_tokens)
         try:
             if e is not None:
                 ext = raw_extent(core, rec, core.dram.buffer(e))

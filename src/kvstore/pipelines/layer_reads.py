@@ -109,7 +109,7 @@ class Loads:
         buf = None
         try:
             if out is None:
-                buf = hbm.acquire(core.extent_bytes(n_tok))  # K and V
+                buf = hbm.acquire(core.raw_bytes(n_tok))  # K and V
                 kv = buf.view(core.layout.torch_dtype).view(2, *core.layout.kv_shape(n_tok))
                 k_out, v_out = kv[0], kv[1]  # [L, H, T, D] each
             else:

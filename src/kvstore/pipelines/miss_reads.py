@@ -67,7 +67,7 @@ def decode_out(core: Core, stored: np.ndarray, p: Piece, k_out: torch.Tensor,
     the output: straight into a CPU output, through a raw extent into another."""
     rec = p.rec
     if k_out.device.type != "cpu":
-        raw_ext = np.empty(core.extent_bytes(rec.n_tokens), dtype=np.uint8)
+        raw_ext = np.empty(core.raw_bytes(rec.n_tokens), dtype=np.uint8)
         chunk_extent.decode_extent(core.layout, rec, stored, raw_ext)
         copy_out(core, [(raw_ext, p)], k_out, v_out, None)
         return
@@ -204,7 +204,7 @@ class MissRead:
             verify_stored(core, rec, stored)
             if scratch is not None:  # decoded into m.buf, then copied out from there
                 chunk_extent.decode_extent(core.layout, rec, stored,
-                                           m.buf[: core.extent_bytes(rec.n_tokens)])
+                                           m.buf[: core.raw_bytes(rec.n_tokens)])
             if not self.on_cpu:
                 return  # copied (or decoded) to the device by _collect()
             if rec.codec != 0 and scratch is None:

@@ -183,7 +183,7 @@ class Writer:
         dtype = core.layout.torch_dtype
         for a in range(base // c * c, len(toks), c):
             n = min(c, len(toks) - a)
-            if core.extent_bytes(n) <= core.geo.slot_stride:
+            if core.raw_bytes(n) <= core.geo.slot_stride:
                 continue  # stored raw if it must be
             lo = max(a, base) - base
             for x in (kr, vr):  # [L, H, T - base, D] raw integer views
@@ -442,7 +442,7 @@ class Writer:
             enc = (None if codec == "none" else
                    chunk_extent.encode_layers(lay, codec, parts, n, stride))
             # _check_codable refused such a chunk before planning
-            assert enc is not None or core.extent_bytes(n) <= stride, (i, n)
+            assert enc is not None or core.raw_bytes(n) <= stride, (i, n)
             coded.append(enc)
             jobs.append((slot, parts if enc is None else
                          [np.frombuffer(b, dtype=np.uint8) for b in enc]))

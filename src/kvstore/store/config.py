@@ -98,12 +98,6 @@ class StoreConfig:
         extent without one), page-aligned."""
         return self.tier_codecs.dram_slot_bytes(layout, self.chunk_tokens)
 
-    def extent_bytes(self, layout: KVLayout, codec: str, n_tokens: int | None = None) -> int:
-        """Bytes of an extent of ``n_tokens`` (default: a full chunk) stored through ``codec``
-        (fixed-size codecs)."""
-        return per_tier.extent_bytes(layout, codec,
-                                     self.chunk_tokens if n_tokens is None else n_tokens)
-
     def disk_slot_bytes(self, layout: KVLayout) -> int:
         """Bytes of one disk slot: a full chunk's extent through ``slot_codec``, page-aligned."""
         return self.tier_codecs.disk_slot_bytes(layout, self.chunk_tokens)

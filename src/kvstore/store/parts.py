@@ -53,7 +53,8 @@ class Core:
     failed: BaseException | None = None  # no more writes: a commit failed ambiguously, or
     # the store was tampered with under this process (StoreTampered)
 
-    def extent_bytes(self, n_tokens: int) -> int:
+    def raw_bytes(self, n_tokens: int) -> int:
+        """Bytes of the raw (decoded) extent of ``n_tokens``: K and V of every layer."""
         return n_tokens * self.layout.token_bytes
 
     def staged_bytes(self, n_tokens: int) -> int:

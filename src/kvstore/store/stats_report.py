@@ -93,7 +93,7 @@ def _tiers(core: Core, tiers: list[HbmTier]) -> dict[str, object]:
         },
         "disk": {
             "capacity_bytes": config.disk_bytes,
-            "bytes": sum(core.extent_bytes(r.n_tokens) for r in tree.chunks.values()),
+            "bytes": sum(core.raw_bytes(r.n_tokens) for r in tree.chunks.values()),
             "stored_bytes": sum(r.stored_bytes(r.n_tokens * core.layout.layer_token_bytes)
                                 for r in tree.chunks.values()),
             "slot_bytes": len(tree.chunks) * core.geo.slot_stride,

@@ -373,7 +373,7 @@ class RemoteLink:
             return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
                              on_done=lambda: None).start()
         tier = hbm(device)
-        nbytes = self.core.extent_bytes(len(toks))
+        nbytes = self.core.raw_bytes(len(toks))
         buf = tier.acquire(nbytes)
         lay = self.core.layout
         kv = buf.view(lay.torch_dtype).view(2, *lay.kv_shape(len(toks)))
