@@ -142,6 +142,14 @@ def stored_checksums(rec: ChunkRecord, stored: np.ndarray, raw_layer_bytes: int)
     return out
 
 
+def checksums_of(layout: KVLayout, rec: ChunkRecord, stored: np.ndarray) -> np.ndarray:
+    """Per-layer checksums of ``rec``'s bytes as stored in its slot (its raw extent, or its
+    coded layers back to back): what :func:`verify` compares with the record's."""
+    if rec.codec == 0:
+        return checksums(stored, layout.num_layers)
+    return stored_checksums(rec, stored, rec.n_tokens * layout.layer_token_bytes)
+
+
 def decode_layer(layout: KVLayout, rec: ChunkRecord, layer: int, data: np.ndarray,
                  out: np.ndarray | None = None) -> np.ndarray:
     """Raw bytes of layer ``layer`` of ``rec`` from its verified stored bytes ``data``

@@ -98,13 +98,8 @@ def raced_or(core: Core, rec: ChunkRecord, err: CorruptData) -> BaseException:
 
 def verify_stored(core: Core, rec: ChunkRecord, stored: np.ndarray) -> None:
     """Check the stored bytes of ``rec`` against its checksums (errors as :func:`read_stored`)."""
-    lay = core.layout
     try:
-        if rec.codec == 0:
-            chunk_extent.verify(rec, chunk_extent.checksums(stored, lay.num_layers))
-        else:
-            chunk_extent.verify(rec, chunk_extent.stored_checksums(rec, stored,
-                                                       rec.n_tokens * lay.layer_token_bytes))
+        chunk_extent.verify(rec, chunk_extent.checksums_of(core.layout, rec, stored))
     except CorruptData as err:
         raise raced_or(core, rec, err) from None
 

@@ -43,10 +43,7 @@ class _StoredExtents:
 
     def checksums(self, rec: ChunkRecord, stored: np.ndarray) -> np.ndarray:
         """Per-layer checksums of ``rec``'s stored bytes (as :meth:`read` returns them)."""
-        if rec.codec != 0:
-            return chunk_extent.stored_checksums(rec, stored,
-                                                 rec.n_tokens * self.layout.layer_token_bytes)
-        return chunk_extent.checksums(stored, self.layout.num_layers)
+        return chunk_extent.checksums_of(self.layout, rec, stored)
 
     def file_bytes(self) -> int:
         """Apparent bytes of the segment files present."""
