@@ -19,7 +19,7 @@ from engine.relational.planner import PLAN_KINDS, PlanConfig, plan_batch
 from engine.relational.prefix import PromptSet, tier_split
 from engine.relational.prompts import PromptBuilder, message_text
 from engine.relational.render import TRUNCATION_MARK, RenderConfig, render_value
-from tests.kvstore.kvgen import lcp
+from tests.support.kvgen import lcp
 
 duckdb = pytest.importorskip("duckdb")
 

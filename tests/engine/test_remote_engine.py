@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def redis_url(tmp_path):
-    from tests.kvstore.redis_servers import Server
+    from tests.support.redis_servers import Server
 
     srv = Server(tmp_path / "redis")
     yield srv.url

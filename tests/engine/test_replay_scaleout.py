@@ -125,7 +125,7 @@ def test_real_replay_on_servers_sharing_redis(model, tmp_path):
 
     from engine.replay.run import ReplayConfig, replay
     from tests.engine.test_replay import real_table
-    from tests.kvstore.redis_servers import Server
+    from tests.support.redis_servers import Server
 
     srv = Server(tmp_path / "redis")
     try:

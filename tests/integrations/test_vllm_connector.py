@@ -65,7 +65,7 @@ def run_engine(tmp_path: Path, model_dir: str, requests: list[dict], *,
     job.write_text(json.dumps({"model": model_dir, "connector": connector,
                                "multiprocessing": multiprocessing, "requests": requests}))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_runner", str(job)],
+    r = subprocess.run([sys.executable, "-m", "tests.support.vllm_runner", str(job)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"engine failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     results = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines()
@@ -102,7 +102,7 @@ def reference(tmp_path_factory, model_dir, prompts) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory):
     """A real redis-server the stored fixture's engine writes through to."""
-    from tests.kvstore.redis_servers import Server
+    from tests.support.redis_servers import Server
 
     srv = Server(tmp_path_factory.mktemp("redis"))
     yield srv

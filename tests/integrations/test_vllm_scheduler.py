@@ -16,7 +16,7 @@ from vllm.v1.request import Request
 import kvstore
 from kvstore.integrations.vllm.plan import WorkerReport
 from kvstore.integrations.vllm.scheduler import SchedulerSide, request_namespace, skip_reason
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 B = 4
 LAYOUT = dataclasses.replace(SMALL, keys="rotated", engine="test vllm")

@@ -1,7 +1,7 @@
 import pytest
 
 import kvstore
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 from tests.support.tmpfs import mounted_tmpfs
 
 
@@ -63,7 +63,7 @@ def small_fs(tmp_path):
 @pytest.fixture(scope="session")
 def redis_session(tmp_path_factory):
     """One real redis-server for the session (tests that need their own start their own)."""
-    from tests.kvstore.redis_servers import Server
+    from tests.support.redis_servers import Server
 
     srv = Server(tmp_path_factory.mktemp("redis"))
     yield srv

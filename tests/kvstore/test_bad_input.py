@@ -9,7 +9,7 @@ import torch
 
 import kvstore
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 
 def _snapshot(s):

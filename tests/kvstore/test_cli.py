@@ -6,7 +6,7 @@ import sys
 
 import kvstore
 from tests.kvstore.conftest import put_causal
-from tests.kvstore.kvgen import SMALL
+from tests.support.kvgen import SMALL
 
 
 def _cli(*args):

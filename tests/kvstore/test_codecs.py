@@ -18,7 +18,7 @@ from kvstore.codecs.layer_codec import LayerShape
 from kvstore.errors import CorruptData, FormatError
 from kvstore.format.records import ChunkRecord
 from kvstore.tools.verify import verify_store
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 shapes = st.builds(LayerShape, st.sampled_from(sorted(DTYPES)), st.integers(1, 3),

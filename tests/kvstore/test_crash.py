@@ -18,8 +18,8 @@ import torch
 import kvstore
 from kvstore.format.hashing import as_tokens, chain_seed, chunk_hash
 from kvstore.tools.verify import verify_path
-from tests.kvstore.crash_writer import context
-from tests.kvstore.kvgen import SMALL, causal_kv, lcp
+from tests.support.crash_writer import context
+from tests.support.kvgen import SMALL, causal_kv, lcp
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 8  # per mode, two kills each; two modes -> 32 kills
@@ -27,7 +27,7 @@ TRIALS = 8  # per mode, two kills each; two modes -> 32 kills
 
 def _run_and_kill(path, seed, slots, max_tokens, rng, index=None):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.kvstore.crash_writer", str(path), str(seed), str(slots),
+        [sys.executable, "-m", "tests.support.crash_writer", str(path), str(seed), str(slots),
          str(max_tokens)] + ([index] if index else []),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -18,7 +18,7 @@ from kvstore.errors import CorruptData
 from kvstore.format import chunk_extent
 from kvstore.layout import KVLayout
 from kvstore.tools.verify import verify_store
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 # chunks large enough that page alignment does not hide the codec's smaller slots
 WIDE = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", rope_theta=10000.0)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import kvstore
 from kvstore.index import IndexSpec
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXTS = [list(range(10)), [50, 51, 52, 53, 54, 55], list(range(100, 109)),
@@ -33,7 +33,7 @@ CONTEXTS = [list(range(10)), [50, 51, 52, 53, 54, 55], list(range(100, 109)),
 
 class Worker:
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kvstore.hostile_worker"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.hostile_worker"],
                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
 
@@ -278,7 +278,7 @@ def test_the_lock_survives_its_files_being_deleted(tmp_path):
                 p.unlink()
         code = ("import kvstore, sys\n"
                 "sys.path.insert(0, '.')\n"
-                "from tests.kvstore.kvgen import SMALL, causal_kv\n"
+                "from tests.support.kvgen import SMALL, causal_kv\n"
                 f"s = kvstore.open({str(path)!r})\n"
                 "for i in range(3, 6):\n"
                 "    t = list(range(i * 50, i * 50 + 9)); s.put(t, *causal_kv(SMALL, t))\n"

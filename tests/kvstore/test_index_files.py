@@ -242,7 +242,7 @@ def test_a_crafted_head_file_in_a_store_is_rebuilt_not_a_crash(tmp_path):
     and another by an old-format file is rebuilt from the stored keys by indexes(), in a
     subprocess (a crash would be a signal death)."""
     import kvstore
-    from tests.kvstore.kvgen import SMALL, causal_kv
+    from tests.support.kvgen import SMALL, causal_kv
 
     toks = list(range(100, 160))
     path = str(tmp_path / "store")

@@ -24,8 +24,8 @@ from hypothesis.stateful import (
 
 import kvstore
 from kvstore.tools.verify import verify_path
-from tests.kvstore.kvgen import lcp
-from tests.kvstore.mp_worker import Workers
+from tests.support.kvgen import lcp
+from tests.support.mp_worker import Workers
 
 CHUNK = 4
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)

@@ -12,7 +12,7 @@ import redis
 
 import kvstore
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.redis_servers import Cluster
+from tests.support.redis_servers import Cluster
 
 C = 4
 

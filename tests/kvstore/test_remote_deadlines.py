@@ -30,8 +30,8 @@ import kvstore
 from kvstore.format.hashing import chain_seed, chunk_hash
 from kvstore.tiers.remote import value as rv
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.kvgen import SMALL
-from tests.kvstore.redis_servers import Proxy, wait_for
+from tests.support.kvgen import SMALL
+from tests.support.redis_servers import Proxy, wait_for
 
 C = 4
 DEADLINE = 0.5

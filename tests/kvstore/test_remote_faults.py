@@ -11,8 +11,8 @@ import pytest
 
 import kvstore
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.kvgen import SMALL
-from tests.kvstore.redis_servers import Proxy, Server, free_port, wait_for
+from tests.support.kvgen import SMALL
+from tests.support.redis_servers import Proxy, Server, free_port, wait_for
 
 C = 4
 

@@ -8,7 +8,7 @@ import numpy as np
 
 import kvstore
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.redis_servers import Proxy
+from tests.support.redis_servers import Proxy
 
 # 2 KiB per token: a 256-token context is 512 KiB on the wire
 LAYOUT = kvstore.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16",

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import kvstore
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.kvgen import SMALL, causal_kv, lcp
+from tests.support.kvgen import SMALL, causal_kv, lcp
 
 C = 4  # chunk tokens of the test stores
 
@@ -156,7 +156,7 @@ def test_write_through_survives_close_without_flush(open_small, redis_server, tm
 
 
 def test_wrong_password_is_a_clear_error_at_open(tmp_path):
-    from tests.kvstore.redis_servers import Server
+    from tests.support.redis_servers import Server
 
     srv = Server(tmp_path / "r", password="secret")
     try:

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
 from kvstore.tiers.remote import value as rv
-from tests.kvstore.kvgen import SMALL
+from tests.support.kvgen import SMALL
 
 L = SMALL.num_layers
 

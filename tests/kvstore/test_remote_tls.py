@@ -12,7 +12,7 @@ import pytest
 
 import kvstore
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.redis_servers import Proxy
+from tests.support.redis_servers import Proxy
 
 TLS = Path(__file__).resolve().parent / "tls"
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.eviction.policies import ReturnModel
 from tests.kvstore.conftest import Clock, put_causal
-from tests.kvstore.kvgen import causal_kv
+from tests.support.kvgen import causal_kv
 
 SLOT = 4096  # bytes of one 4-token chunk of the SMALL layout
 

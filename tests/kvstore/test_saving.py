@@ -7,7 +7,7 @@ import pytest
 import kvstore
 from kvstore.tools.verify import verify_path
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 
 def _store_threads():
@@ -201,7 +201,7 @@ EXITING_WRITER = """
 import sys, time
 import kvstore
 from kvstore.format import segments
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 real = segments.fdatasync
 segments.fdatasync = lambda fd: (time.sleep(0.2), real(fd))  # a slow disk

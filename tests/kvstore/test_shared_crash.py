@@ -22,9 +22,9 @@ import pytest
 
 import kvstore
 from kvstore.tools.verify import verify_path
-from tests.kvstore.crash_writer import context
-from tests.kvstore.kvgen import SMALL, causal_kv
 from tests.kvstore.test_crash import _exact
+from tests.support.crash_writer import context
+from tests.support.kvgen import SMALL, causal_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 KILLS = 16  # per mode; two modes: 32 kills
@@ -34,7 +34,7 @@ class Writer:
     def __init__(self, path, seed, slots, max_tokens):
         self.seed = seed
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kvstore.shared_writer", str(path), str(seed),
+            [sys.executable, "-m", "tests.support.shared_writer", str(path), str(seed),
              str(slots), str(max_tokens)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
@@ -138,7 +138,7 @@ STUCK_WRITER = """
 import sys, threading
 import kvstore
 from kvstore.format import segments
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 def stuck(fd):
     print("syncing", flush=True)
@@ -173,7 +173,7 @@ def test_a_dead_writers_reservation_is_reclaimed(tmp_path):
 EVICTING_WRITER = """
 import sys
 import kvstore
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 s = kvstore.open(sys.argv[1])
 toks = list(range(700, 708))  # 2 chunks: evicts what is stored, reuses its slot
 s.put(toks, *causal_kv(SMALL, toks))
@@ -229,7 +229,7 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
 EXTENDING_WRITER = """
 import sys
 import kvstore
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 s = kvstore.open(sys.argv[1])
 toks = list(range(1, 10))  # extends the put paused in the other process
 s.put(toks, *causal_kv(SMALL, toks))

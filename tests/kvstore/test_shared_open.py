@@ -9,7 +9,7 @@ import pytest
 
 import kvstore
 from kvstore.integrations.shared import acquire
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 OPTS = {"layout": SMALL, "chunk_tokens": 4, "dram_bytes": 1 << 20, "disk_bytes": 1 << 22}
 

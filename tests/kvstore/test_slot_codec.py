@@ -10,7 +10,7 @@ import torch
 
 import kvstore
 from kvstore.codecs import layer_codec
-from tests.kvstore.kvgen import causal_kv
+from tests.support.kvgen import causal_kv
 
 # Chunks of 64 tokens: 64 KiB raw, 34 KiB through int8 (36 KiB page-aligned): pages do not
 # eat the gain, as they would for the 4 KiB chunks of the SMALL layout.

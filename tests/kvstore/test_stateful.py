@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 
 import kvstore
 from kvstore.tools.verify import verify_store
-from tests.kvstore.kvgen import SMALL, causal_kv, lcp
+from tests.support.kvgen import SMALL, causal_kv, lcp
 
 CHUNK = 4
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)

@@ -10,7 +10,7 @@ import torch
 
 import kvstore
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 
 def test_put_get_roundtrip_and_prefixes(open_small):

@@ -14,7 +14,7 @@ from kvstore.index import ContextIndexes, IndexSpec, build_index
 from kvstore.index.context_dir import positioned_keys
 from kvstore.rope import apply_rope
 from kvstore.tools.verify import verify_path
-from tests.kvstore.kvgen import causal_kv
+from tests.support.kvgen import causal_kv
 
 TOKENS = list(range(100, 160))  # 60 tokens: 15 chunks of 4
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import kvstore
 from kvstore.tools.verify import verify_path
-from tests.kvstore.crash_writer import context
-from tests.kvstore.kvgen import SMALL, causal_kv
 from tests.kvstore.test_crash import _exact
 from tests.kvstore.test_shared_crash import Writer
+from tests.support.crash_writer import context
+from tests.support.kvgen import SMALL, causal_kv
 
 SLOTS, MAX_TOKENS = 80, 20  # 80 slots, contexts of up to 5 chunks: constant eviction
 

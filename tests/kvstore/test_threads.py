@@ -10,7 +10,7 @@ import torch
 from kvstore.format import segments as segment_files
 from kvstore.tools.verify import verify_store
 from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.kvstore.kvgen import causal_kv
+from tests.support.kvgen import causal_kv
 
 
 def _run(workers, n):

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import kvstore
 from tests.kvstore.conftest import put_causal
-from tests.kvstore.kvgen import SMALL, causal_kv, lcp
+from tests.support.kvgen import SMALL, causal_kv, lcp
 
 C = 4
 BASES = [np.random.default_rng(s).integers(0, 300, 40).tolist() for s in range(3)]

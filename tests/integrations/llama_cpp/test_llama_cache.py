@@ -22,7 +22,7 @@ import kvstore  # noqa: E402
 from kvstore.integrations.llama_cpp import KVStoreLlamaCache  # noqa: E402
 from kvstore.integrations.llama_cpp.identity import identify  # noqa: E402
 from kvstore.tools.verify import verify_path  # noqa: E402
-from tests.integrations.llama_cpp.helpers import (  # noqa: E402
+from tests.support.llama_helpers import (  # noqa: E402
     complete,
     gguf_path,
     make_llama,
@@ -98,7 +98,7 @@ def run_worker(store: Path, prompts: list[list[int]], tmp_path: Path, *extra: st
                name: str = "prompts.json", **popen) -> subprocess.Popen:
     f = tmp_path / name
     f.write_text(json.dumps(prompts))
-    cmd = [sys.executable, "-m", "tests.integrations.llama_cpp.llama_worker",
+    cmd = [sys.executable, "-m", "tests.support.llama_worker",
            "--store", str(store), "--prompts", str(f), "--max-tokens", str(MAX_TOKENS),
            *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 openai = pytest.importorskip("openai")
 
-from tests.integrations.llama_cpp.helpers import THREADS, gguf_path  # noqa: E402
+from tests.support.llama_helpers import THREADS, gguf_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 SYSTEM = ("You are a concise assistant for a small bakery. Answer in one or two short "

@@ -20,7 +20,7 @@ from kvstore.integrations.llama_cpp.identity import (  # noqa: E402
     model_facts,
 )
 from kvstore.integrations.llama_cpp.state import SEQ_MAGIC, StateError, StateFormat  # noqa: E402
-from tests.integrations.llama_cpp.helpers import (  # noqa: E402
+from tests.support.llama_helpers import (  # noqa: E402
     THREADS,
     complete,
     make_llama,

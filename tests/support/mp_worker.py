@@ -15,7 +15,7 @@ import torch
 
 
 def _run(store, op: str, args: tuple):
-    from tests.kvstore.kvgen import SMALL, causal_kv
+    from tests.support.kvgen import SMALL, causal_kv
 
     if op == "put":
         toks, ns = args
@@ -45,7 +45,7 @@ def _run(store, op: str, args: tuple):
 def serve(conn: Connection) -> None:
     """Process entry point: serve commands until ``("exit",)``."""
     import kvstore
-    from tests.kvstore.kvgen import SMALL
+    from tests.support.kvgen import SMALL
 
     store = None
     while True:
@@ -131,4 +131,4 @@ def _remote_error(kind: str, message: str) -> Exception:
 
 
 if __name__ == "__main__":  # pragma: no cover - used only through Workers
-    sys.exit("run through tests.kvstore.mp_worker.Workers")
+    sys.exit("run through tests.support.mp_worker.Workers")

@@ -1,6 +1,6 @@
 """Runs a real vLLM engine (SmolLM2, fp32, CPU) in its own process for the tests.
 
-``python -m tests.integrations.vllm_runner JOB.json`` reads a job, serves its requests one
+``python -m tests.support.vllm_runner JOB.json`` reads a job, serves its requests one
 after another and prints one ``RESULT {json}`` line per request. A job::
 
     {"model": DIR, "connector": {...extra config...} | null, "multiprocessing": false,

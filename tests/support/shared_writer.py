@@ -1,6 +1,6 @@
 """One of several writer processes sharing a store, for the multi-process crash test.
 
-Usage: python -m tests.kvstore.shared_writer STORE_DIR SEED DISK_SLOTS MAX_TOKENS
+Usage: python -m tests.support.shared_writer STORE_DIR SEED DISK_SLOTS MAX_TOKENS
 
 Prints "ready" once the store is open, then "ok <seed> <i>" after put number i has returned.
 Between puts it reads contexts of other writers (any earlier seed) and checks their bytes
@@ -18,8 +18,8 @@ import sys
 import torch
 
 import kvstore
-from tests.kvstore.crash_writer import context
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.crash_writer import context
+from tests.support.kvgen import SMALL, causal_kv
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Runs the store against damaged or hostile directories, one forked child per case.
 
-Started once per test module (``python -m tests.kvstore.hostile_worker``): it imports torch and
+Started once per test module (``python -m tests.support.hostile_worker``): it imports torch and
 kvstore once, then for each request line on stdin (JSON: ``dir``, ``contexts``: the token lists
 stored there, ``timeout``) forks a child that opens the directory for writing, gets every
 context, puts a new one, closes, opens it read-only and runs ``verify``. The parent waits for
@@ -25,7 +25,7 @@ import torch
 import kvstore
 from kvstore.errors import KVStoreError
 from kvstore.tools.verify import verify_path
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 NEW = list(range(900, 911))
 

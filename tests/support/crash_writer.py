@@ -1,6 +1,6 @@
 """Writer process for the crash tests: puts deterministic contexts and reports each one.
 
-Usage: python -m tests.kvstore.crash_writer STORE_DIR SEED DISK_SLOTS MAX_TOKENS [INDEX_KIND]
+Usage: python -m tests.support.crash_writer STORE_DIR SEED DISK_SLOTS MAX_TOKENS [INDEX_KIND]
 Prints "ready" once the store is open, then "ok <i>" after put number i has returned. With
 INDEX_KIND every put also builds and stores that kind of per-head indexes.
 """
@@ -10,7 +10,7 @@ import sys
 
 import kvstore
 from kvstore.index import IndexSpec
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 
 def context(seed: int, i: int, max_tokens: int) -> list[int]:

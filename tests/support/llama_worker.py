@@ -11,7 +11,7 @@ import json
 import sys
 
 from kvstore.integrations.llama_cpp import KVStoreLlamaCache
-from tests.integrations.llama_cpp.helpers import complete, make_llama
+from tests.support.llama_helpers import complete, make_llama
 
 
 class AnnouncingCache(KVStoreLlamaCache):
