@@ -8,7 +8,7 @@ from engine.replay.multi import MultiServerExecutor, ScaleOut
 from engine.replay.server import Method, serve
 from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import WorkloadConfig, build_trace
-from tests.engine.test_replay import synthetic_table
+from tests.support.replay_tables import synthetic_table
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +124,8 @@ def test_real_replay_on_servers_sharing_redis(model, tmp_path):
     import pyarrow.parquet as pq
 
     from engine.replay.run import ReplayConfig, replay
-    from tests.engine.test_replay import real_table
     from tests.support.redis_servers import Server
+    from tests.support.replay_tables import real_table
 
     srv = Server(tmp_path / "redis")
     try:

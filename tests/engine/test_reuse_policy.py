@@ -174,7 +174,7 @@ def test_fig9_same_decisions_in_the_store_and_the_simulator(tmp_path, policy):
     class: the same contexts are prefetched, leave DRAM and leave the disk. (``reuse`` has no
     statistics here, so both stores rank unqueued contexts LRU.)"""
     import kvstore
-    from tests.kvstore.conftest import SMALL, put_causal
+    from tests.support.kvgen import SMALL, put_causal
 
     slot = 4096
 

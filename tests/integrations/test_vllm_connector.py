@@ -20,8 +20,8 @@ import tokenizers
 
 import kvstore
 from engine.hf_export import hf_model_dir
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 B = 128  # vLLM's CPU block size
 STORE_SIZES = {"dram_bytes": 256 << 20, "disk_bytes": 1 << 30}
 

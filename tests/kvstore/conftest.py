@@ -1,8 +1,12 @@
 import pytest
 
 import kvstore
-from tests.support.kvgen import SMALL, causal_kv
+from tests.support.clock import Clock
+from tests.support.kvgen import SMALL
 from tests.support.tmpfs import mounted_tmpfs
+
+__all__ = ["Clock"]  # bench/reuse_admission.py imports Clock from here; tests import it from
+# tests.support.clock. Drop it once bench/ does too.
 
 
 @pytest.fixture
@@ -27,30 +31,6 @@ def open_small(tmp_path):
     yield _open
     for s in opened:
         s.close()
-
-
-class Clock:
-    """Injected wall clock (seconds)."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def put_causal(store, tokens, namespace=None):
-    k, v = causal_kv(store.layout, tokens)
-    store.put(tokens, k, v, namespace=namespace)
-    return k, v
-
-
-def assert_get_exact(store, tokens, namespace=None):
-    import torch
-
-    k, v = store.get(tokens, namespace=namespace)
-    ek, ev = causal_kv(store.layout, tokens)
-    assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import kvstore
-from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.support.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, assert_get_exact, causal_kv, put_causal
 
 
 def _snapshot(s):

@@ -6,8 +6,7 @@ import pytest
 
 import kvstore
 from kvstore.eviction.policies import FIFO, LRU, AccessStats, PriorityHeap
-from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.support.kvgen import SMALL
+from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 
 SLOT = 4096  # a 4-token chunk of SMALL (256 B) takes one page-aligned slot
 

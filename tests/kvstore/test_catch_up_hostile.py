@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 
-from tests.kvstore.conftest import put_causal
+from tests.support.kvgen import put_causal
 
 FORGE = textwrap.dedent("""
     import sys, numpy as np

@@ -5,8 +5,7 @@ import subprocess
 import sys
 
 import kvstore
-from tests.kvstore.conftest import put_causal
-from tests.support.kvgen import SMALL
+from tests.support.kvgen import SMALL, put_causal
 
 
 def _cli(*args):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from kvstore.codecs import layer_codec, native_decoders
 from kvstore.codecs.layer_codec import LayerShape
 from kvstore.errors import CorruptData
-from tests.kvstore.test_codecs import DTYPES, raw_of
+from tests.support.codec_bytes import DTYPES, raw_of
 
 pytestmark = pytest.mark.skipif(not native_decoders.AVAILABLE,
                                 reason=f"no native codecs: {native_decoders.UNAVAILABLE_REASON}")

@@ -18,17 +18,11 @@ from kvstore.codecs.layer_codec import LayerShape
 from kvstore.errors import CorruptData, FormatError
 from kvstore.format.records import ChunkRecord
 from kvstore.tools.verify import verify_store
+from tests.support.codec_bytes import DTYPES, raw_of
 from tests.support.kvgen import SMALL, causal_kv
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 shapes = st.builds(LayerShape, st.sampled_from(sorted(DTYPES)), st.integers(1, 3),
                    st.integers(1, 70), st.sampled_from([4, 8, 48, 64]))
-
-
-def raw_of(x: torch.Tensor) -> np.ndarray:
-    """Raw bytes of a [2, H, n, D] tensor."""
-    ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
-    return x.contiguous().view(ints).numpy().reshape(-1).view(np.uint8)
 
 
 def floats_of(raw: np.ndarray, shape: LayerShape) -> np.ndarray:

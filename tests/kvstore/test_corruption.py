@@ -14,8 +14,7 @@ import kvstore
 from kvstore.index import IndexSpec
 from kvstore.tools.cli import main as cli_main
 from kvstore.tools.verify import verify_path
-from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.support.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, assert_get_exact, causal_kv, put_causal
 
 
 def _make(path, contexts):

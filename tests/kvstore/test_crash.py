@@ -10,18 +10,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
 import kvstore
 from kvstore.format.hashing import as_tokens, chain_seed, chunk_hash
 from kvstore.tools.verify import verify_path
 from tests.support.crash_writer import context
-from tests.support.kvgen import SMALL, causal_kv, lcp
+from tests.support.kvgen import SMALL, get_is_exact, lcp
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 8  # per mode, two kills each; two modes -> 32 kills
 
 
@@ -50,12 +48,6 @@ def _context_key(toks, chunk=4):
     return key
 
 
-def _exact(store, toks):
-    k, v = store.get(toks)
-    ek, ev = causal_kv(SMALL, toks)
-    return torch.equal(k, ek) and torch.equal(v, ev)
-
-
 @pytest.mark.parametrize("mode", ["roomy", "churn"])
 def test_sigkill_writer(tmp_path, mode):
     rng = random.Random(1234 if mode == "roomy" else 5678)
@@ -78,7 +70,7 @@ def test_sigkill_writer(tmp_path, mode):
                 done = [context(seed, i, max_tokens) for seed, i in acked_all]
                 for toks in done:
                     assert s.match(toks) == len(toks)
-                    assert _exact(s, toks)
+                    assert get_is_exact(s, toks)
                 # the put in flight at each kill: all or nothing
                 for seed in (trial * 10, trial * 10 + 1):
                     nxt = max([i for sd, i in acked_all if sd == seed], default=-1) + 1
@@ -91,7 +83,7 @@ def test_sigkill_writer(tmp_path, mode):
                     toks = context(seed, i, max_tokens)
                     n = s.match(toks)
                     if n:
-                        assert _exact(s, toks[:n])
+                        assert get_is_exact(s, toks[:n])
                 if acked_all:
                     seed, i = acked_all[-1]
                     toks = context(seed, i, max_tokens)

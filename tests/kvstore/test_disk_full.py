@@ -9,7 +9,7 @@ import pytest
 
 import kvstore
 from kvstore.tools.verify import verify_path
-from tests.kvstore.conftest import assert_get_exact, put_causal
+from tests.support.kvgen import assert_get_exact, put_causal
 
 LAYOUT = kvstore.KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, model_id="full")
 

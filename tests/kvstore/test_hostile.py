@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 import kvstore
 from kvstore.index import IndexSpec
 from tests.support.kvgen import SMALL, causal_kv
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CONTEXTS = [list(range(10)), [50, 51, 52, 53, 54, 55], list(range(100, 109)),
             list(range(200, 213))]
 

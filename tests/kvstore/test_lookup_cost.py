@@ -15,7 +15,7 @@ import numpy as np
 from kvstore.format.hashing import chunk_hash
 from kvstore.format.records import ChunkRecord, ContextRecord
 from kvstore.view.prefix_tree import ContextTree, served
-from tests.kvstore.conftest import assert_get_exact, put_causal
+from tests.support.kvgen import assert_get_exact, put_causal
 
 C = 8
 FP = b"f" * 16

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 import kvstore
-from tests.kvstore.conftest import assert_get_exact, put_causal
+from tests.support.kvgen import assert_get_exact, put_causal
 from tests.support.redis_servers import Cluster
 
 C = 4

@@ -19,8 +19,7 @@ import xxhash
 
 from kvstore.codecs import layer_codec
 from kvstore.tiers.remote import value as rv
-from tests.kvstore.conftest import put_causal
-from tests.support.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv, put_causal
 
 C = 4  # chunk tokens of the test stores
 L = SMALL.num_layers

@@ -29,8 +29,7 @@ import zstandard
 import kvstore
 from kvstore.format.hashing import chain_seed, chunk_hash
 from kvstore.tiers.remote import value as rv
-from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.support.kvgen import SMALL
+from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy, wait_for
 
 C = 4

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.support.kvgen import SMALL
+from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy, Server, free_port, wait_for
 
 C = 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import kvstore
-from tests.kvstore.conftest import assert_get_exact, put_causal
+from tests.support.kvgen import assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy
 
 # 2 KiB per token: a 256-token context is 512 KiB on the wire

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import kvstore
-from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.support.kvgen import SMALL, causal_kv, lcp
+from tests.support.kvgen import SMALL, assert_get_exact, causal_kv, lcp, put_causal
 
 C = 4  # chunk tokens of the test stores
 

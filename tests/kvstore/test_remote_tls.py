@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from tests.kvstore.conftest import assert_get_exact, put_causal
+from tests.support.kvgen import assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy
 
 TLS = Path(__file__).resolve().parent / "tls"

@@ -6,8 +6,8 @@ control that shows the rule matters."""
 import pytest
 
 from kvstore.eviction.policies import AccessStats, ReturnModel, ReuseProbability
-from tests.kvstore.conftest import Clock, put_causal
-from tests.support.kvgen import causal_kv
+from tests.support.clock import Clock
+from tests.support.kvgen import causal_kv, put_causal
 
 SLOT = 4096  # bytes of one 4-token chunk of the SMALL layout
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from kvstore.eviction.policies import ReturnModel
-from tests.kvstore.conftest import Clock, put_causal
-from tests.support.kvgen import causal_kv
+from tests.support.clock import Clock
+from tests.support.kvgen import causal_kv, put_causal
 
 SLOT = 4096  # bytes of one 4-token chunk of the SMALL layout
 
@@ -146,7 +146,7 @@ def test_contexts_found_at_open_teach_nothing(tmp_path):
     the process first sees it, with one turn, and its extension is no think-time sample; a
     conversation saved after the reopen is one again."""
     import kvstore
-    from tests.kvstore.conftest import SMALL
+    from tests.support.kvgen import SMALL
 
     kw = dict(layout=SMALL, chunk_tokens=4, dram_bytes=1 << 20, disk_bytes=64 * SLOT,
               policy="reuse")

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import kvstore
-from tests.kvstore.conftest import put_causal
-from tests.support.kvgen import SMALL
+from tests.support.kvgen import SMALL, put_causal
 
 A = list(range(100, 114))  # chunks of 4: [0-3] [4-7] [8-11] [12,13]
 ROW = SMALL.head_dim * SMALL.itemsize  # bytes of one head's K (or V) row

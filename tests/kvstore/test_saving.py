@@ -6,8 +6,8 @@ import pytest
 
 import kvstore
 from kvstore.tools.verify import verify_path
-from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.support.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, assert_get_exact, causal_kv, put_causal
+from tests.support.paths import ROOT
 
 
 def _store_threads():
@@ -219,11 +219,10 @@ def test_saves_queued_at_interpreter_exit_are_written(tmp_path):
     durable: the writer thread is not a daemon, so the interpreter waits for it."""
     import subprocess
     import sys
-    from pathlib import Path
 
     path = tmp_path / "st"
     r = subprocess.run([sys.executable, "-c", EXITING_WRITER, str(path)], capture_output=True,
-                       text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+                       text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["queued", "0"]  # none was written before the script ended
     with kvstore.open(path) as s:

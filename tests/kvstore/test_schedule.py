@@ -4,7 +4,7 @@ import pytest
 
 from kvstore.eviction.jobs import Job, Windows
 from kvstore.eviction.policies import AccessStats, Belady, Queued, SchedulerAware
-from tests.kvstore.conftest import assert_get_exact, put_causal
+from tests.support.kvgen import assert_get_exact, put_causal
 
 SLOT = 4096  # one 4-token chunk of the SMALL layout
 

@@ -8,83 +8,23 @@ is servable is exact and the disk budget held (tiny disk, evictions under way), 
 reservations the dead left behind were reclaimed.
 """
 
-import json
-import queue
 import random
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 import kvstore
 from kvstore.tools.verify import verify_path
-from tests.kvstore.test_crash import _exact
 from tests.support.crash_writer import context
-from tests.support.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv, get_is_exact
+from tests.support.paths import ROOT
+from tests.support.shared_writer import Writer
 
-ROOT = Path(__file__).resolve().parents[2]
 KILLS = 16  # per mode; two modes: 32 kills
-
-
-class Writer:
-    def __init__(self, path, seed, slots, max_tokens):
-        self.seed = seed
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.shared_writer", str(path), str(seed),
-             str(slots), str(max_tokens)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.acked: list[int] = []
-        self.bad: list[str] = []
-        self.stats: dict | None = None
-        self.ended: str | None = None  # "refused ..." or "stopped ...": a StoreTampered
-        self.ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            line = line.strip()
-            if line == "ready":
-                self.ready.set()
-            elif line.startswith("ok "):
-                self.acked.append(int(line.split()[2]))
-            elif line.startswith("bad "):
-                self.bad.append(line)
-            elif line.startswith(("refused ", "stopped ")):
-                self.ended = line
-            elif line.startswith("stats "):
-                self.stats = json.loads(line[6:])
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def acks_after(self, n, timeout=60.0):
-        """Wait until this writer has acknowledged more than ``n`` puts."""
-        deadline = time.monotonic() + timeout
-        while len(self.acked) <= n:
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                return False
-            try:
-                self.lines.get(timeout=0.5)
-            except queue.Empty:
-                pass
-        return True
-
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-        self._reader.join(30)
-
-    def stop(self):
-        self.proc.stdin.close()
-        self.proc.wait(60)
-        self._reader.join(30)
-        assert self.proc.returncode == 0, self.proc.stderr.read()
 
 
 @pytest.mark.parametrize("mode", ["roomy", "churn"])
@@ -130,7 +70,7 @@ def test_sigkill_one_of_three_writers(tmp_path, mode):
                 if mode == "roomy":
                     assert n == len(toks), (w.seed, i)
                 if n:
-                    assert _exact(s, toks[:n])
+                    assert get_is_exact(s, toks[:n])
     assert verify_path(path)["ok"]
 
 
@@ -166,7 +106,7 @@ def test_a_dead_writers_reservation_is_reclaimed(tmp_path):
         s.put(mine, *causal_kv(SMALL, mine))
         assert s.stats()["sharing"]["reclaimed_reservations"] == 1
         assert s.match(list(range(500, 516))) == 0  # nothing of the dead put is visible
-        assert _exact(s, mine)
+        assert get_is_exact(s, mine)
     assert verify_path(path)["ok"]
 
 
@@ -222,7 +162,7 @@ def test_a_slot_reused_by_another_process_under_a_read_is_a_miss(tmp_path, monke
         assert st["sharing"]["read_races"] >= 1 and st["corrupt"]["chunks"] == 0
         monkeypatch.setattr(read_path, "_read_raw", real)
         theirs = list(range(700, 708))
-        assert s.match(theirs) == 8 and _exact(s, theirs)  # their chunks were not dropped
+        assert s.match(theirs) == 8 and get_is_exact(s, theirs)  # their chunks were not dropped
     assert verify_path(path)["ok"]
 
 
@@ -267,6 +207,6 @@ def test_a_put_whose_extension_another_process_committed_meanwhile_stores_nothin
         t.join(30)
         assert outcome == [True]
         assert sorted(c.n_tokens for c in s.contexts()) == [9]
-        assert s.match(mine) == 6 and _exact(s, mine)
+        assert s.match(mine) == 6 and get_is_exact(s, mine)
         assert s.stats()["disk"]["chunks"] == 3  # the paused put's partial chunk went back
     assert verify_path(path)["ok"]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import kvstore
 from kvstore.tools.verify import verify_path
-from tests.kvstore.test_crash import _exact
-from tests.kvstore.test_shared_crash import Writer
 from tests.support.crash_writer import context
-from tests.support.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv, get_is_exact
+from tests.support.paths import ROOT
+from tests.support.shared_writer import Writer
 
 SLOTS, MAX_TOKENS = 80, 20  # 80 slots, contexts of up to 5 chunks: constant eviction
 
@@ -57,7 +57,7 @@ def _check_nothing_lost(path, writers):
                 n = s.match(toks)
                 if n:
                     served += 1
-                    assert _exact(s, toks[:n])
+                    assert get_is_exact(s, toks[:n])
         assert served
         stored = {c.key for c in s.contexts()}
     assert stored  # contexts remain (eviction only made room)
@@ -186,7 +186,7 @@ def test_a_second_open_in_one_process_leaves_the_first_ones_lock_file_lock(tmp_p
 
     import pytest
 
-    from tests.kvstore.conftest import put_causal
+    from tests.support.kvgen import put_causal
 
     path = tmp_path / "st"
     with kvstore.open(path, layout=SMALL, chunk_tokens=4) as s:
@@ -194,6 +194,6 @@ def test_a_second_open_in_one_process_leaves_the_first_ones_lock_file_lock(tmp_p
         with pytest.raises(kvstore.StoreLocked):
             kvstore.open(path)
         r = subprocess.run([sys.executable, "-c", JOINER, str(path)], capture_output=True,
-                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+                           text=True, timeout=120, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.strip() == "12"

@@ -9,8 +9,7 @@ import torch
 
 from kvstore.format import segments as segment_files
 from kvstore.tools.verify import verify_store
-from tests.kvstore.conftest import assert_get_exact, put_causal
-from tests.support.kvgen import causal_kv
+from tests.support.kvgen import assert_get_exact, causal_kv, put_causal
 
 
 def _run(workers, n):

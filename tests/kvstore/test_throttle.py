@@ -7,8 +7,7 @@ import torch
 
 import kvstore
 from kvstore.tiers.disk_throttle import ReadThrottle, TokenBucket
-from tests.kvstore.conftest import put_causal
-from tests.support.kvgen import causal_kv
+from tests.support.kvgen import causal_kv, put_causal
 
 LAYOUT = kvstore.KVLayout(num_layers=6, num_kv_heads=2, head_dim=8, model_id="thr")
 

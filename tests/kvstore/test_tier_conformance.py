@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import kvstore
-from tests.kvstore.conftest import put_causal
-from tests.support.kvgen import SMALL, causal_kv, lcp
+from tests.support.kvgen import SMALL, causal_kv, lcp, put_causal
 
 C = 4
 BASES = [np.random.default_rng(s).integers(0, 300, 40).tolist() for s in range(3)]

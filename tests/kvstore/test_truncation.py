@@ -7,21 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.truncation import Truncation
-
-
-def reference_kept(history, needed, window, drop_ratio, sink):
-    """The rule done by hand on the list of token indices: while the turn overflows, keep the
-    first ``sink`` entries and drop the oldest ``drop_ratio`` of the others (at least one).
-    None when nothing is left to drop and it still overflows."""
-    idx = list(range(history))
-    while len(idx) + needed > window:
-        head, rest = idx[:sink], idx[sink:]
-        if not rest:
-            return None
-        drop = int(len(rest) * drop_ratio)
-        idx = head + rest[max(drop, 1):]
-    return idx
-
+from tests.support.truncation_reference import reference_kept
 
 RATIOS = st.sampled_from([0.5, 0.1, 0.25, 0.3, 0.75, 0.9, 0.999, 1e-3])
 

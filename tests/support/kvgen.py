@@ -50,3 +50,24 @@ def lcp(a, b) -> int:
             break
         n += 1
     return n
+
+
+def put_causal(store, tokens, namespace=None):
+    """Put ``tokens`` with their causal KV (in the store's layout); returns (keys, values)."""
+    k, v = causal_kv(store.layout, tokens)
+    store.put(tokens, k, v, namespace=namespace)
+    return k, v
+
+
+def assert_get_exact(store, tokens, namespace=None):
+    """The store's get of ``tokens`` is their causal KV, bit for bit."""
+    k, v = store.get(tokens, namespace=namespace)
+    ek, ev = causal_kv(store.layout, tokens)
+    assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def get_is_exact(store, tokens) -> bool:
+    """Whether the store's get of ``tokens`` is their causal KV in :data:`SMALL`, bit for bit."""
+    k, v = store.get(tokens)
+    ek, ev = causal_kv(SMALL, tokens)
+    return torch.equal(k, ek) and torch.equal(v, ev)

@@ -8,18 +8,85 @@ Between puts it reads contexts of other writers (any earlier seed) and checks th
 It stops, closing the store, when its standard input closes; it prints its counters then.
 A store that finds itself tampered with (:class:`kvstore.StoreTampered`) stops it too, with
 "refused <message>" (at open) or "stopped <message>" (later) first.
+
+:class:`Writer` starts one such process and follows what it prints (the tests' side).
 """
 
 import json
+import queue
 import random
 import select
+import signal
+import subprocess
 import sys
+import threading
+import time
 
 import torch
 
 import kvstore
 from tests.support.crash_writer import context
 from tests.support.kvgen import SMALL, causal_kv
+from tests.support.paths import ROOT
+
+
+class Writer:
+    """A shared_writer process on ``path`` (started here), its acknowledged puts and lines."""
+
+    def __init__(self, path, seed, slots, max_tokens):
+        self.seed = seed
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.shared_writer", str(path), str(seed),
+             str(slots), str(max_tokens)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.acked: list[int] = []
+        self.bad: list[str] = []
+        self.stats: dict | None = None
+        self.ended: str | None = None  # "refused ..." or "stopped ...": a StoreTampered
+        self.ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            line = line.strip()
+            if line == "ready":
+                self.ready.set()
+            elif line.startswith("ok "):
+                self.acked.append(int(line.split()[2]))
+            elif line.startswith("bad "):
+                self.bad.append(line)
+            elif line.startswith(("refused ", "stopped ")):
+                self.ended = line
+            elif line.startswith("stats "):
+                self.stats = json.loads(line[6:])
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def acks_after(self, n, timeout=60.0):
+        """Wait until this writer has acknowledged more than ``n`` puts."""
+        deadline = time.monotonic() + timeout
+        while len(self.acked) <= n:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                return False
+            try:
+                self.lines.get(timeout=0.5)
+            except queue.Empty:
+                pass
+        return True
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._reader.join(30)
+
+    def stop(self):
+        self.proc.stdin.close()
+        self.proc.wait(60)
+        self._reader.join(30)
+        assert self.proc.returncode == 0, self.proc.stderr.read()
 
 
 def main() -> None:

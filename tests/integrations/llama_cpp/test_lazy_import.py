@@ -5,9 +5,8 @@ serve``, does."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[3] / "src"
+from tests.support.paths import SRC
 
 
 def test_the_integration_imports_llama_cpp_only_when_used():

@@ -29,9 +29,9 @@ from tests.support.llama_helpers import (  # noqa: E402
     perturbed_gguf,
     text_tokens,
 )
+from tests.support.paths import ROOT  # noqa: E402
 from tests.support.tmpfs import mounted_tmpfs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[3]
 CHUNK = 256
 MAX_TOKENS = 8
 

@@ -20,8 +20,8 @@ pytest.importorskip("llama_cpp")
 openai = pytest.importorskip("openai")
 
 from tests.support.llama_helpers import THREADS, gguf_path  # noqa: E402
+from tests.support.paths import ROOT  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[3]
 SYSTEM = ("You are a concise assistant for a small bakery. Answer in one or two short "
           "sentences. The bakery opens at seven, sells sourdough, rye and croissants, and "
           "closes on Mondays.")
