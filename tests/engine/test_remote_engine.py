@@ -13,12 +13,8 @@ from tests.support.paths import ROOT
 
 
 @pytest.fixture
-def redis_url(tmp_path):
-    from tests.support.redis_servers import Server
-
-    srv = Server(tmp_path / "redis")
-    yield srv.url
-    srv.stop()
+def redis_url(redis_server):
+    return redis_server.url
 
 
 def _chat(store, text, url):

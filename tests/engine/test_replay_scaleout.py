@@ -116,7 +116,7 @@ def test_split_fetches_part_of_a_prefix_where_fetching_all_does_not_pay(trace):
 
 
 # --------------------------------------------------------------------------- real mode
-def test_real_replay_on_servers_sharing_redis(model, tmp_path):
+def test_real_replay_on_servers_sharing_redis(model, tmp_path, redis_server):
     """Real SmolLM2, two servers with their own store directories, turns routed without
     affinity. Alone, a turn whose previous turn ran on the other server finds little there;
     with the shared tier (a real redis-server) every later turn reuses its history, some of it
@@ -124,20 +124,15 @@ def test_real_replay_on_servers_sharing_redis(model, tmp_path):
     import pyarrow.parquet as pq
 
     from engine.replay.run import ReplayConfig, replay
-    from tests.support.redis_servers import Server
     from tests.support.replay_tables import real_table
 
-    srv = Server(tmp_path / "redis")
-    try:
-        wl = WorkloadConfig(min_turns=3, context_window=300, warmup_fraction=0.0,
-                            think_s=1.0, arrival_rate=0.5)
-        cfg = ReplayConfig(mode="real", methods=(Method("re"), Method("as", load="all")),
-                           workload=wl, store_dir=str(tmp_path / "store"),
-                           scale=ScaleOut(servers=2, shared=True, url=srv.url, seed=1))
-        summary = replay(cfg, str(tmp_path / "out"), model=model, table=real_table(model),
-                         progress=False)
-    finally:
-        srv.stop()
+    wl = WorkloadConfig(min_turns=3, context_window=300, warmup_fraction=0.0,
+                        think_s=1.0, arrival_rate=0.5)
+    cfg = ReplayConfig(mode="real", methods=(Method("re"), Method("as", load="all")),
+                       workload=wl, store_dir=str(tmp_path / "store"),
+                       scale=ScaleOut(servers=2, shared=True, url=redis_server.url, seed=1))
+    summary = replay(cfg, str(tmp_path / "out"), model=model, table=real_table(model),
+                     progress=False)
     alone = summary["methods"]["AS-scheduler-loadall x2"]
     shared = summary["methods"]["AS-scheduler-loadall x2+shared"]
     assert shared["hit_rate"] == 1.0

@@ -100,13 +100,12 @@ def reference(tmp_path_factory, model_dir, prompts) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    """A real redis-server the stored fixture's engine writes through to."""
-    from tests.support.redis_servers import Server
-
-    srv = Server(tmp_path_factory.mktemp("redis"))
-    yield srv
-    srv.stop()
+def redis(redis_session):
+    """The session's real redis-server, which the stored fixture's engine writes through to:
+    emptied when this module starts, and no test here empties it (they read what ``stored``
+    wrote)."""
+    redis_session.cli("flushall")
+    return redis_session
 
 
 @pytest.fixture(scope="module")

@@ -38,20 +38,3 @@ def small_fs(tmp_path):
     """A real 1.5 MiB tmpfs mounted under tmp_path (needs root, else the test is skipped)."""
     with mounted_tmpfs(tmp_path / "small", "1536k") as mnt:
         yield mnt
-
-
-@pytest.fixture(scope="session")
-def redis_session(tmp_path_factory):
-    """One real redis-server for the session (tests that need their own start their own)."""
-    from tests.support.redis_servers import Server
-
-    srv = Server(tmp_path_factory.mktemp("redis"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def redis_server(redis_session):
-    """The session's redis-server, emptied (FLUSHALL) for this test."""
-    redis_session.cli("flushall")
-    return redis_session
