@@ -1,8 +1,9 @@
 """Metadata-only tiers (engine.replay.simstore): the store's placement rules without payload.
 
-The Fig. 9 example gives the same decisions as the real store's test (test_schedule.py); a
-state machine checks capacity invariants and that a context is whole or absent against a dict;
-with equal sizes, ``belady`` is never beaten (it is the offline optimum)."""
+The Fig. 9 example gives the same decisions as the real store's test
+(tests/kvstore/eviction/test_lookahead.py); a state machine checks capacity invariants and that
+a context is whole or absent against a dict; with equal sizes, ``belady`` is never beaten (it is
+the offline optimum)."""
 
 import random
 

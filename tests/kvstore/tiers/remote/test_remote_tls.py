@@ -1,5 +1,5 @@
 """The remote tier over TLS (``rediss://``): a TLS-terminating proxy on loopback in front of the
-test's redis-server, with the self-signed certificate in tests/kvstore/tls/. Stores that trust
+test's redis-server, with the self-signed certificate in tls/ beside it. Stores that trust
 it share KV byte for byte; a store that does not trust it is told so at open."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def trace():
 @pytest.mark.parametrize("ratio", [0.5, 0.2])
 def test_jobs_keep_what_the_truncation_rule_keeps(ratio):
     """Every turn fits the window; a turn's history is truncated exactly when it overflows,
-    to the length the step-by-step reference of the rule (tests/kvstore/test_truncation.py)
+    to the length the step-by-step reference of the rule (tests/engine/test_truncation.py)
     keeps."""
     table = synthetic_table(200, mean_user=300, mean_reply=500)
     wl = WorkloadConfig(context_window=2048, truncation_ratio=ratio, sink_tokens=4)

