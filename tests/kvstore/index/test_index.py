@@ -263,8 +263,10 @@ def test_the_side_list_reaches_a_key_no_link_reaches():
     cut = GraphIndex(deg, idx, entries, np.empty(0, np.int64), g.dim, Spec(kind="graph"),
                      g.keys)
     fixed = GraphIndex(deg, idx, entries, g.side, g.dim, Spec(kind="graph"), g.keys)
+    sink_is_best = 0
     for q in qs:
         s = keys @ q
-        assert s.argmax() == 0 or s[0] < s.max()
         if s.argmax() == 0:
+            sink_is_best += 1
             assert cut.topk(q, 10)[0] != 0 and fixed.topk(q, 10)[0] == 0
+    assert sink_is_best >= 0.9 * len(qs)  # the sink is the best key of most queries
