@@ -16,6 +16,7 @@ from kvstore.codecs.layer_codec import LayerShape
 from kvstore.errors import CorruptData
 from tests.support.codec_bytes import DTYPES, raw_of
 
+# Without the library these skip; tests/kvstore/test_extensions.py fails then.
 pytestmark = pytest.mark.skipif(not native_decoders.AVAILABLE,
                                 reason=f"no native codecs: {native_decoders.UNAVAILABLE_REASON}")
 LOSSY = ["int8", "fp8", "int4"]

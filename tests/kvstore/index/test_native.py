@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvstore.index import GraphIndex, IndexSpec, PQIndex, native
 from kvstore.index.spec import top_ids
 
+# Without the library these skip; tests/kvstore/test_extensions.py fails then.
 needs_lib = pytest.mark.skipif(native._lib is None,
                                reason=f"no native library: {native.UNAVAILABLE_REASON}")
 fixed = settings(derandomize=True, deadline=None, max_examples=60,

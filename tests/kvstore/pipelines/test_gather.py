@@ -15,6 +15,7 @@ from kvstore.pipelines import gather
 from kvstore.pipelines.fork_join import Helpers
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, model_id="copy-test")
+# Without the library these skip; tests/kvstore/test_extensions.py fails then.
 native = pytest.mark.skipif(not gather.AVAILABLE, reason=gather.UNAVAILABLE_REASON or "")
 
 
