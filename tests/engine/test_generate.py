@@ -5,7 +5,6 @@ import json
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +14,13 @@ from engine.generate import Conversation, Generator, SamplingConfig, message_ids
 from engine.model import split_kv, stack_kv
 from engine.truncation import Truncation
 from kvstore.rope import apply_rope
-from tests.engine.test_model_reference import (
+from tests.support.paths import ROOT
+from tests.support.sharegpt_text import (
     read_sharegpt_records,
     sharegpt_messages,
     sharegpt_path,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 LOGIT_TOL = 0.05  # max |logit diff| reuse vs recompute; fp16 KV from a different batch shape
 
 

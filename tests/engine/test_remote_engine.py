@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import kvstore
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import ROOT
 
 
 @pytest.fixture
-def redis_url(tmp_path):
-    from tests.kvstore.redis_servers import Server
-
-    srv = Server(tmp_path / "redis")
-    yield srv.url
-    srv.stop()
+def redis_url(redis_server):
+    return redis_server.url
 
 
 def _chat(store, text, url):

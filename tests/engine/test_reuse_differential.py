@@ -12,8 +12,8 @@ import pytest
 
 import kvstore
 from engine.replay.simstore import SimStore
-from tests.kvstore.conftest import SMALL, Clock
-from tests.kvstore.kvgen import causal_kv
+from tests.support.clock import Clock
+from tests.support.kvgen import SMALL, causal_kv
 
 
 def trace(seed: int, n: int) -> list[tuple[float, int, int, int]]:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import importlib.util
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import ROOT
+
 W, M, SAMPLES = 256, 64, 3
 METHODS = ("as", "as_sink", "tt", "nkvt")
 

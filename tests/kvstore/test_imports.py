@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+from tests.support.paths import SRC
+
 INDEX = SRC / "kvstore" / "index"
 
 

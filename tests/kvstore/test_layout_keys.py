@@ -21,7 +21,7 @@ from engine.session import open_session
 from engine.sparse import SparseConfig
 from kvstore.index import IndexSpec
 from kvstore.rope import apply_rope
-from tests.kvstore.kvgen import SMALL, causal_kv
+from tests.support.kvgen import SMALL, causal_kv
 
 ROTATED = dataclasses.replace(SMALL, keys="rotated", engine="test-engine 1.0 packing=a")
 

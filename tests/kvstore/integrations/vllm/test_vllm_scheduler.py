@@ -1,0 +1,152 @@
+"""The connector's scheduler side, step by step, with vLLM's own Request objects and a real
+store: what a lookup answers, what each step loads and saves, and the final save that keeps a
+finished request's blocks until the worker copied them (async scheduling, where sampled ids
+arrive a step late; the CPU backend schedules synchronously, so the engine tests never see it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.v1.request import Request
+
+import kvstore
+from kvstore.integrations.vllm.plan import WorkerReport
+from kvstore.integrations.vllm.scheduler import SchedulerSide, request_namespace, skip_reason
+from tests.support.kvgen import SMALL, causal_kv
+
+B = 4
+LAYOUT = dataclasses.replace(SMALL, keys="rotated", engine="test vllm")
+
+
+def request(rid: str, ids: list[int], **kw) -> Request:
+    return Request(rid, ids, SamplingParams(max_tokens=16), None, **kw)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with kvstore.open(tmp_path / "s", layout=LAYOUT, chunk_tokens=B, dram_bytes=1 << 20,
+                      disk_bytes=1 << 22) as s:
+        yield s
+
+
+def side(store, blocks: dict[str, list[int]], save: bool = True) -> SchedulerSide:
+    return SchedulerSide(store, block_size=B, namespace=None, save=save,
+                         block_ids_of=lambda rid: blocks[rid])
+
+
+def test_lookup_answers_whole_blocks_beyond_the_local_hit_never_the_last_token(store):
+    ids = list(range(100, 111))  # 11 tokens
+    store.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
+    s = side(store, {})
+    assert s.matched(request("a", ids), 0) == 8
+    assert s.matched(request("b", ids), 4) == 4  # vLLM's prefix cache holds the first block
+    assert s.matched(request("c", ids), 8) == 0
+    assert s.matched(request("d", ids[:9]), 0) == 8  # 9 tokens: the last is computed
+    assert s.matched(request("e", ids[:8]), 0) == 4  # fully stored: the last block is not
+    assert s.matched(request("f", [7] + ids[1:]), 0) == 0
+    salted = request("g", ids, cache_salt="tenant-1")
+    assert s.matched(salted, 0) == 0  # a salted request sees its own namespace only
+    assert request_namespace(None, "tenant-1") != request_namespace("tenant-1", None)
+
+
+def test_requests_whose_kv_is_not_their_tokens_are_skipped(store):
+    ids = list(range(100, 111))
+    store.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
+    lora = request("l", ids, lora_request=LoRARequest("adapter", 1, "/nonexistent"))
+    assert skip_reason(lora) == "a LoRA adapter"
+    s = side(store, {"l": [0, 1, 2]})
+    assert s.matched(lora, 0) == 0
+    s.allocated(lora, 0)
+    lora.num_computed_tokens = 0
+    assert s.plan({"l": 11}, {}).saves == []  # never saved either
+
+
+def test_a_step_plans_the_allocated_load_and_the_saves_of_grown_requests(store):
+    ids = list(range(100, 111))
+    store.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
+    blocks = {"a": [7, 3, 9]}
+    s = side(store, blocks)
+    req = request("a", ids)
+    assert s.matched(req, 4) == 4
+    s.allocated(req, 4)
+    req.num_computed_tokens = 8  # vLLM counts the local and external hits as computed
+    plan = s.plan({"a": 3}, {})
+    (load,) = plan.loads
+    assert (load.start, load.tokens, load.block_ids) == (4, tuple(ids[:8]), (3,))
+    (save,) = plan.saves  # 11 computed after this step: two whole blocks
+    assert save.tokens == tuple(ids[:8]) and save.block_ids == (7, 3) and not save.final
+    # decode: the block fills at the 12th token, whose id is known when it is scheduled
+    req.num_computed_tokens = 11
+    req.append_output_token_ids(555)
+    blocks["a"].append(4)
+    (save,) = s.plan({"a": 1}, {}).saves
+    assert save.tokens == tuple(ids + [555]) and save.block_ids == (7, 3, 9)
+    req.num_computed_tokens = 12
+    req.append_output_token_ids(556)
+    assert s.plan({"a": 1}, {}).saves == []  # 13 computed: no new whole block
+    # draft tokens may be rejected: they do not count as computed
+    req.num_computed_tokens = 13
+    req.append_output_token_ids([557, 558, 559])
+    assert s.plan({"a": 4}, {"a": [1, 2, 3]}).saves == []
+    delay, params = s.finished(req, blocks["a"])
+    assert not delay and params == {"kvstore": {"loaded_tokens": 0, "loaded_from": {},
+                                                "load_failed": False}}
+
+
+def test_a_request_that_ends_in_its_loading_step_still_reports_its_load(store):
+    """vLLM asks request_finished before it hands the scheduler that step's worker report
+    (and sends the params after both): a one-token request's load is still in its params."""
+    ids = list(range(100, 111))
+    store.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
+    s = side(store, {"a": [7, 3, 9], "b": [1, 2, 5]})
+    req, other = request("a", ids), request("b", list(range(300, 311)))
+    for r, hit in ((req, 8), (other, 0)):
+        assert s.matched(r, 0) == hit
+        s.allocated(r, hit)
+    req.num_computed_tokens = 8
+    other.num_computed_tokens = 0
+    (load,) = s.plan({"a": 3, "b": 11}, {}).loads
+    req.num_computed_tokens = other.num_computed_tokens = 11
+    _, params = s.finished(req, [7, 3, 9])
+    _, failed = s.finished(other, [1, 2, 5])
+    s.reported(WorkerReport(loaded={"a": {"dram": 0, "disk": 8, "remote": 0}}, failed={"b"}))
+    assert params["kvstore"] == {"loaded_tokens": 8, "load_failed": False,
+                                 "loaded_from": {"dram": 0, "disk": 8, "remote": 0}}
+    assert failed["kvstore"]["load_failed"] and failed["kvstore"]["loaded_tokens"] == 0
+    s.plan({}, {})  # the next step: the ended requests' params have left
+    s.reported(WorkerReport(loaded={"a": {"dram": 8, "disk": 0, "remote": 0}}))
+    assert params["kvstore"]["loaded_tokens"] == 8
+
+
+def test_blocks_computed_before_their_ids_arrived_get_a_final_save(store):
+    """Async scheduling: the step computes token 8 while its id is still a placeholder; the
+    request then ends. Its last block is saved in the next step, and vLLM keeps the blocks
+    until the worker reports the request."""
+    ids = list(range(200, 207))  # 7 prompt tokens
+    s = side(store, {"a": [5, 6]})
+    req = request("a", ids)
+    assert s.matched(req, 0) == 0
+    s.allocated(req, 0)
+    req.num_computed_tokens = 0
+    (save,) = s.plan({"a": 7}, {}).saves
+    assert save.tokens == tuple(ids[:4])
+    req.num_computed_tokens = 7
+    assert s.plan({"a": 1}, {}).saves == []  # token 8's id is not known yet
+    req.append_output_token_ids([300, 301])
+    req.num_computed_tokens = 8
+    delay, _ = s.finished(req, [5, 6])
+    assert delay
+    (final,) = s.plan({}, {}).saves
+    assert final.final and final.tokens == tuple(ids + [300]) and final.block_ids == (5, 6)
+    assert s.plan({}, {}).saves == []
+
+
+def test_no_saves_when_saving_is_off(store):
+    s = side(store, {"a": [0, 1]}, save=False)
+    req = request("a", list(range(8)))
+    s.allocated(req, 0)
+    assert s.plan({"a": 8}, {}).saves == []

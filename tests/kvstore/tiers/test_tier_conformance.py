@@ -1,0 +1,97 @@
+"""One state machine, every tier: contexts put through the public API are served back byte for
+byte from DRAM (a roomy DRAM tier), from disk (no DRAM tier), and from Redis (a second store in
+another directory that keeps nothing locally, so every read crosses the remote tier), against a
+dict of what was put. The remote tier may lose everything (Redis's eviction): then it misses,
+and never serves a wrong byte."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+import kvstore
+from tests.support.kvgen import SMALL, causal_kv, lcp, put_causal
+
+C = 4
+BASES = [np.random.default_rng(s).integers(0, 300, 40).tolist() for s in range(3)]
+
+
+def remote_serves(t, x):
+    n, full = lcp(t, x), len(x) // C * C
+    if n == len(x) or (len(x) % C and n - full >= min(8, len(x) - full)):
+        return n  # whole, or sharing the kid's first min(8, n) tokens (its kids-set key)
+    return n // C * C
+
+
+class TierMachine(RuleBasedStateMachine):
+    tier = "dram"
+    make = None  # (name, **kw) -> store
+    server = None
+
+    def __init__(self):
+        super().__init__()
+        if self.server is not None:
+            self.server.cli("flushall")
+        dram = 1 << 20 if self.tier == "dram" else 0
+        remote = None if self.tier != "remote" else self.server.url
+        self.writer = self.make(dram_bytes=dram, remote=remote)
+        self.reader = self.writer if self.tier != "remote" else self.make(
+            dram_bytes=0, remote=kvstore.RemoteConfig(urls=(remote,), fill="none"))
+        self.model: list[list[int]] = []
+
+    @rule(b=st.integers(0, 2), n=st.integers(1, 40))
+    def put(self, b, n):
+        t = BASES[b][:n]
+        put_causal(self.writer, t)
+        self.writer.flush(remote=True)
+        self.model.append(t)
+
+    @rule(b=st.integers(0, 2), n=st.integers(1, 40))
+    def read(self, b, n):
+        t = BASES[b][:n]
+        best = max((lcp(t, x) for x in self.model), default=0)
+        m = self.reader.match(t)
+        assert m <= best
+        if self.tier != "remote":
+            assert m == best
+        else:  # whole chunks, or into a context's stored partial last chunk (kids set)
+            assert m >= max((remote_serves(t, x) for x in self.model), default=0)
+        if m:
+            k, v = self.reader.get(t[:m])
+            ek, ev = causal_kv(SMALL, t[:m])
+            assert k.equal(ek) and v.equal(ev)
+        if self.tier == "dram":
+            assert self.reader.residency(t[:m] or t)["disk"] == 0 or m == 0
+
+    @rule()
+    def lose_remote(self):
+        if self.tier == "remote":
+            self.server.cli("flushall")
+            self.model = []
+
+    def teardown(self):
+        self.writer.close()
+        if self.reader is not self.writer:
+            self.reader.close()
+
+
+@pytest.mark.parametrize("tier", ["dram", "disk", "remote"])
+def test_every_tier_serves_what_was_put(tier, tmp_path_factory, redis_server):
+    counter = itertools.count()
+
+    def make(**kw):
+        d = tmp_path_factory.mktemp("conf") / str(next(counter))
+        return kvstore.open(d, layout=SMALL, chunk_tokens=C, disk_bytes=1 << 20, **kw)
+
+    machine = type(f"{tier.title()}Machine", (TierMachine,),
+                   {"tier": tier, "make": staticmethod(make),
+                    "server": redis_server if tier == "remote" else None})
+    machine.TestCase.settings = settings(
+        max_examples=8, stateful_step_count=12, deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture])
+    machine.TestCase().runTest()
