@@ -41,7 +41,7 @@ from benchutil import machine_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.integrations.llama_cpp.helpers import text_tokens  # noqa: E402
+from tests.support.llama_helpers import text_tokens  # noqa: E402
 
 
 def stats(samples: list[float]) -> dict[str, object]:

@@ -26,7 +26,7 @@ import redis
 
 import kvstore
 from bench.benchutil import machine_info, summarize
-from tests.kvstore.redis_servers import Proxy, Server
+from tests.support.redis_servers import Proxy, Server
 
 SMOLLM2 = kvstore.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16",
                            rope_theta=100000.0, model_id="smollm2-135m-instruct")

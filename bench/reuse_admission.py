@@ -31,8 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchutil; the tests' trace and clock
 from benchutil import machine_info  # noqa: E402
 
-from tests.engine.test_reuse_differential import trace  # noqa: E402
-from tests.kvstore.conftest import Clock  # noqa: E402
+from tests.support.clock import Clock  # noqa: E402
+from tests.support.reuse_traces import trace  # noqa: E402
 
 LAYOUT = kvstore.KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16",
                           rope_theta=10000.0, model_id="bench-reuse-admission")

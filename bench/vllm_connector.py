@@ -150,7 +150,7 @@ def stats(samples: list[float]) -> dict[str, object]:
 
 # ---- ttft ----------------------------------------------------------------------------------
 def bench_ttft(args, model: str, work: Path) -> dict:
-    from tests.kvstore.redis_servers import Server
+    from tests.support.redis_servers import Server
 
     ids = long_prompt(tokenizer(model), args.tokens)
     base = {"model": model, "max_model_len": args.tokens + 64}

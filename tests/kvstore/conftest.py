@@ -1,12 +1,8 @@
 import pytest
 
 import kvstore
-from tests.support.clock import Clock
 from tests.support.kvgen import SMALL
 from tests.support.tmpfs import mounted_tmpfs
-
-__all__ = ["Clock"]  # bench/reuse_admission.py imports Clock from here; tests import it from
-# tests.support.clock. Drop it once bench/ does too.
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ and the prompt's ids are the template's head, the pieces in the plan's order, an
 tail. Every line starts with a visible character and ends with one, then a newline: the
 byte-level pre-tokenizer never joins a newline to the next line's first character, nor (with
 no space before it) to the end of its own line, so the concatenation is the tokenization of
-the whole text (``tests/engine/test_relational.py`` checks it against
+the whole text (``tests/engine/relational/test_relational.py`` checks it against
 ``model.chat_template``). Field order therefore never changes a field's tokens, a field's
 tokens are shared exactly wherever its line is, and a new column order costs no tokenization.
 """

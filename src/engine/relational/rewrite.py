@@ -12,7 +12,7 @@ Two rewrites:
    written: its keys name its fields.
 2. **Filters first** (LLM-SQL: "pull LLM calls up"). DuckDB does not order a conjunction by
    cost when one side is a Python function: ``WHERE llm_bool(...) AND x % 10 = 0`` evaluates
-   the LLM on every row (measured in ``tests/engine/test_relational_sql.py``). In every
+   the LLM on every row (measured in ``tests/engine/relational/test_relational_sql.py``). In every
    ``WHERE`` whose conjuncts mix LLM calls with plain predicates, the LLM conjuncts are moved
    into ``CASE WHEN <plain conjuncts> THEN <LLM conjuncts> ELSE false END`` after the plain
    conjuncts, which stay as they were (DuckDB still pushes them into scans and joins). A CASE

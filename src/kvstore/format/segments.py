@@ -23,7 +23,7 @@ PAGE = 4096
 SEGMENTS = "segments"
 
 # The sync that makes extents durable. A module attribute so that tests can slow it down to
-# prove that no lock is held across it (fault injection, tests/kvstore/test_threads.py).
+# prove that no lock is held across it (fault injection, tests/kvstore/store/test_threads.py).
 fdatasync = os.fdatasync
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 

@@ -7,29 +7,13 @@ prefix, so a context of n tokens is n/4 disk slots in the store and n bytes in t
 context (``lookup``), the store when a put extends it; the trace does both at the same instant,
 so both models see the same samples."""
 
-import numpy as np
 import pytest
 
 import kvstore
 from engine.replay.simstore import SimStore
 from tests.support.clock import Clock
 from tests.support.kvgen import SMALL, causal_kv
-
-
-def trace(seed: int, n: int) -> list[tuple[float, int, int, int]]:
-    """(time, conversation, turn, tokens so far): half the conversations single-turn saves of
-    8-16 tokens, half three or four turns of 4 tokens each; exponential think times."""
-    rng = np.random.default_rng(seed)
-    ev = []
-    for c in range(n):
-        t = float(rng.uniform(0, 150))
-        turns = int(rng.choice([1, 1, 3, 4]))
-        total = 0
-        for i in range(turns):
-            total += 4 * (int(rng.integers(2, 5)) if turns == 1 else 1)
-            ev.append((round(t, 3), c, i, total))
-            t += 2.0 + float(rng.exponential(20.0))
-    return sorted(ev)
+from tests.support.reuse_traces import trace
 
 
 @pytest.mark.parametrize("slots", [12, 16])
