@@ -11,7 +11,8 @@ attention kernel of the CPU's ISA reads them (vLLM ``cpu_attn_reshape_and_cache`
   dim % 16, token % 2).
 
 Packing and unpacking are exact permutations (no arithmetic), so the pages loaded equal the
-pages saved, byte for byte. ``tests/kvstore/integrations/vllm/test_vllm_packing.py`` checks each packing
+pages saved, byte for byte. ``tests/kvstore/integrations/vllm/test_vllm_packing.py`` checks each
+packing
 against vLLM's own kernel placing tokens one at a time.
 """
 
