@@ -43,10 +43,9 @@ import torch
 import zstandard
 
 from kvstore.codecs import native_decoders
+from kvstore.codecs.names import LOSSY, NAMES, check_name, codec_id, codec_name  # noqa: F401
 from kvstore.errors import CorruptData
 
-NAMES = ("none", "zstd", "int8", "fp8", "int4")  # index = the codec id stored in records
-LOSSY = frozenset({"int8", "fp8", "int4"})
 ZSTD_LEVEL = 1
 INT4_GROUP = 32
 _FP8_MAX = 448.0
@@ -74,26 +73,6 @@ class LayerShape:
     @property
     def raw_bytes(self) -> int:
         return 2 * self.num_kv_heads * self.n_tokens * self.head_dim * self.itemsize
-
-
-def check_name(name: object, what: str = "codec") -> str:
-    """``name`` if it names a codec; ``TypeError``/``ValueError`` naming ``what`` otherwise."""
-    if not isinstance(name, str):
-        raise TypeError(f"{what} must be a codec name (str), got {type(name).__name__}")
-    if name not in NAMES:
-        raise ValueError(f"{what} must be one of {list(NAMES)}, got {name!r}")
-    return name
-
-
-def codec_id(name: str) -> int:
-    return NAMES.index(check_name(name))
-
-
-def codec_name(cid: int) -> str:
-    """The codec of a stored id; :class:`CorruptData` for an id no codec has."""
-    if not 0 <= cid < len(NAMES):
-        raise CorruptData(f"unknown codec id {cid}")
-    return NAMES[cid]
 
 
 def is_lossy(name: str) -> bool:

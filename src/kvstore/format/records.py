@@ -13,7 +13,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvstore.codecs.layer_codec import NAMES as CODEC_NAMES
+from kvstore.codecs.names import NAMES as CODEC_NAMES
 from kvstore.errors import FormatError
 from kvstore.format.hashing import HASH_BYTES
 
