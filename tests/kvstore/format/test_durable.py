@@ -74,13 +74,19 @@ def test_bad_arguments(tmp_path):
     assert listing(tmp_path) == []
 
 
-def test_symlink_at_target_is_replaced_not_followed(tmp_path):
+def _outside_and_dir(tmp_path):
+    """A directory outside the one written to, holding a precious file, and the one written to."""
     outside = tmp_path / "outside"
     outside.mkdir()
     victim = outside / "victim"
     victim.write_bytes(b"precious")
     d = tmp_path / "d"
     d.mkdir()
+    return outside, victim, d
+
+
+def test_symlink_at_target_is_replaced_not_followed(tmp_path):
+    outside, victim, d = _outside_and_dir(tmp_path)
     (d / "f").symlink_to(victim)
     atomic_write(d / "f", b"new")
     assert victim.read_bytes() == b"precious"
@@ -95,12 +101,7 @@ def test_symlink_at_a_temporary_name_is_never_followed(tmp_path):
     """The temporary file is created with O_EXCL | O_NOFOLLOW: a link already at that name,
     dangling or not, makes the creation fail (atomic_write then draws another name) instead
     of creating or writing the file it points to."""
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    victim = outside / "victim"
-    victim.write_bytes(b"precious")
-    d = tmp_path / "d"
-    d.mkdir()
+    outside, victim, d = _outside_and_dir(tmp_path)
     live = d / f"f{TEMP_MARK}aaaa"
     live.symlink_to(victim)
     dangling = d / f"f{TEMP_MARK}bbbb"

@@ -26,10 +26,9 @@ import kvstore
 from kvstore.tools.verify import verify_path
 from tests.support.kvgen import lcp
 from tests.support.mp_worker import Workers
+from tests.support.strategies import ns_st, tokens_st
 
 CHUNK = 4
-tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)
-ns_st = st.sampled_from([None, "t1"])
 worker_st = st.integers(0, 3)
 
 

@@ -25,10 +25,9 @@ from hypothesis.stateful import (
 import kvstore
 from kvstore.tools.verify import verify_store
 from tests.support.kvgen import SMALL, causal_kv, lcp
+from tests.support.strategies import ns_st, tokens_st
 
 CHUNK = 4
-tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)
-ns_st = st.sampled_from([None, "t1"])
 
 
 class _Base(RuleBasedStateMachine):
