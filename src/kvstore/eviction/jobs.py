@@ -1,4 +1,5 @@
-"""Scheduler hints: the job queue an inference scheduler hands the store, and the prefetcher.
+"""The jobs an inference scheduler hands the store (``Store.set_queue``), the look-ahead windows
+they imply, and the prefetcher's thread.
 
 AttentionStore §3.3: the scheduler knows which sessions run next. Given that queue the store
 (1) prefetches from disk into DRAM the sessions of the next ``prefetch_window`` jobs, where

@@ -1,5 +1,5 @@
-"""Scheduler hints (AttentionStore §3.3): the job queue, where stored chunks and contexts are
-next needed in it, the look-ahead windows, and the prefetcher that acts on them.
+"""Look-ahead (AttentionStore §3.3): where in the scheduler's job queue each stored chunk and
+context is next needed, the priorities that follow, and the prefetcher's step that acts on them.
 
 The queue belongs to this process (its scheduler's jobs); it orders this process's DRAM tier
 and its eviction decisions on the shared disk tier. The prefetcher reads one chunk at a time

@@ -39,7 +39,7 @@ class LayerLoad:
                  buffer_layers: int | None, on_done: Callable[[], None],
                  on_close: Callable[[], None] | None = None,
                  on_abandon: Callable[[], None] | None = None) -> None:
-        self._loader = _Loader(keys, values, load_layer, buffer_layers=buffer_layers,
+        self._loader = Loader(keys, values, load_layer, buffer_layers=buffer_layers,
                                on_done=on_done, on_close=on_close, on_abandon=on_abandon)
         self.keys, self.values = keys, values  # [L, H, T, D]
         self.num_layers = self._loader.num_layers
@@ -47,7 +47,7 @@ class LayerLoad:
         self._finalizer = weakref.finalize(self, self._loader.abandon)
 
     @property
-    def loader(self) -> _Loader:
+    def loader(self) -> Loader:
         """The loading state (what the store tracks; it does not keep the handle alive)."""
         return self._loader
 
@@ -86,7 +86,7 @@ class LayerLoad:
         self.close()
 
 
-class _Loader:
+class Loader:
     """The state of one load, shared by its handle and its loader thread."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor,

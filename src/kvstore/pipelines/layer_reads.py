@@ -16,7 +16,7 @@ from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
 from kvstore.pipelines.chunk_reads import copy_layer, read_layer, reading
 from kvstore.pipelines.get import count_lossy, resolve_all
-from kvstore.pipelines.layer_load import LayerLoad, _Loader
+from kvstore.pipelines.layer_load import LayerLoad, Loader
 from kvstore.store.parts import Core
 from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.view.prefix_tree import Piece
@@ -53,7 +53,7 @@ class Loads:
     def __init__(self, core: Core, files: IndexFiles) -> None:
         self.core = core
         self._files = files
-        self._loads: set[_Loader] = set()  # running loads (not their handles)
+        self._loads: set[Loader] = set()  # running loads (not their handles)
         self._hbm_tiers: dict[str, HbmTier] = {}
 
     def hbm(self, device: torch.device) -> HbmTier:
@@ -69,7 +69,7 @@ class Loads:
     def tiers(self) -> list[HbmTier]:
         return list(self._hbm_tiers.values())
 
-    def running(self) -> list[_Loader]:
+    def running(self) -> list[Loader]:
         with self.core.mutex:
             return list(self._loads)
 
@@ -127,7 +127,7 @@ class Loads:
             self._load_layer(pieces, kr, vr, layer)
             return None if copy is None else copy.layer(layer)
 
-        loader: list[_Loader] = []
+        loader: list[Loader] = []
 
         def done() -> None:
             unpin()
