@@ -61,9 +61,12 @@ class ReplayConfig:
         if self.engine == "vllm":
             if self.mode != "real":
                 raise ValueError("--engine vllm serves real turns: it needs --mode real")
-            if self.scale is not None or self.disk_read_bps is not None:
-                raise ValueError("--engine vllm runs one server without a disk throttle "
-                                 "(--servers and --disk-read-bps are the runtime's)")
+            if self.disk_read_bps is not None:
+                raise ValueError("--engine vllm has no disk throttle (--disk-read-bps is the "
+                                 "runtime's)")
+            if self.scale is not None and (self.scale.shared or self.scale.url is not None):
+                raise ValueError("--engine vllm takes no --remote: with --servers N every AS "
+                                 "engine shares one store directory")
             for m in self.methods:
                 if m.kind == "of" or m.load != "split":
                     raise ValueError(f"--engine vllm compares re and as[:policy]; got "
@@ -124,7 +127,7 @@ def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
             cost = cfg.cost.cost(gpu_s=stats.gpu_s, wall_s=stats.makespan_s,
                                  cache=method.caches)
         elif cfg.engine == "vllm":
-            jobs, stats, store = _run_vllm(trace, method, cfg, tick)
+            jobs, stats, store = _run_vllm(trace, method, cfg, tick, scale)
             cost = None
         elif scale is not None and method.caches:
             jobs, stats, store = _run_real_servers(trace, method, cfg, model, tick, scale)
@@ -196,15 +199,17 @@ def _run_real_servers(trace: Trace, method: Method, cfg: ReplayConfig, model, ti
             st.close()
 
 
-def _run_vllm(trace: Trace, method: Method, cfg: ReplayConfig, tick):
+def _run_vllm(trace: Trace, method: Method, cfg: ReplayConfig, tick, scale: ScaleOut | None):
+    """Through vLLM: one engine process per server (``scale``, or one); AS's engines share
+    one store directory, ``<store_dir>/vllm-<method>[-xN]``."""
     from engine.hf_export import hf_model_dir
     from engine.replay.vllm import VllmSetup, run_vllm
 
+    name = f"vllm-{method.label}" + ("" if scale is None else f"-x{scale.servers}")
     setup = VllmSetup(model_dir=hf_model_dir(), window=trace.context_window,
-                      store_dir=os.path.join(cfg.store_dir, f"vllm-{method.label}")
-                      if method.caches else None,
+                      store_dir=os.path.join(cfg.store_dir, name) if method.caches else None,
                       policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes)
-    return run_vllm(trace, method, setup, tick)
+    return run_vllm(trace, method, setup, tick, scale=scale)
 
 
 def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):
@@ -249,6 +254,9 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
     runs: list[tuple[str, Method, ScaleOut | None]] = []
     for m in cfg.methods:
         sc = cfg.scale
+        if cfg.engine == "vllm":  # every method on N fresh engines (RE: each its own cache)
+            runs.append((m.label, m, sc))
+            continue
         if sc is None or not m.caches:
             runs.append((m.label, m, None))
             continue
@@ -269,6 +277,8 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
         "conversations": len(trace.conversations),
         "turns": trace.num_turns,
         "cut_turns": trace.cut_turns,
+        **({"engine": "vllm", "servers": cfg.scale.servers if cfg.scale else 1}
+           if cfg.engine == "vllm" else {}),
         "methods": results,
         "vs_re": compare_to_re(results),
     }
