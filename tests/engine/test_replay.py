@@ -351,6 +351,34 @@ def test_vllm_replay_on_servers_shares_one_store(model, tmp_path):
                                                                 url="redis://localhost"))
 
 
+def test_vllm_methods_take_turns():
+    """The vLLM replay's methods serve side by side, one turn each in turn; a method that is
+    done is skipped; after one failed, the others stop at their next turn."""
+    import threading
+
+    from engine.replay.vllm import Alternation
+
+    turns, log = Alternation(["RE", "AS"]), []
+
+    def serve(who, n):
+        for i in range(n):
+            with turns.turn(who):
+                log.append((who, i))
+        turns.leave(who)
+
+    threads = [threading.Thread(target=serve, args=a) for a in (("AS", 3), ("RE", 5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert log == [("RE", 0), ("AS", 0), ("RE", 1), ("AS", 1), ("RE", 2), ("AS", 2),
+                   ("RE", 3), ("RE", 4)]
+    turns = Alternation(["RE", "AS"])
+    turns.leave("RE", failed=True)
+    with pytest.raises(RuntimeError, match="RE failed"), turns.turn("AS"):
+        pass
+
+
 @dataclasses.dataclass
 class _JobAt:
     """What ``ScaleOut.server_of`` reads of a job: its conversation's index and its turn."""

@@ -27,12 +27,15 @@ machine doing N servers' work; hits and reuse are exact under the routing.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.replay.multi import ScaleOut
@@ -44,6 +47,7 @@ from engine.replay.workload import Trace
 # it: small, so vLLM's own prefix cache keeps only recent contexts, as on an accelerator).
 ENGINE_KV_CONTEXTS = 1
 BLOCK = 128  # vLLM's CPU block size
+ENGINE_BYTES = 2 << 30  # an engine process's resident memory, with room (measured 1.5-1.8 GB)
 START_TIMEOUT_S = 900.0  # an engine's start (several start at once on a shared machine)
 STEP_TIMEOUT_S = 900.0  # one prefill or forward
 
@@ -187,13 +191,75 @@ class EngineProcess:
         self._conn.close()
 
 
+class Alternation:
+    """Turn-taking between the methods' server loops, one thread each, whose engines run side
+    by side: one turn of one method, then one of the next, so a change in a shared machine's
+    load falls on every method alike. A party that left (done) is skipped; after a party
+    failed, every :meth:`turn` raises. Thread-safe."""
+
+    def __init__(self, parties: Sequence[str]) -> None:
+        if len(set(parties)) != len(parties) or not parties:
+            raise ValueError(f"parties must be distinct names, got {list(parties)!r}")
+        self._cv = threading.Condition()
+        self._order = list(parties)
+        self._left: set[str] = set()
+        self._next = 0
+        self._failed: str | None = None
+
+    def _advance(self) -> None:
+        for _ in self._order:
+            self._next = (self._next + 1) % len(self._order)
+            if self._order[self._next] not in self._left:
+                return
+
+    @contextlib.contextmanager
+    def turn(self, who: str):
+        """Wait for ``who``'s turn, run the body, pass the turn on."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._failed is not None
+                              or self._order[self._next] == who)
+            if self._failed is not None:
+                raise RuntimeError(f"{self._failed} failed: {who} stops too")
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._advance()
+                self._cv.notify_all()
+
+    def leave(self, who: str, *, failed: bool = False) -> None:
+        """``who`` takes no more turns (``failed``: nor does anyone)."""
+        with self._cv:
+            self._left.add(who)
+            if failed and self._failed is None:
+                self._failed = who
+            if self._order[self._next] == who:
+                self._advance()
+            self._cv.notify_all()
+
+
+def check_memory(engines: int) -> None:
+    """ValueError (naming ``--servers``) if ``engines`` engine processes would not fit the
+    memory this machine has available now."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    except (OSError, ValueError, IndexError):
+        return  # not Linux: nothing to check against
+    need, have = engines * ENGINE_BYTES, info.get("MemAvailable")
+    if have is not None and need > have:
+        raise ValueError(f"--servers: {engines} vLLM engine processes need about "
+                         f"{need / 2**30:.0f} GiB; {have / 2**30:.1f} GiB is available")
+
+
 class VllmExecutor(OneJobAtATime):
     """Keeps each conversation's history ids and serves each job on its server's engine
     (``scale.server_of``; every job on ``engines[0]`` without ``scale``). Thread-safety:
     none (the server loop's one thread)."""
 
     def __init__(self, method: Method, engines: list[EngineProcess], *, truncation,
-                 window: int, scale: ScaleOut | None = None) -> None:
+                 window: int, scale: ScaleOut | None = None,
+                 alternation: tuple[Alternation, str] | None = None) -> None:
         if len(engines) != (1 if scale is None else scale.servers):
             raise ValueError(f"engines must hold one engine per server, got {len(engines)}")
         self.method = method
@@ -201,6 +267,7 @@ class VllmExecutor(OneJobAtATime):
         self.scale = scale
         self.truncation = truncation
         self.window = window
+        self.alternation = alternation
         self._ids: dict[int, list[int]] = {}  # conversation -> its history ids
         self._decode_per_step: dict[int, float] = {}
 
@@ -217,10 +284,12 @@ class VllmExecutor(OneJobAtATime):
         prompt = hist + list(spec.user_ids)
         assert len(prompt) == job.prompt_len
         engine = self.engines[self.server_of(job)]
-        job.token, job.reused, kv, ttft = engine.call("prefill", prompt)
+        with contextlib.nullcontext() if self.alternation is None else \
+                self.alternation[0].turn(self.alternation[1]):
+            job.token, job.reused, kv, ttft = engine.call("prefill", prompt)
+            reply_s = engine.call("forward", prompt + list(spec.reply_ids))
         job.hit = hit_of(job, kv)
         job.load_s, job.compute_s = 0.0, ttft  # the load runs inside the forward, per layer
-        reply_s = engine.call("forward", prompt + list(spec.reply_ids))
         self._decode_per_step[job.seq] = reply_s / max(spec.reply_len - 1, 1)
         self._ids[job.conv.index] = prompt + list(spec.reply_ids)
         return ttft
@@ -245,10 +314,27 @@ def hit_of(job: Job, kv: dict) -> str:
 
 
 def run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick=None, *,
-             scale: ScaleOut | None = None) -> tuple[list[Job], ServerStats, dict | None]:
+             scale: ScaleOut | None = None, alternation: tuple[Alternation, str] | None = None
+             ) -> tuple[list[Job], ServerStats, dict | None]:
     """Serve ``trace`` with ``method`` on fresh vLLM engines, one child process per server
     (``scale.servers``, or one), all started at once; with a store, every engine shares
-    ``setup.store_dir`` (emptied first), and its stats are read after every engine ended."""
+    ``setup.store_dir`` (emptied first), and its stats are read after every engine ended.
+    ``alternation``: (the turn-taking, this run's name) when other methods' engines serve
+    beside these (:class:`Alternation`); this run leaves it when done."""
+    if alternation is None:
+        check_memory(1 if scale is None else scale.servers)
+        return _run_vllm(trace, method, setup, tick, scale, None)
+    failed = True
+    try:
+        out = _run_vllm(trace, method, setup, tick, scale, alternation)
+        failed = False
+        return out
+    finally:
+        alternation[0].leave(alternation[1], failed=failed)
+
+
+def _run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick, scale: ScaleOut | None,
+              alternation: tuple[Alternation, str] | None):
     if setup.store_dir is not None and os.path.exists(setup.store_dir):
         if not os.path.isdir(os.path.join(setup.store_dir, "catalog")):
             raise FileExistsError(f"{setup.store_dir!r} exists and is not a store directory")
@@ -261,8 +347,10 @@ def run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick=None, *,
         for e in engines:
             e.wait_ready()
         ex = VllmExecutor(method, engines, truncation=trace.config.truncation,
-                          window=trace.context_window, scale=scale)
+                          window=trace.context_window, scale=scale, alternation=alternation)
         jobs, stats = serve(trace, ex, on_job_done=tick)
+        if alternation is not None:
+            alternation[0].leave(alternation[1])  # the other methods go on while these close
         for e in engines:
             e.begin_close()
         for e in engines:
