@@ -64,7 +64,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="token table cache (default ~/.cache/kvstore)")
     s.add_argument("--servers", type=int, default=1,
                    help="route each turn to a random one of N servers, each with its own "
-                        "store (real mode: its own store directory)")
+                        "store (real mode: its own store directory; --engine vllm: its own "
+                        "vLLM engine process, AS's engines sharing one store directory)")
     s.add_argument("--remote", default=None,
                    help="with --servers: also run with a shared remote tier: real mode, the "
                         "redis:// URL every server's store opens; simulated mode, any value "
@@ -98,6 +99,8 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
     if servers < 1:
         raise ValueError(f"--servers must be >= 1, got {servers}")
     remote = getattr(args, "remote", None)
+    if getattr(args, "engine", "kvstore") == "vllm":
+        _check_vllm_args(args)
     if remote is not None and servers == 1:
         raise ValueError("--remote needs --servers N (N > 1)")
     scale = None if servers == 1 else ScaleOut(
@@ -112,6 +115,19 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
                         engine=getattr(args, "engine", "kvstore"))
 
 
+def _check_vllm_args(args: argparse.Namespace) -> None:
+    """``--engine vllm`` has no shared remote tier: its AS servers share one store directory."""
+    from engine.replay.multi import ScaleOut
+
+    given = [flag for flag, default in (
+        ("--remote", None), ("--remote-always", False), ("--remote-capacity", None),
+        ("--remote-bandwidth", ScaleOut().remote_bps))
+        if getattr(args, flag[2:].replace("-", "_"), default) != default]
+    if given:
+        raise ValueError(f"--engine vllm takes no {', '.join(given)}: with --servers N every "
+                         f"AS engine shares one store directory (no remote tier)")
+
+
 def _fmt(v: float, unit: str = "") -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -120,16 +136,20 @@ def _fmt(v: float, unit: str = "") -> str:
 
 def format_table(summary: dict) -> str:
     """RE vs the other methods: hit rates, mean TTFT on turns >= 2, prefill tokens saved."""
-    head = ("method", "hit", "dram hit", "disk hit", "TTFT t>=2 (s)", "p90 (s)",
-            "vs RE", "prefill saved", "GPU time (s)")
+    vllm = summary.get("engine") == "vllm"  # its own prefix cache's hits: a column
+    head = ("method", "hit", *(("engine hit",) if vllm else ()), "dram hit", "disk hit",
+            "TTFT t>=2 (s)", *(("p50 (s)",) if vllm else ()), "p90 (s)", "vs RE",
+            "prefill saved", "GPU time (s)")
     lines = [head]
     vs = summary.get("vs_re", {})
     for label, s in summary["methods"].items():
         c = vs.get(label, {})
+        t2 = s["ttft_s_turn2plus"]
         lines.append((
-            label, _fmt(s["hit_rate"], "%"), _fmt(s["dram_hit_rate"], "%"),
-            _fmt(s["disk_hit_rate"], "%"), _fmt(s["ttft_s_turn2plus"]["mean"]),
-            _fmt(s["ttft_s_turn2plus"]["p90"]),
+            label, _fmt(s["hit_rate"], "%"),
+            *((_fmt(s["engine_hit_rate"], "%"),) if vllm else ()), _fmt(s["dram_hit_rate"], "%"),
+            _fmt(s["disk_hit_rate"], "%"), _fmt(t2["mean"]), *((_fmt(t2["p50"]),) if vllm else ()),
+            _fmt(t2["p90"]),
             "-" if not c else f"{-100 * c['ttft_turn2plus_reduction']:+.1f}%",
             "-" if not c else _fmt(c["prefill_tokens_saved"], "%"), f"{s['gpu_s']:.1f}"))
     widths = [max(len(str(r[i])) for r in lines) for i in range(len(head))]
@@ -147,7 +167,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     model = load_model()
     table = load_table(model, cfg, cache)
     summary = replay(cfg, args.out, model=model, table=table, progress=not args.no_progress)
-    engine = " through vLLM" if cfg.engine == "vllm" else ""
+    engine = "" if cfg.engine != "vllm" else " through vLLM" + (
+        f" on {cfg.scale.servers} servers" if cfg.scale else "")
     print(f"{summary['mode']} replay{engine}: {summary['conversations']} conversations, "
           f"{summary['turns']} turns ({next(iter(summary['methods'].values()))['turns']} "
           f"measured after warm-up), context window {summary['context_window']}")

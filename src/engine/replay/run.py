@@ -61,9 +61,12 @@ class ReplayConfig:
         if self.engine == "vllm":
             if self.mode != "real":
                 raise ValueError("--engine vllm serves real turns: it needs --mode real")
-            if self.scale is not None or self.disk_read_bps is not None:
-                raise ValueError("--engine vllm runs one server without a disk throttle "
-                                 "(--servers and --disk-read-bps are the runtime's)")
+            if self.disk_read_bps is not None:
+                raise ValueError("--engine vllm has no disk throttle (--disk-read-bps is the "
+                                 "runtime's)")
+            if self.scale is not None and (self.scale.shared or self.scale.url is not None):
+                raise ValueError("--engine vllm takes no --remote: with --servers N every AS "
+                                 "engine shares one store directory")
             for m in self.methods:
                 if m.kind == "of" or m.load != "split":
                     raise ValueError(f"--engine vllm compares re and as[:policy]; got "
@@ -101,8 +104,10 @@ def load_table(model, cfg: ReplayConfig, cache_dir: str | None):
 
 
 def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
-               progress: bool = False, scale: ScaleOut | None = None):
-    """Serve ``trace`` with one method. Returns (per-turn columns, summary)."""
+               progress: bool = False, scale: ScaleOut | None = None, alternation=None):
+    """Serve ``trace`` with one method. Returns (per-turn columns, summary). ``alternation``:
+    through vLLM, the turn-taking with the methods served beside it
+    (:class:`engine.replay.vllm.Alternation`, this run's name)."""
     bar = None
     if progress:
         from tqdm import tqdm
@@ -124,7 +129,7 @@ def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
             cost = cfg.cost.cost(gpu_s=stats.gpu_s, wall_s=stats.makespan_s,
                                  cache=method.caches)
         elif cfg.engine == "vllm":
-            jobs, stats, store = _run_vllm(trace, method, cfg, tick)
+            jobs, stats, store = _run_vllm(trace, method, cfg, tick, scale, alternation)
             cost = None
         elif scale is not None and method.caches:
             jobs, stats, store = _run_real_servers(trace, method, cfg, model, tick, scale)
@@ -196,15 +201,34 @@ def _run_real_servers(trace: Trace, method: Method, cfg: ReplayConfig, model, ti
             st.close()
 
 
-def _run_vllm(trace: Trace, method: Method, cfg: ReplayConfig, tick):
+def _run_vllm(trace: Trace, method: Method, cfg: ReplayConfig, tick, scale: ScaleOut | None,
+              alternation=None):
+    """Through vLLM: one engine process per server (``scale``, or one); AS's engines share
+    one store directory, ``<store_dir>/vllm-<method>[-xN]``."""
     from engine.hf_export import hf_model_dir
     from engine.replay.vllm import VllmSetup, run_vllm
 
+    name = f"vllm-{method.label}" + ("" if scale is None else f"-x{scale.servers}")
     setup = VllmSetup(model_dir=hf_model_dir(), window=trace.context_window,
-                      store_dir=os.path.join(cfg.store_dir, f"vllm-{method.label}")
-                      if method.caches else None,
+                      store_dir=os.path.join(cfg.store_dir, name) if method.caches else None,
                       policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes)
-    return run_vllm(trace, method, setup, tick)
+    return run_vllm(trace, method, setup, tick, scale=scale, alternation=alternation)
+
+
+def _run_vllm_side_by_side(trace: Trace, runs, cfg: ReplayConfig, progress: bool):
+    """Through vLLM, every method's engines at once (one thread per method in this process),
+    taking turns (:class:`engine.replay.vllm.Alternation`): a change in a shared machine's
+    load falls on every method alike. Returns run_method's outputs, in ``runs``' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.replay.vllm import Alternation, check_memory
+
+    check_memory(len(runs) * (cfg.scale.servers if cfg.scale else 1))
+    turns = Alternation([label for label, _, _ in runs])
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="vllm-replay") as pool:
+        futures = [pool.submit(run_method, trace, m, cfg, progress=progress, scale=sc,
+                               alternation=(turns, label)) for label, m, sc in runs]
+        return [f.result() for f in futures]
 
 
 def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):
@@ -249,14 +273,21 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
     runs: list[tuple[str, Method, ScaleOut | None]] = []
     for m in cfg.methods:
         sc = cfg.scale
+        if cfg.engine == "vllm":  # every method on N fresh engines (RE: each its own cache)
+            runs.append((m.label, m, sc))
+            continue
         if sc is None or not m.caches:
             runs.append((m.label, m, None))
             continue
         runs.append((f"{m.label} x{sc.servers}", m, replace(sc, shared=False)))
         if sc.shared:
             runs.append((f"{m.label} x{sc.servers}+shared", m, sc))
-    for label, m, sc in runs:
-        cols, summ = run_method(trace, m, cfg, model=model, progress=progress, scale=sc)
+    if cfg.engine == "vllm" and len(runs) > 1:
+        outs = _run_vllm_side_by_side(trace, runs, cfg, progress)
+    else:
+        outs = [run_method(trace, m, cfg, model=model, progress=progress, scale=sc)
+                for _, m, sc in runs]
+    for (label, _, _), (cols, summ) in zip(runs, outs, strict=True):
         cols["method"] = [label] * len(cols["method"])
         tables.append(cols)
         results[label] = summ
@@ -269,6 +300,8 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
         "conversations": len(trace.conversations),
         "turns": trace.num_turns,
         "cut_turns": trace.cut_turns,
+        **({"engine": "vllm", "servers": cfg.scale.servers if cfg.scale else 1}
+           if cfg.engine == "vllm" else {}),
         "methods": results,
         "vs_re": compare_to_re(results),
     }

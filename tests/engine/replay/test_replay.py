@@ -268,3 +268,87 @@ def test_vllm_replay_reuses_exactly(model, tmp_path):
     assert summary["methods"]["AS-scheduler"]["store"]["disk"]["chunks"] > 0
     with pytest.raises(ValueError, match="--mode real"):
         ReplayConfig(mode="simulated", engine="vllm")
+
+
+def test_vllm_replay_on_servers_shares_one_store(model, tmp_path):
+    """``--engine vllm --servers 2``: two fresh engines per method, each turn on the server
+    ``ScaleOut.server_of`` picks. RE's engines have only their own prefix caches; AS's engines
+    share one store directory, so a turn routed away from its conversation's previous server
+    reuses that server's saved blocks, where RE's engine has nothing of that history. First
+    tokens equal RE's on every turn."""
+    from engine.replay.multi import ScaleOut
+
+    table = real_table(model)
+    wl = WorkloadConfig(conversations=3, max_turns=3, context_window=1024, warmup_fraction=0.0,
+                        think_s=1.0, arrival_rate=0.5, seed=0)
+    scale = ScaleOut(servers=2, seed=0)
+    cfg = ReplayConfig(mode="real", engine="vllm", methods=(Method("re"), Method("as")),
+                       workload=wl, store_dir=str(tmp_path / "store"), scale=scale)
+    summary = replay(cfg, str(tmp_path / "out"), model=model, table=table, progress=False)
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(tmp_path / "out" / "turns.parquet").to_pylist()
+    by = {(r["method"], r["conv"], r["turn"]): r for r in t}
+    assert set(summary["methods"]) == {"RE", "AS-scheduler"} and summary["servers"] == 2
+    assert len(t) == 2 * 9
+    for r in t:
+        re = by[("RE", r["conv"], r["turn"])]
+        assert r["first_token"] == re["first_token"]  # reused KV is exact
+    moved = 0
+    for (method, conv, turn), r in by.items():
+        if method != "AS-scheduler" or turn == 0:
+            continue
+        job = dict(conv=conv, turn=turn)
+        here, before = (scale.server_of(_JobAt(**job)),
+                        scale.server_of(_JobAt(conv=conv, turn=turn - 1)))
+        re = by[("RE", conv, turn)]
+        if here != before and r["history_tokens"] >= 128:
+            moved += 1  # the other server saved this history: AS loads it from the store
+            assert r["hit"] in ("dram", "disk")
+            assert r["reused_tokens"] == r["history_tokens"] // 128 * 128
+            assert re["hit"] in ("miss", "engine") and re["reused_tokens"] < r["reused_tokens"]
+    assert moved >= 2  # seed 0 routes three turns away from their previous server
+    store = summary["methods"]["AS-scheduler"]["store"]
+    assert store["disk"]["chunks"] > 0 and store["scale_out"]["servers"] == 2
+    with pytest.raises(ValueError, match="--remote"):
+        ReplayConfig(mode="real", engine="vllm", scale=ScaleOut(servers=2, shared=True,
+                                                                url="redis://localhost"))
+
+
+def test_vllm_methods_take_turns():
+    """The vLLM replay's methods serve side by side, one turn each in turn; a method that is
+    done is skipped; after one failed, the others stop at their next turn."""
+    import threading
+
+    from engine.replay.vllm import Alternation
+
+    turns, log = Alternation(["RE", "AS"]), []
+
+    def serve(who, n):
+        for i in range(n):
+            with turns.turn(who):
+                log.append((who, i))
+        turns.leave(who)
+
+    threads = [threading.Thread(target=serve, args=a) for a in (("AS", 3), ("RE", 5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert log == [("RE", 0), ("AS", 0), ("RE", 1), ("AS", 1), ("RE", 2), ("AS", 2),
+                   ("RE", 3), ("RE", 4)]
+    turns = Alternation(["RE", "AS"])
+    turns.leave("RE", failed=True)
+    with pytest.raises(RuntimeError, match="RE failed"), turns.turn("AS"):
+        pass
+
+
+@dataclasses.dataclass
+class _JobAt:
+    """What ``ScaleOut.server_of`` reads of a job: its conversation's index and its turn."""
+
+    conv: object
+    turn: int
+
+    def __post_init__(self):
+        self.conv = type("Conv", (), {"index": self.conv})()
