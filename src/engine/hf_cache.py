@@ -185,7 +185,8 @@ def create_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *
             n = 0
             break
         try:
-            keys, values = store.get(toks[:n], namespace=namespace)  # [L, H, n, D] pre-RoPE
+            keys, values = store.get(toks[:n], namespace=namespace,  # [L, H, n, D] pre-RoPE
+                                     device=device)
             break
         except (KeyError, kvstore.CorruptData):
             n, keys, values = 0, None, None  # corrupt data is dropped by get: match shrinks

@@ -1,4 +1,5 @@
-"""Llama-family forward in torch (float32 on CPU), weights and tokenizer from a GGUF file.
+"""Llama-family forward in torch (float32 on CPU; float16/bfloat16 on CUDA), weights and
+tokenizer from a GGUF file (or seeded random weights of a given shape: :meth:`Model.random`).
 
 RMSNorm, half-split RoPE (HF ``rotate_half``), grouped-query attention, SwiGLU MLP, tied
 embeddings. The forward runs over new tokens given past KV, with keys kept *before* rotary
@@ -162,12 +163,20 @@ class Model:
         self,
         config: ModelConfig,
         weights: Mapping[str, np.ndarray | torch.Tensor],
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         *,
         kv_dtype: str = "float16",
         model_id: str = MODEL_ID,
         chat_template_source: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        self.device = torch.device(device)
+        if self.device.type == "cpu" and dtype != torch.float32:
+            raise ValueError(f"dtype {dtype} needs a CUDA device (the CPU forward is float32)")
+        self.dtype = dtype  # weights and activations; attention reads KV in the cache dtype
         self.config = config
         self.tokenizer = tokenizer
         self.layout = KVLayout(
@@ -184,7 +193,8 @@ class Model:
         def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"weights: missing tensor {name!r}")
-            t = torch.as_tensor(weights[name], dtype=torch.float32).contiguous()
+            t = torch.as_tensor(weights[name])
+            t = t.to(device=self.device, dtype=dtype).contiguous()
             if tuple(t.shape) != shape:
                 raise ValueError(f"weights[{name!r}]: expected shape {shape}, got {tuple(t.shape)}")
             return t
@@ -212,8 +222,43 @@ class Model:
                     w_down=w(p + "ffn_down.weight", (c.hidden_size, c.intermediate_size)),
                 )
             )
-        self._im_start = tokenizer.token_to_id("<|im_start|>")
-        self._im_end = tokenizer.token_to_id("<|im_end|>")
+        self._im_start = None if tokenizer is None else tokenizer.token_to_id("<|im_start|>")
+        self._im_end = None if tokenizer is None else tokenizer.token_to_id("<|im_end|>")
+
+    @classmethod
+    def random(cls, config: ModelConfig, *, seed: int, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, kv_dtype: str = "float16",
+               model_id: str = "random") -> Model:
+        """A model of ``config``'s shape with seeded random weights, made on ``device`` (no
+        file; no tokenizer): for shapes whose weights are not at hand (an 8B model on a GPU
+        machine). Weights are N(0, 1/hidden) (so activations keep their scale through the
+        layers), norms 1, an untied LM head N(0, 64/hidden) (peaked next-token distributions, as a
+        tied one gets from the embeddings)."""
+        c = config
+        gen = torch.Generator(device=device).manual_seed(seed)
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        def rnd(shape: tuple[int, ...], std: float) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(std)
+
+        ones = lambda n: torch.ones(n, device=device, dtype=dtype)  # noqa: E731
+        h, f = c.hidden_size, c.intermediate_size
+        weights = {"token_embd.weight": rnd((c.vocab_size, h), 1.0),
+                   "output_norm.weight": ones(h)}
+        if not c.tie_embeddings:
+            weights["output.weight"] = rnd((c.vocab_size, h), 8.0 / h**0.5)
+        for i in range(c.num_layers):
+            p = f"blk.{i}."
+            weights |= {p + "attn_norm.weight": ones(h), p + "ffn_norm.weight": ones(h),
+                        p + "attn_q.weight": rnd((q_dim, h), h**-0.5),
+                        p + "attn_k.weight": rnd((kv_dim, h), h**-0.5),
+                        p + "attn_v.weight": rnd((kv_dim, h), h**-0.5),
+                        p + "attn_output.weight": rnd((h, q_dim), q_dim**-0.5),
+                        p + "ffn_gate.weight": rnd((f, h), h**-0.5),
+                        p + "ffn_up.weight": rnd((f, h), h**-0.5),
+                        p + "ffn_down.weight": rnd((h, f), f**-0.5)}
+        return cls(config, weights, None, kv_dtype=kv_dtype, model_id=model_id, device=device,
+                   dtype=dtype)
 
     # ---- input checks ----------------------------------------------------------------------
     def _check_ids(self, ids: Any, name: str = "ids") -> torch.Tensor:
@@ -319,7 +364,8 @@ class Model:
         queries; the default is exact attention (:func:`full_attention`).
         """
         c = self.config
-        ids_t = self._check_ids(ids)  # [T]
+        dev, cdt = self.device, self.dtype
+        ids_t = self._check_ids(ids).to(dev)  # [T]
         T = ids_t.numel()
         P = 0 if past is None else self._check_past(past)
         if positions is None:
@@ -333,6 +379,7 @@ class Model:
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
 
         cos_all, sin_all = rope.cos_sin(self.layout, torch.cat([past_pos, pos]))  # [P+T, D]
+        cos_all, sin_all = cos_all.to(dev), sin_all.to(dev)  # float32
         cos_new, sin_new = cos_all[P:], sin_all[P:]  # [T, D]
         if P == 0:
             mask, causal = None, T > 1
@@ -340,7 +387,7 @@ class Model:
             mask, causal = None, False  # one new token sees everything
         else:
             # [T, P+T] True = attend: all of the past, new tokens causally
-            mask = torch.ones(T, P + T, dtype=torch.bool).tril(diagonal=P)
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=dev).tril(diagonal=P)
             causal = False
         assert cos_new.shape == (T, D) and H % Hkv == 0
 
@@ -354,15 +401,16 @@ class Model:
             k_c, v_c = k.to(kv_dtype), v.to(kv_dtype)  # [Hkv, T, D] cache dtype
             if P:
                 pk, pv = self._past_layer(past, i, P)  # [Hkv, P, D] each
-                k_c = torch.cat([pk.to(device="cpu", dtype=kv_dtype), k_c], dim=1)  # [Hkv, P+T, D]
-                v_c = torch.cat([pv.to(device="cpu", dtype=kv_dtype), v_c], dim=1)  # [Hkv, P+T, D]
+                k_c = torch.cat([pk.to(device=dev, dtype=kv_dtype), k_c], dim=1)  # [Hkv, P+T, D]
+                v_c = torch.cat([pv.to(device=dev, dtype=kv_dtype), v_c], dim=1)  # [Hkv, P+T, D]
             assert k_c.shape == v_c.shape == (Hkv, P + T, D), (k_c.shape, v_c.shape)
             new_kv.append((k_c, v_c))
             if on_layer is not None:
                 on_layer(i, k_c, v_c)
-            q = rope.rotate(q, cos_new, sin_new)  # [H, T, D]
-            k_r = rope.rotate(k_c.to(torch.float32), cos_all, sin_all)  # [Hkv, P+T, D]
-            v_f = v_c.to(torch.float32)  # [Hkv, P+T, D]
+            # RoPE in float32; attention in the compute dtype (float32 on CPU)
+            q = rope.rotate(q.to(torch.float32), cos_new, sin_new).to(cdt)  # [H, T, D]
+            k_r = rope.rotate(k_c.to(torch.float32), cos_all, sin_all).to(cdt)  # [Hkv, P+T, D]
+            v_f = v_c.to(cdt)  # [Hkv, P+T, D]
             attn = (attend or full_attention)(i, q, k_r, v_f, mask, causal)  # [H, T, D]
             x = self._finish_layer(x, attn, lw)  # [T, hidden]
         return self._head(x, last_only), new_kv
@@ -375,6 +423,8 @@ class Model:
         vocab]`` without ``last_only``). If the step fails, the session is truncated back to
         what it held before (``session.truncate``)."""
         c = self.config
+        if self.device.type != "cpu":
+            raise ValueError(f"step() runs sessions on the CPU; this model is on {self.device}")
         ids_t = self._check_ids(ids)  # [T]
         T = ids_t.numel()
         P = session.length
@@ -411,7 +461,8 @@ class Model:
         """Final norm and LM head: logits [T, V], or [1, V] for the last token only."""
         if last_only:
             x = x[-1:]  # [1, hidden]
-        return F.linear(_rms_norm(x, self.out_norm, self.config.rms_norm_eps), self.lm_head)
+        logits = F.linear(_rms_norm(x, self.out_norm, self.config.rms_norm_eps), self.lm_head)
+        return logits.float()  # [T or 1, V]
 
     def logits(self, ids: Any, *, round_kv: bool = True) -> torch.Tensor:
         """Full-recompute logits [T, vocab] float32 (KV rounded to the cache dtype, see module)."""

@@ -50,7 +50,8 @@ def inv_freq(layout: KVLayout) -> torch.Tensor:
 def cos_sin(layout: KVLayout, positions: torch.Tensor,
             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [T, head_dim] at integer ``positions`` [T]."""
-    ang = positions.to(torch.float64).reshape(-1, 1) * inv_freq(layout).reshape(1, -1)  # [T, D/2]
+    inv = inv_freq(layout).to(positions.device)  # [D/2] float64
+    ang = positions.to(torch.float64).reshape(-1, 1) * inv.reshape(1, -1)  # [T, D/2]
     emb = torch.cat([ang, ang], dim=-1)  # [T, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -29,6 +29,7 @@ from kvstore.errors import CorruptData
 from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
 from kvstore.pipelines.chunk_reads import Raced, quarantine, raw_extent, read_verified
+from kvstore.pipelines.device_copy import DeviceCopy
 from kvstore.pipelines.miss_reads import Miss, MissRead, copy_out, decode_out
 from kvstore.store.parts import Core
 from kvstore.tiers.dram import Entry
@@ -117,12 +118,22 @@ class Reader:
                         k_out, v_out = self._allocate(n_tok, device)
                     else:
                         k_out, v_out = out
-                    hits_out = partial(self._copy_hits, hits, k_out, v_out,
+                    to_gpu = None
+                    if k_out.device.type == "cuda":
+                        with core.mutex:
+                            core.dram.pin_for_cuda()  # once: DRAM slots become DMA sources
+                        to_gpu = DeviceCopy(core.layout, k_out, v_out)
+                    hits_out = partial(self._copy_hits, hits, k_out, v_out, to_gpu,
                                        parallel=not misses)
-                    if misses:
-                        MissRead(core, self._files, misses, k_out, v_out, ok).run(hits_out)
-                    else:  # nothing for the helpers: the hits' copy may split over them
-                        hits_out()
+                    try:
+                        if misses:
+                            MissRead(core, self._files, misses, k_out, v_out, ok,
+                                     to_gpu).run(hits_out)
+                        else:  # nothing for the helpers: the hits' copy may split over them
+                            hits_out()
+                    finally:
+                        if to_gpu is not None:  # before the pins on the sources go
+                            to_gpu.finish()
             except Raced:
                 with core.mutex:
                     core.counters.read_races += 1
@@ -184,7 +195,7 @@ class Reader:
                 torch.empty(shape, dtype=dt, device=device))
 
     def _copy_hits(self, hits: list[tuple[Piece, Entry]], k_out: torch.Tensor,
-                   v_out: torch.Tensor, *, parallel: bool) -> None:
+                   v_out: torch.Tensor, to_gpu: DeviceCopy | None, *, parallel: bool) -> None:
         """Copy the DRAM hits out: decoded copies in one gather, coded copies each decoded
         straight into the output (over this thread and the helpers when ``parallel``). A
         coded copy that does not decode is :class:`CorruptData` (the caller quarantines)."""
@@ -192,13 +203,13 @@ class Reader:
         plain = [(core.dram.buffer(e), p) for p, e in hits if not core.coded_copy(p.rec)]
         coded = [(core.dram.buffer(e), p) for p, e in hits if core.coded_copy(p.rec)]
         if plain:
-            copy_out(core, plain, k_out, v_out, core.helpers if parallel else None)
+            copy_out(core, plain, k_out, v_out, core.helpers if parallel else None, to_gpu)
         if not coded:
             return
 
         def decode(buf: np.ndarray, p: Piece) -> None:
             try:
-                decode_out(core, buf[: core.cached_bytes(p.rec)], p, k_out, v_out)
+                decode_out(core, buf[: core.cached_bytes(p.rec)], p, k_out, v_out, to_gpu)
             except CorruptData as err:  # it passed its checksum, but does not decode
                 quarantine(core, p.rec, err, self._files)
                 raise

@@ -37,7 +37,7 @@ class LayerLoad:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor,
                  load_layer: Callable[[int], torch.cuda.Event | None], *,
                  buffer_layers: int | None, on_done: Callable[[], None],
-                 on_close: Callable[[], None] | None = None,
+                 on_close: Callable[[torch.cuda.Event | None], None] | None = None,
                  on_abandon: Callable[[], None] | None = None) -> None:
         self._loader = Loader(keys, values, load_layer, buffer_layers=buffer_layers,
                                on_done=on_done, on_close=on_close, on_abandon=on_abandon)
@@ -92,7 +92,7 @@ class Loader:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor,
                  load_layer: Callable[[int], torch.cuda.Event | None], *,
                  buffer_layers: int | None, on_done: Callable[[], None],
-                 on_close: Callable[[], None] | None,
+                 on_close: Callable[[torch.cuda.Event | None], None] | None,
                  on_abandon: Callable[[], None] | None) -> None:
         assert keys.shape == values.shape
         self.keys, self.values = keys, values  # [L, H, T, D]
@@ -187,7 +187,8 @@ class Loader:
 
     def close(self) -> None:
         """Stop loading (pending layers are abandoned), wait for the loader thread, and give
-        the execution buffer back. Idempotent."""
+        the execution buffer back. Idempotent. On CUDA, call it from the thread whose stream
+        ran the compute that read the buffer (the next load's copies are ordered after it)."""
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()
@@ -196,10 +197,17 @@ class Loader:
         with self._cond:
             on_close, self._on_close, self._on_abandon = self._on_close, None, None
         if on_close is not None:
+            after = None
             if self.keys.device.type == "cuda":
-                # compute and the copy stream are done with the buffer before it is reused
-                torch.cuda.synchronize(self.keys.device)
-            on_close()
+                # The buffer's last users: the copies of every layer loaded and the kernels
+                # queued so far on this thread's stream. The next load's copies wait for this
+                # event on the device; nothing waits on the host.
+                stream = torch.cuda.current_stream(self.keys.device)
+                for copied in self._copied:
+                    if copied is not None:
+                        stream.wait_event(copied)
+                after = stream.record_event()
+            on_close(after)
 
     def abandon(self) -> None:
         """The handle was dropped unclosed (a finalizer; any thread, the loader's included):

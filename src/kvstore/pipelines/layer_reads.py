@@ -5,6 +5,7 @@ layer's event. Reads go through :mod:`kvstore.pipelines.chunk_reads`.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,32 +16,184 @@ from kvstore.format import chunk_extent
 from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
 from kvstore.pipelines.chunk_reads import copy_layer, read_layer, reading
+from kvstore.pipelines.device_copy import strided_copies
 from kvstore.pipelines.get import count_lossy, resolve_all
 from kvstore.pipelines.layer_load import LayerLoad, Loader
 from kvstore.store.parts import Core
+from kvstore.tiers.dram import Entry
 from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.view.prefix_tree import Piece
 
 DURING = "this layer-wise load"
 
 
-class _CudaCopy:
-    """Host-to-device copies of a layer-wise load: each layer is read into pinned host memory,
-    then copied on a side stream; the layer's event tells compute when it has arrived."""
+class _ToDevice:
+    """The copies of a layer-wise load into a CUDA execution buffer, on a side stream.
 
-    def __init__(self, k_dev: torch.Tensor, v_dev: torch.Tensor) -> None:
-        self.k_dev, self.v_dev = k_dev, v_dev  # [L, H, T, D] on the GPU
-        self.host_k = torch.empty(k_dev.shape, dtype=k_dev.dtype, pin_memory=True)
-        self.host_v = torch.empty(v_dev.shape, dtype=v_dev.dtype, pin_memory=True)
-        self.stream = torch.cuda.Stream(device=k_dev.device)
+    For each layer, every part's layer of its chunk ([2, H, n, D], contiguous) goes to a device
+    staging buffer in one copy: straight from its DRAM slot when the slot holds the raw bytes
+    and the slab is page-locked (:mod:`kvstore.tiers.pinned`), else from a pinned host staging
+    block that the disk read (or a coded copy's decode) filled. Device-side copies then place
+    keys and values into the buffer [L, H, T, D]; the layer's event tells compute when they have
+    run. The DRAM copies the load serves from are pinned from its start to its end; staging
+    (host and device) alternates between two layers' worth, a host block reused once its
+    copies have run (the loader never waits on the copies it has just queued). Every view is
+    made once, up front: a layer costs the loader two batched copy calls, because the loader
+    shares the interpreter with the compute thread, whose kernel launches it must not hold
+    up. Used by the loader thread only (made, and closed, by the thread that starts the load).
+    """
 
-    def layer(self, layer: int) -> torch.cuda.Event:
+    WINDOW = 2  # layers whose staging may be in flight
+
+    def __init__(self, core: Core, parts: list[Part], k_dev: torch.Tensor, v_dev: torch.Tensor,
+                 after: torch.cuda.Event | None) -> None:
+        self.core, self.parts = core, parts
+        dev = k_dev.device
+        lay = core.layout
+        L, H, D = lay.num_layers, lay.num_kv_heads, lay.head_dim
+        self.stream = torch.cuda.Stream(device=dev)
+        self.stream.wait_stream(torch.cuda.current_stream(dev))  # a caller's out= buffer
+        if after is not None:  # the execution buffer's previous load is done with it
+            self.stream.wait_event(after)
+        sizes = [p.rec.n_tokens * lay.layer_token_bytes for p in parts]
+        off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        with torch.cuda.stream(self.stream):  # used on the copy stream only
+            self.stage = stage = [torch.empty(off[-1], dtype=torch.uint8, device=dev)
+                                  for _ in range(self.WINDOW)]
+        self.offsets, self.sizes = off, sizes
+        # per window: each part's slice of the device staging
+        self.stage_blocks = [[g[off[i] : off[i + 1]] for i in range(len(parts))]
+                             for g in stage]
+        # per window: (destinations, sources) of the placements, the destinations per layer
+        self.place: list[tuple[list[list[torch.Tensor]], list[torch.Tensor]]] = []
+        for g in stage:
+            dsts: list[list[torch.Tensor]] = [[] for _ in range(L)]
+            srcs: list[torch.Tensor] = []
+            for i0, i1 in _runs(parts):  # parts i0..i1-1 (see _runs)
+                p, n, r = parts[i0], parts[i0].rec.n_tokens, i1 - i0
+                blocks = g[off[i0] : off[i1]].view(lay.torch_dtype).view(r, 2, H, n, D)
+                for layer in range(L):
+                    k_l, v_l = k_dev[layer], v_dev[layer]  # [H, T, D]
+                    if r == 1:  # tokens [src, src + count) of one chunk
+                        dsts[layer] += [k_l[:, p.dst : p.dst + p.count],
+                                        v_l[:, p.dst : p.dst + p.count]]
+                    else:  # r whole chunks, back to back
+                        t0, t1 = p.dst, p.dst + r * n
+                        dsts[layer] += [k_l[:, t0:t1].view(H, r, n, D),
+                                        v_l[:, t0:t1].view(H, r, n, D)]
+                if r == 1:
+                    srcs += [blocks[0, 0, :, p.src : p.src + p.count],
+                             blocks[0, 1, :, p.src : p.src + p.count]]
+                else:
+                    srcs += [blocks[:, 0].transpose(0, 1), blocks[:, 1].transpose(0, 1)]
+            self.place.append((dsts, srcs))
+        self.in_flight: collections.deque[torch.cuda.Event] = collections.deque()
+        with core.mutex:  # pinned until close(): the DRAM copies this load serves from
+            self.entries: list[Entry | None] = [core.dram.peek(p.rec.key, p.rec.gen)
+                                                for p in parts]
+        # per part, its DRAM slot's layers where copies may start there
+        self.direct: list[tuple[torch.Tensor, ...] | None] = [
+            torch.from_numpy(core.dram.buffer(e)[: core.raw_bytes(p.rec.n_tokens)])
+            .view(L, -1).unbind(0)
+            if e is not None and core.dram.pinned and not core.coded_copy(p.rec) else None
+            for p, e in zip(parts, self.entries, strict=True)]
+        self._group(core)
+        # pinned host staging, per window, for the parts that are not copied from DRAM
+        # (page-locking costs about as much as the copies: none where every part has a slot)
+        self.staged = staged = [i for i, d in enumerate(self.direct) if d is None]
+        self.host_blocks: list[dict[int, torch.Tensor]] = [{} for _ in range(self.WINDOW)]
+        if staged:
+            for blocks in self.host_blocks:
+                host = torch.empty(sum(sizes[i] for i in staged), dtype=torch.uint8,
+                                   pin_memory=True)
+                at = 0
+                for i in staged:
+                    blocks[i] = host[at : at + sizes[i]]
+                    at += sizes[i]
+
+    def _group(self, core: Core) -> None:
+        """Runs of parts copied from consecutive DRAM slots (equal sizes): layer l of a run is
+        one strided copy (:class:`~kvstore.pipelines.device_copy.StridedCopies`); the other
+        parts are copied one by one."""
+        self.strided = strided_copies()
+        self.groups: list[tuple[int, int, int]] = []  # (i0, i1, host address of i0's slot)
+        grouped: set[int] = set()
+        if self.strided.available:
+            ptrs = [None if d is None or e is None else core.dram.buffer(e).ctypes.data
+                    for d, e in zip(self.direct, self.entries, strict=True)]
+            pitch = core.dram.slot_stride
+            i = 0
+            while i < len(ptrs):
+                j = i + 1
+                if ptrs[i] is not None:
+                    while (j < len(ptrs) and ptrs[j] is not None
+                           and self.sizes[j] == self.sizes[i]
+                           and ptrs[j] - ptrs[j - 1] == pitch):  # type: ignore[operator]
+                        j += 1
+                if j - i >= 2:
+                    self.groups.append((i, j, ptrs[i]))  # type: ignore[arg-type]
+                    grouped.update(range(i, j))
+                i = j
+        self.singles = [i for i in range(len(self.parts)) if i not in grouped]
+        self.single_stage = [[blocks[i] for i in self.singles] for blocks in self.stage_blocks]
+        self.pitch = core.dram.slot_stride
+
+    def block(self, layer: int, i: int) -> np.ndarray:
+        """Part ``i``'s host staging block of ``layer`` (uint8, its chunk's raw layer)."""
+        return self.host_blocks[layer % self.WINDOW][i].numpy()
+
+    def settle(self, keep: int) -> None:
+        """Wait until the copies of all but the last ``keep`` layers in flight have run."""
+        while len(self.in_flight) > keep:
+            self.in_flight.popleft().synchronize()
+
+    def close(self) -> None:
+        """Wait for every copy queued, then unpin the DRAM copies. Idempotent."""
+        self.settle(0)
+        with self.core.mutex:
+            for e in self.entries:
+                if e is not None:
+                    self.core.dram.unpin(e)
+        self.entries = []
+        self.direct = []
+
+    def issue(self, layer: int) -> torch.cuda.Event:
+        """Queue layer ``layer``'s copies: each part's from its DRAM slot, or from its host
+        staging block (filled by then)."""
+        w = layer % self.WINDOW
+        hosts, direct = self.host_blocks[w], self.direct
+        srcs = [hosts[i] if direct[i] is None else direct[i][layer] for i in self.singles]
+        dsts, place_srcs = self.place[w]
+        base = self.stage[w].data_ptr()
         with torch.cuda.stream(self.stream):
-            self.k_dev[layer].copy_(self.host_k[layer], non_blocking=True)
-            self.v_dev[layer].copy_(self.host_v[layer], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return ev
+            for i0, i1, ptr in self.groups:
+                width = self.sizes[i0]
+                self.strided.rows(base + self.offsets[i0], ptr + layer * width, self.pitch,
+                                  width, i1 - i0, self.stream)
+            if srcs:
+                torch._foreach_copy_(self.single_stage[w], srcs, non_blocking=True)
+            torch._foreach_copy_(dsts[layer], place_srcs, non_blocking=True)
+            done = self.stream.record_event()
+        self.in_flight.append(done)
+        return done
+
+
+def _runs(parts: list[Part]) -> list[tuple[int, int]]:
+    """Maximal runs [i0, i1) of parts placed with one copy each: parts of one chunk size,
+    each whole (or, for a run of one, any tokens of its chunk), back to back in the output."""
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(parts):
+        j = i + 1
+        p = parts[i]
+        n = p.rec.n_tokens
+        if p.src == 0 and p.count == n:
+            while (j < len(parts) and parts[j].rec.n_tokens == n and parts[j].src == 0
+                   and parts[j].count == n and parts[j].dst == parts[j - 1].dst + n):
+                j += 1
+        runs.append((i, j))
+        i = j
+    return runs
 
 
 class Loads:
@@ -107,6 +260,7 @@ class Loads:
                     core.slots.unpin(s)
 
         buf = None
+        to_gpu: _ToDevice | None = None
         try:
             if out is None:
                 buf = hbm.acquire(core.raw_bytes(n_tok))  # K and V
@@ -114,29 +268,36 @@ class Loads:
                 k_out, v_out = kv[0], kv[1]  # [L, H, T, D] each
             else:
                 k_out, v_out = out
-            copy = _CudaCopy(k_out, v_out) if k_out.device.type == "cuda" else None
+            if k_out.device.type == "cuda":
+                with core.mutex:
+                    core.dram.pin_for_cuda()  # once: DRAM slots become DMA sources
+                to_gpu = _ToDevice(core, pieces, k_out, v_out,
+                                   None if buf is None else hbm.last_use(buf))
         except BaseException:
             if buf is not None:
                 hbm.release(buf)
             unpin()
             raise
-        kr, vr = ((chunk_extent.raw(copy.host_k), chunk_extent.raw(copy.host_v)) if copy is not None
-                  else (chunk_extent.raw(k_out), chunk_extent.raw(v_out)))
-
         def load_layer(layer: int) -> torch.cuda.Event | None:
-            self._load_layer(pieces, kr, vr, layer)
-            return None if copy is None else copy.layer(layer)
+            if to_gpu is not None:
+                return self._load_layer_to_gpu(pieces, to_gpu, layer)
+            self._load_layer(pieces, chunk_extent.raw(k_out), chunk_extent.raw(v_out), layer)
+            return None
 
         loader: list[Loader] = []
 
         def done() -> None:
-            unpin()
-            with core.mutex:
-                self._loads.discard(loader[0])
+            try:
+                if to_gpu is not None:  # the copies in flight read DRAM slots and staging
+                    to_gpu.close()
+            finally:
+                unpin()
+                with core.mutex:
+                    self._loads.discard(loader[0])
 
         nbytes = 0 if buf is None else buf.numel()
         load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
-                         on_close=None if buf is None else (lambda: hbm.release(buf)),
+                         on_close=None if buf is None else (lambda after: hbm.release(buf, after)),
                          on_abandon=None if buf is None else (lambda: hbm.forget(nbytes)))
         loader.append(load.loader)
         with core.mutex:
@@ -147,6 +308,36 @@ class Loads:
             done()
             load.close()
             raise
+
+    def _load_layer_to_gpu(self, parts: list[Part], to_gpu: _ToDevice,
+                           layer: int) -> torch.cuda.Event:
+        """Queue the copies of layer ``layer`` to the GPU (loader thread): each part's layer
+        from its DRAM slot where it holds the raw bytes, else read (or decoded) into its
+        host staging block first. Returns the layer's event."""
+        core = self.core
+        lay = core.layout
+        if to_gpu.staged:  # this layer's host staging blocks are free again
+            to_gpu.settle(to_gpu.WINDOW - 1)
+        for i, p in enumerate(parts):
+            if to_gpu.direct[i] is not None:
+                continue
+            rec, n = p.rec, p.rec.n_tokens
+            block = to_gpu.block(layer, i)  # [2, H, n, D] raw bytes
+            e = to_gpu.entries[i]
+            if e is not None:  # a coded DRAM copy, or a slab that is not page-locked
+                with core.mutex:
+                    core.check_open()
+                with reading(core, rec, self._files, during=DURING):
+                    part = copy_layer(core, rec, core.dram.buffer(e), layer)
+                np.copyto(block.view(part.dtype).reshape(part.shape), part)
+            else:
+                off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
+                into = [block] if rec.codec == 0 else [np.empty(nbytes, dtype=np.uint8)]
+                with reading(core, rec, self._files, during=DURING):
+                    got = read_layer(core, rec, layer, into, off)
+                if got[0] is not block:
+                    np.copyto(block, got[0].reshape(-1).view(np.uint8))
+        return to_gpu.issue(layer)
 
     def _load_layer(self, pieces: list[Part], kr: np.ndarray, vr: np.ndarray,
                     layer: int) -> None:

@@ -29,6 +29,7 @@ from kvstore.errors import CorruptData
 from kvstore.format import chunk_extent
 from kvstore.index.lifecycle import IndexFiles
 from kvstore.pipelines.chunk_reads import SCRATCH, quarantine, raced_or, read_raw, verify_stored
+from kvstore.pipelines.device_copy import DeviceCopy
 from kvstore.pipelines.fork_join import Helpers
 from kvstore.pipelines.gather import gather
 from kvstore.store.parts import Core
@@ -46,30 +47,27 @@ class Miss:
 
 
 def copy_out(core: Core, parts: list[tuple[np.ndarray, Piece]], k_out: torch.Tensor,
-             v_out: torch.Tensor, helpers: Helpers | None) -> None:
-    """Copy the ``p.use`` leading tokens of each raw extent (in ``buf``) into the output."""
-    lay = core.layout
-    if k_out.device.type == "cpu":
-        gather(lay, chunk_extent.raw(k_out), chunk_extent.raw(v_out),
-               [(buf, p.rec.n_tokens, p.start, p.use) for buf, p in parts], helpers)
+             v_out: torch.Tensor, helpers: Helpers | None,
+             device: DeviceCopy | None = None) -> None:
+    """Copy the ``p.use`` leading tokens of each raw extent (in ``buf``) into the output: a CPU
+    output by the gather, a CUDA output through ``device`` (its copies to the GPU)."""
+    if device is not None:
+        for buf, p in parts:
+            device.extent(buf, p.rec.n_tokens, p.start, p.use)
         return
-    for buf, p in parts:
-        a, b = p.start, p.start + p.use
-        ext = chunk_extent.view(lay, buf, p.rec.n_tokens)  # [L, 2, H, n, D]
-        t = torch.from_numpy(ext).view(lay.torch_dtype)
-        k_out[:, :, a:b].copy_(t[:, 0, :, : p.use])
-        v_out[:, :, a:b].copy_(t[:, 1, :, : p.use])
+    gather(core.layout, chunk_extent.raw(k_out), chunk_extent.raw(v_out),
+           [(buf, p.rec.n_tokens, p.start, p.use) for buf, p in parts], helpers)
 
 
 def decode_out(core: Core, stored: np.ndarray, p: Piece, k_out: torch.Tensor,
-               v_out: torch.Tensor) -> None:
+               v_out: torch.Tensor, device: DeviceCopy | None = None) -> None:
     """Decode the ``p.use`` leading tokens of a verified coded extent (its stored bytes) into
-    the output: straight into a CPU output, through a raw extent into another."""
+    the output: straight into a CPU output, through a raw extent into a CUDA one."""
     rec = p.rec
-    if k_out.device.type != "cpu":
+    if device is not None:
         raw_ext = np.empty(core.raw_bytes(rec.n_tokens), dtype=np.uint8)
         chunk_extent.decode_extent(core.layout, rec, stored, raw_ext)
-        copy_out(core, [(raw_ext, p)], k_out, v_out, None)
+        copy_out(core, [(raw_ext, p)], k_out, v_out, None, device)
         return
     chunk_extent.decode_into(core.layout, rec, stored, chunk_extent.raw(k_out),
                              chunk_extent.raw(v_out), p.start, p.use)
@@ -94,10 +92,12 @@ class MissRead:
     each miss read and verified (its DRAM entry may become visible)."""
 
     def __init__(self, core: Core, files: IndexFiles, misses: list[Miss],
-                 k_out: torch.Tensor, v_out: torch.Tensor, ok: set[int]) -> None:
+                 k_out: torch.Tensor, v_out: torch.Tensor, ok: set[int],
+                 device: DeviceCopy | None = None) -> None:
         self.core, self.files, self.misses = core, files, misses
         self.k_out, self.v_out, self.ok = k_out, v_out, ok
-        self.on_cpu = k_out.device.type == "cpu"
+        self.device = device  # the copies to a CUDA output (None: a CPU output)
+        self.on_cpu = device is None
         # (miss, its verification's future) as the reader hands chunks over, then None
         self.arrived: queue.SimpleQueue[tuple[int, Future] | None] = queue.SimpleQueue()
         # scratch buffers handed to the other helper: beyond these, the reader verifies and
@@ -242,9 +242,10 @@ class MissRead:
                 if self.first is None and not self.on_cpu:
                     if core.coded_copy(rec) and m.cache is not None:
                         decode_out(core, m.buf[: core.cached_bytes(rec)], m.piece,
-                                   self.k_out, self.v_out)
+                                   self.k_out, self.v_out, self.device)
                     else:
-                        copy_out(core, [(m.buf, m.piece)], self.k_out, self.v_out, None)
+                        copy_out(core, [(m.buf, m.piece)], self.k_out, self.v_out, None,
+                                 self.device)
             except BaseException as e:
                 self._fail(rec, e)
                 if (cut := settle(f)) is not None:  # an interrupt cut the wait short

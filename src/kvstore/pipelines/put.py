@@ -459,7 +459,7 @@ class Writer:
             for (key, parent, i), (slot, parts), enc in zip(plan.specs, jobs, coded,
                                                              strict=True):
                 n, t0 = min(c, n_tok - i * c), i * c - base
-                sums = chunk_extent.piece_checksums(parts, lay.num_layers)
+                sums = None
                 e = plan.staged.get(key)
                 if e is not None and core.config.dram_coded:
                     if enc is None:  # kept raw: not the coded copy staged for it
@@ -481,6 +481,12 @@ class Writer:
                     ext = chunk_extent.view(lay, core.dram.buffer(e), n)  # [L, 2, H, n, D]
                     np.copyto(ext[:, 0], kr[:, :, t0 : t0 + n])  # [L, H, n, D]
                     np.copyto(ext[:, 1], vr[:, :, t0 : t0 + n])
+                    if enc is None:  # one call per layer over the contiguous copy (the
+                        # interpreter is free meanwhile: a compute thread beside it is not held)
+                        sums = chunk_extent.checksums(core.dram.buffer(e)[: core.raw_bytes(n)],
+                                                      lay.num_layers)
+                if sums is None:
+                    sums = chunk_extent.piece_checksums(parts, lay.num_layers)
                 tokens = plan.toks[i * c : i * c + n].copy()
                 if enc is None:
                     rec = ChunkRecord(key, parent, n, slot, 0, sums, tokens)

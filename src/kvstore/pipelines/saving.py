@@ -45,7 +45,8 @@ class _Job:
     base: int
     keys: torch.Tensor  # [L, H, T - base, D] CPU
     values: torch.Tensor
-    ready: torch.cuda.Event | None
+    ready: torch.cuda.Event | None  # the copies out of the GPU have run
+    from_gpu: list[tuple[torch.Tensor, torch.Tensor]]  # (write buffer part, pinned copy)
     hold: _Hold
     future: Future[bool]
 
@@ -101,11 +102,7 @@ class SaveHandle:
         self._finalizer = weakref.finalize(self, hold.release)
         self._state = "open"  # open -> finished | aborted
         try:
-            if torch.cuda.is_available():  # pinned: the copies from the GPU are asynchronous
-                shape = (layout.num_layers, layout.num_kv_heads, capacity, layout.head_dim)
-                self._k = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=True)
-                self._v = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=True)
-            elif buffers is not None:  # [L, H, cap, D], recycled: no page faults per save
+            if buffers is not None:  # [L, H, cap, D], recycled: no page faults per save
                 self._k, self._v = buffers.kv(layout, capacity)
             else:  # numpy-allocated (huge pages: fast first touch)
                 self._k, self._v = empty_kv(layout, capacity, 2)
@@ -113,7 +110,11 @@ class SaveHandle:
             self.abort()
             raise
         self._layers = np.zeros(layout.num_layers, dtype=bool)
-        self._on_gpu = False
+        # Copies out of the GPU: on a side stream (compute does not queue behind them) into
+        # pinned host memory (asynchronous DMA); the writer places them in the write buffer
+        # once the stream's event says they have run.
+        self._stream: torch.cuda.Stream | None = None
+        self._from_gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -125,12 +126,26 @@ class SaveHandle:
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if src.device.type == "cuda":
-            self._on_gpu = True
-            dst.copy_(src, non_blocking=True)
+            self._copy_from_gpu(dst, src)
         elif dst.device.type == "cpu" and src.dtype == dst.dtype:
             np.copyto(raw(dst), raw(src.detach().contiguous()))  # one thread, GIL released
         else:
             dst.copy_(src)
+
+    def _copy_from_gpu(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue the copy of ``src`` (GPU) for ``dst`` (the write buffer): after the work
+        queued so far on the caller's stream (which computed ``src``), on the save's stream,
+        into a pinned block. ``src`` must not be written in place before the copy has run
+        (the allocator keeps its memory until then)."""
+        dev = src.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=dev)
+        self._stream.wait_stream(torch.cuda.current_stream(dev))
+        pinned = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)  # contiguous
+        with torch.cuda.stream(self._stream):
+            pinned.copy_(src.to(dst.dtype).contiguous(), non_blocking=True)
+        src.record_stream(self._stream)
+        self._from_gpu.append((dst, pinned))
 
     def _check_kv(self, name: str, t: object) -> torch.Tensor:
         return self._layout.check_tensor(name, t)
@@ -209,13 +224,10 @@ class SaveHandle:
         try:
             toks = np.concatenate([self.tokens, *self._extra]) if self._extra else self.tokens
             n = len(toks) - self.base
-            ready = None
-            if self._on_gpu:
-                ready = torch.cuda.Event()
-                ready.record()
+            ready = None if self._stream is None else self._stream.record_event()
             job = _Job(tokens=toks, namespace=self.namespace, base=self.base,
                        keys=self._k[:, :, :n], values=self._v[:, :, :n], ready=ready,
-                       hold=self._hold, future=Future())
+                       from_gpu=self._from_gpu, hold=self._hold, future=Future())
         except BaseException:
             self.abort()
             raise
@@ -329,7 +341,9 @@ class Saver:
         stored = False
         try:
             if job.ready is not None:
-                job.ready.synchronize()  # the non-blocking copies from the GPU are done
+                job.ready.synchronize()  # the copies out of the GPU have run
+                for dst, pinned in job.from_gpu:
+                    np.copyto(raw(dst), raw(pinned))
             stored = self._write(job.tokens, job.keys, job.values, job.namespace, job.base)
         except BaseException as e:  # handed to the future and the next flush()
             error = e

@@ -332,6 +332,10 @@ class Store:
         every token is stored, :class:`CorruptData` if stored bytes fail their checksum (the
         contexts holding them are then dropped, so a retry sees a shorter match).
 
+        A CUDA output (``device="cuda"`` or ``out`` on the GPU) is written after the work
+        already queued on the calling thread's current stream, and is complete for the work
+        queued on that stream after the get returns (no device-wide synchronisation).
+
         Thread-safe; gets of several threads run in parallel with each other and with puts
         (a get never waits for a put's fsync).
         """
@@ -578,6 +582,7 @@ class Store:
                         core.mirror.flush_access(txn)
         finally:
             core.helpers.close()
+            core.dram.unpin_from_cuda()
             core.segments.close()
             self._files.close()
             if core.owner is not None:

@@ -82,6 +82,8 @@ def _tiers(core: Core, tiers: list[HbmTier]) -> dict[str, object]:
             "bytes": sum(t.used_bytes for t in tiers),
             "idle_bytes": sum(t.idle_bytes for t in tiers),
             "devices": sorted(str(t.device) for t in tiers),
+            "dram_pinned": bool(core.dram.pinned),  # DRAM page-locked for copies to the GPU
+            "dram_pin_failure": core.dram.pin_failure,
         },
         "dram": {
             "capacity_bytes": config.dram_bytes,

@@ -16,12 +16,14 @@ entry may be read without the lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvstore.eviction.policies import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued
 from kvstore.format.segments import PAGE, align_up
+from kvstore.tiers.pinned import pin_host
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +56,23 @@ class DramTier:
         self._heap = PriorityHeap()
         self._bytes = 0
         self.evictions = 0
+        self.pinned: bool | None = None  # page-locked for CUDA copies (None: not asked yet)
+        self.pin_failure: str | None = None
+        self._unpin: Callable[[], object] | None = None
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock the slab for copies to a GPU (:mod:`kvstore.tiers.pinned`), the first
+        time a CUDA output is served; returns whether it is."""
+        if self.pinned is None:
+            self._unpin, self.pin_failure = pin_host(self._slab.reshape(-1))
+            self.pinned = self._unpin is not None
+        return self.pinned
+
+    def unpin_from_cuda(self) -> None:
+        """Drop the slab's registration (the store's close: no copy reads it any more)."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
 
     def __contains__(self, key: bytes) -> bool:
         e = self._entries.get(key)

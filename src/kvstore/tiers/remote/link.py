@@ -378,12 +378,12 @@ class RemoteLink:
         lay = self.core.layout
         kv = buf.view(lay.torch_dtype).view(2, *lay.kv_shape(len(toks)))
         return self.load_layers(toks, namespace, buffer_layers=buffer_layers,
-                                kv=(kv[0], kv[1]), on_close=lambda: tier.release(buf),
+                                kv=(kv[0], kv[1]), on_close=lambda _after: tier.release(buf),
                                 on_abandon=lambda: tier.forget(nbytes))
 
     def load_layers(self, toks: np.ndarray, namespace: str | None, *,
                     buffer_layers: int | None, kv: tuple[torch.Tensor, torch.Tensor],
-                    on_close: Callable[[], None] | None,
+                    on_close: Callable[[torch.cuda.Event | None], None] | None,
                     on_abandon: Callable[[], None] | None = None) -> LayerLoad:
         """A layer-wise load of ``toks`` into ``kv`` (CPU [L, H, T, D]): the local prefix at
         once, the remote chunks by ``GETRANGE`` in growing groups of layers
@@ -402,7 +402,7 @@ class RemoteLink:
         if any(h is None for h in headers):
             self._count("misses")
             if on_close is not None:
-                on_close()
+                on_close(None)
             raise KeyError(f"{sum(h is None for h in headers)} of the {len(rest)} chunks "
                            f"after the local prefix are not usable in the remote tier: a miss")
         k_out, v_out = kv
@@ -411,7 +411,7 @@ class RemoteLink:
                 self._get_local(toks[:base], namespace, (k_out, v_out))
         except BaseException:
             if on_close is not None:
-                on_close()
+                on_close(None)
             raise
         kr, vr = chunk_extent.raw(k_out), chunk_extent.raw(v_out)
         lay = self.core.layout
