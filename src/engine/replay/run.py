@@ -205,14 +205,38 @@ def _run_vllm(trace: Trace, method: Method, cfg: ReplayConfig, tick, scale: Scal
               alternation=None):
     """Through vLLM: one engine process per server (``scale``, or one); AS's engines share
     one store directory, ``<store_dir>/vllm-<method>[-xN]``."""
+    from engine.replay.vllm import run_vllm
+
+    return run_vllm(trace, method, _vllm_setup(trace, method, cfg, scale), tick, scale=scale,
+                    alternation=alternation)
+
+
+def _vllm_setup(trace: Trace, method: Method, cfg: ReplayConfig, scale: ScaleOut | None):
     from engine.hf_export import hf_model_dir
-    from engine.replay.vllm import VllmSetup, run_vllm
+    from engine.replay.vllm import VllmSetup
 
     name = f"vllm-{method.label}" + ("" if scale is None else f"-x{scale.servers}")
-    setup = VllmSetup(model_dir=hf_model_dir(), window=trace.context_window,
-                      store_dir=os.path.join(cfg.store_dir, name) if method.caches else None,
-                      policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes)
-    return run_vllm(trace, method, setup, tick, scale=scale, alternation=alternation)
+    return VllmSetup(model_dir=hf_model_dir(), window=trace.context_window,
+                     store_dir=os.path.join(cfg.store_dir, name) if method.caches else None,
+                     policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes)
+
+
+def _vllm_side_by_side_fits(trace: Trace, runs, cfg: ReplayConfig) -> bool:
+    """Whether every method's engines fit in memory at once; if not (logged), the methods run
+    one after the other."""
+    import logging
+
+    from engine.replay.vllm import engine_bytes, fits
+
+    n = cfg.scale.servers if cfg.scale else 1
+    need = sum(n * engine_bytes(_vllm_setup(trace, m, cfg, sc)) for _, m, sc in runs)
+    if fits(need):
+        return True
+    logging.getLogger(__name__).warning(
+        "the methods' %d vLLM engines need about %.1f GiB at once, more than is available: "
+        "the methods run one after the other (each measured under whatever else runs then)",
+        n * len(runs), need / 2**30)
+    return False
 
 
 def _run_vllm_side_by_side(trace: Trace, runs, cfg: ReplayConfig, progress: bool):
@@ -221,9 +245,8 @@ def _run_vllm_side_by_side(trace: Trace, runs, cfg: ReplayConfig, progress: bool
     load falls on every method alike. Returns run_method's outputs, in ``runs``' order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.replay.vllm import Alternation, check_memory
+    from engine.replay.vllm import Alternation
 
-    check_memory(len(runs) * (cfg.scale.servers if cfg.scale else 1))
     turns = Alternation([label for label, _, _ in runs])
     with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="vllm-replay") as pool:
         futures = [pool.submit(run_method, trace, m, cfg, progress=progress, scale=sc,
@@ -282,7 +305,9 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
         runs.append((f"{m.label} x{sc.servers}", m, replace(sc, shared=False)))
         if sc.shared:
             runs.append((f"{m.label} x{sc.servers}+shared", m, sc))
-    if cfg.engine == "vllm" and len(runs) > 1:
+    side_by_side = cfg.engine == "vllm" and len(runs) > 1 and \
+        _vllm_side_by_side_fits(trace, runs, cfg)
+    if side_by_side:
         outs = _run_vllm_side_by_side(trace, runs, cfg, progress)
     else:
         outs = [run_method(trace, m, cfg, model=model, progress=progress, scale=sc)
@@ -300,8 +325,8 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
         "conversations": len(trace.conversations),
         "turns": trace.num_turns,
         "cut_turns": trace.cut_turns,
-        **({"engine": "vllm", "servers": cfg.scale.servers if cfg.scale else 1}
-           if cfg.engine == "vllm" else {}),
+        **({"engine": "vllm", "servers": cfg.scale.servers if cfg.scale else 1,
+            "side_by_side": side_by_side} if cfg.engine == "vllm" else {}),
         "methods": results,
         "vs_re": compare_to_re(results),
     }

@@ -47,7 +47,10 @@ from engine.replay.workload import Trace
 # it: small, so vLLM's own prefix cache keeps only recent contexts, as on an accelerator).
 ENGINE_KV_CONTEXTS = 1
 BLOCK = 128  # vLLM's CPU block size
-ENGINE_BYTES = 2 << 30  # an engine process's resident memory, with room (measured 1.5-1.8 GB)
+# An engine process's memory beside its KV memory: libraries, fp32 weights, with room
+# (measured 1.9-2.1 GB in all with the KV memory of an 8,192-token window).
+ENGINE_BASE_BYTES = 3 << 29
+HEADROOM_BYTES = 4 << 30  # left to the rest of a shared machine
 START_TIMEOUT_S = 900.0  # an engine's start (several start at once on a shared machine)
 STEP_TIMEOUT_S = 900.0  # one prefill or forward
 
@@ -107,7 +110,19 @@ def _engine_main(setup: VllmSetup, conn) -> None:
     """An engine process: build the engine, then serve the parent's requests until "close":
     ("prefill", ids) -> (first token, num_cached_tokens, the connector's kv_transfer_params,
     seconds); ("forward", ids) -> seconds; ("close", None) -> shut the engine down (the
-    connector closes its store: its saves are written) -> None."""
+    connector closes its store: its saves are written) -> None. A failure is sent as
+    ("error", its traceback) before the process exits."""
+    try:
+        _engine_loop(setup, conn)
+    except BaseException:
+        import traceback
+
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def _engine_loop(setup: VllmSetup, conn) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     llm = _build_llm(setup)
@@ -162,6 +177,9 @@ class EngineProcess:
             self._proc.join(timeout=10)
             raise RuntimeError(f"the vLLM engine process {self.name} exited with code "
                                f"{self._proc.exitcode}") from None
+        if kind == "error":
+            self._proc.join(timeout=30)
+            raise RuntimeError(f"the vLLM engine process {self.name} failed:\n{value}")
         if kind != want:
             raise RuntimeError(f"{self.name}: expected {want!r}, got {kind!r}")
         return value
@@ -238,18 +256,42 @@ class Alternation:
             self._cv.notify_all()
 
 
-def check_memory(engines: int) -> None:
-    """ValueError (naming ``--servers``) if ``engines`` engine processes would not fit the
-    memory this machine has available now."""
+def engine_bytes(setup: VllmSetup) -> int:
+    """About the memory one engine process of ``setup`` takes: its base, its KV memory and,
+    with the connector, its store's DRAM tier and write buffer (each process has its own)."""
+    n = ENGINE_BASE_BYTES + setup.kv_cache_bytes
+    if setup.store_dir is not None:
+        from kvstore.store.config import DEFAULT_DRAM_BYTES, DEFAULT_WRITE_BUFFER_BYTES
+
+        n += DEFAULT_WRITE_BUFFER_BYTES + (DEFAULT_DRAM_BYTES if setup.dram_bytes is None
+                                           else setup.dram_bytes)
+    return n
+
+
+def memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
     except (OSError, ValueError, IndexError):
-        return  # not Linux: nothing to check against
-    need, have = engines * ENGINE_BYTES, info.get("MemAvailable")
-    if have is not None and need > have:
+        return None
+    return info.get("MemAvailable")
+
+
+def fits(need: int) -> bool:
+    """Whether ``need`` bytes fit the memory available now, leaving HEADROOM_BYTES."""
+    have = memory_available()
+    return have is None or need + HEADROOM_BYTES <= have
+
+
+def check_memory(need: int, engines: int) -> None:
+    """ValueError naming ``--servers`` if ``engines`` engine processes (``need`` bytes in
+    all) would not fit the memory available now."""
+    if not fits(need):
         raise ValueError(f"--servers: {engines} vLLM engine processes need about "
-                         f"{need / 2**30:.0f} GiB; {have / 2**30:.1f} GiB is available")
+                         f"{need / 2**30:.1f} GiB and {HEADROOM_BYTES / 2**30:.0f} GiB is "
+                         f"left to the rest of the machine; "
+                         f"{(memory_available() or 0) / 2**30:.1f} GiB is available")
 
 
 class VllmExecutor(OneJobAtATime):
@@ -322,7 +364,8 @@ def run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick=None, *,
     ``alternation``: (the turn-taking, this run's name) when other methods' engines serve
     beside these (:class:`Alternation`); this run leaves it when done."""
     if alternation is None:
-        check_memory(1 if scale is None else scale.servers)
+        n = 1 if scale is None else scale.servers
+        check_memory(n * engine_bytes(setup), n)
         return _run_vllm(trace, method, setup, tick, scale, None)
     failed = True
     try:
