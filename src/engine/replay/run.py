@@ -243,15 +243,19 @@ def _run_vllm_side_by_side(trace: Trace, runs, cfg: ReplayConfig, progress: bool
     """Through vLLM, every method's engines at once (one thread per method in this process),
     taking turns (:class:`engine.replay.vllm.Alternation`): a change in a shared machine's
     load falls on every method alike. Returns run_method's outputs, in ``runs``' order."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, wait
 
-    from engine.replay.vllm import Alternation
+    from engine.replay.vllm import Alternation, PartyFailed
 
     turns = Alternation([label for label, _, _ in runs])
     with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="vllm-replay") as pool:
         futures = [pool.submit(run_method, trace, m, cfg, progress=progress, scale=sc,
                                alternation=(turns, label)) for label, m, sc in runs]
-        return [f.result() for f in futures]
+        wait(futures)
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
+    if errors:  # the method that failed first, not those that stopped because of it
+        raise next((e for e in errors if not isinstance(e, PartyFailed)), errors[0])
+    return [f.result() for f in futures]
 
 
 def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):

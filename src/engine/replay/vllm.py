@@ -209,6 +209,11 @@ class EngineProcess:
         self._conn.close()
 
 
+class PartyFailed(RuntimeError):
+    """A method's server loop stops because another method's failed (the cause is that
+    method's own error)."""
+
+
 class Alternation:
     """Turn-taking between the methods' server loops, one thread each, whose engines run side
     by side: one turn of one method, then one of the next, so a change in a shared machine's
@@ -237,7 +242,7 @@ class Alternation:
             self._cv.wait_for(lambda: self._failed is not None
                               or self._order[self._next] == who)
             if self._failed is not None:
-                raise RuntimeError(f"{self._failed} failed: {who} stops too")
+                raise PartyFailed(f"{self._failed} failed: {who} stops too")
         try:
             yield
         finally:

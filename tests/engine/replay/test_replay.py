@@ -320,7 +320,7 @@ def test_vllm_methods_take_turns():
     done is skipped; after one failed, the others stop at their next turn."""
     import threading
 
-    from engine.replay.vllm import Alternation
+    from engine.replay.vllm import Alternation, PartyFailed
 
     turns, log = Alternation(["RE", "AS"]), []
 
@@ -339,7 +339,7 @@ def test_vllm_methods_take_turns():
                    ("RE", 3), ("RE", 4)]
     turns = Alternation(["RE", "AS"])
     turns.leave("RE", failed=True)
-    with pytest.raises(RuntimeError, match="RE failed"), turns.turn("AS"):
+    with pytest.raises(PartyFailed, match="RE failed"), turns.turn("AS"):
         pass
 
 
