@@ -241,7 +241,9 @@ class Model:
         def rnd(shape: tuple[int, ...], std: float) -> torch.Tensor:
             return torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(std)
 
-        ones = lambda n: torch.ones(n, device=device, dtype=dtype)  # noqa: E731
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=device, dtype=dtype)
+
         h, f = c.hidden_size, c.intermediate_size
         weights = {"token_embd.weight": rnd((c.vocab_size, h), 1.0),
                    "output_norm.weight": ones(h)}

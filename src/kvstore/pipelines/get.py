@@ -120,8 +120,7 @@ class Reader:
                         k_out, v_out = out
                     to_gpu = None
                     if k_out.device.type == "cuda":
-                        with core.mutex:
-                            core.dram.pin_for_cuda()  # once: DRAM slots become DMA sources
+                        core.pin_dram_for_cuda()
                         to_gpu = DeviceCopy(core.layout, k_out, v_out)
                     hits_out = partial(self._copy_hits, hits, k_out, v_out, to_gpu,
                                        parallel=not misses)

@@ -269,8 +269,7 @@ class Loads:
             else:
                 k_out, v_out = out
             if k_out.device.type == "cuda":
-                with core.mutex:
-                    core.dram.pin_for_cuda()  # once: DRAM slots become DMA sources
+                core.pin_dram_for_cuda()
                 to_gpu = _ToDevice(core, pieces, k_out, v_out,
                                    None if buf is None else hbm.last_use(buf))
         except BaseException:
@@ -278,6 +277,7 @@ class Loads:
                 hbm.release(buf)
             unpin()
             raise
+
         def load_layer(layer: int) -> torch.cuda.Event | None:
             if to_gpu is not None:
                 return self._load_layer_to_gpu(pieces, to_gpu, layer)

@@ -62,6 +62,14 @@ class Core:
         (:meth:`kvstore.codecs.per_tier.TierCodecs.staged_bytes`)."""
         return self.config.tier_codecs.staged_bytes(self.layout, n_tokens)
 
+    def pin_dram_for_cuda(self) -> None:
+        """Before a copy into a CUDA output: page-lock the DRAM slab the first time (under
+        the lock; later calls take no lock), so its slots are DMA sources
+        (:meth:`kvstore.tiers.dram.DramTier.pin_for_cuda`). Any thread."""
+        if self.dram.pinned is None:  # set once, under the lock, and never back to None
+            with self.mutex:
+                self.dram.pin_for_cuda()
+
     def coded_copy(self, rec: ChunkRecord) -> bool:
         """A DRAM copy of ``rec`` holds its coded (stored) bytes, to be decoded when read."""
         return self.config.tier_codecs.coded_copy(rec.codec)
