@@ -30,6 +30,7 @@ __all__ = [
 
 from kvstore.eviction.jobs import Job  # noqa: E402
 from kvstore.pipelines.layer_load import LayerLoad  # noqa: E402
+from kvstore.pipelines.pages import Pages  # noqa: E402
 from kvstore.pipelines.saving import SaveHandle  # noqa: E402
 from kvstore.store.config import StoreConfig  # noqa: E402
 from kvstore.store.facade import Store  # noqa: E402
@@ -40,5 +41,5 @@ from kvstore.tiers.remote import RemoteAuthError, RemoteConfig, RemoteSetupError
 open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sqlite3.connect)
 
 __all__ += ["RemoteAuthError", "RemoteConfig", "RemoteSetupError", "Job", "LayerLoad",
-            "ReadThrottle", "SaveHandle", "Store",
+            "Pages", "ReadThrottle", "SaveHandle", "Store",
             "StoreConfig", "open", "open_store"]

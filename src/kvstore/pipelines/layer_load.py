@@ -23,7 +23,8 @@ class LayerLoad:
     """Handle of one layer-wise load; obtained from :meth:`kvstore.Store.load_layers`.
 
     ``wait(l)`` returns (keys, values) of layer l, [num_kv_heads, T, head_dim] each (views into
-    one output pair [L, H, T, D], keys pre-RoPE, valid until :meth:`close`). On CUDA,
+    one output pair [L, H, T, D], keys pre-RoPE, valid until :meth:`close`); a load into an
+    engine's pages (``keys`` and ``values`` None) returns None once layer l is in them. On CUDA,
     ``load_layer`` returns the copy event of the layer and ``wait`` makes the current stream
     wait for it. Thread-safety: ``wait`` and ``close`` may be called from any thread; the loader
     runs on its own thread, started by ``start``.
@@ -34,13 +35,15 @@ class LayerLoad:
     handed to another load).
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor,
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None,
                  load_layer: Callable[[int], torch.cuda.Event | None], *,
                  buffer_layers: int | None, on_done: Callable[[], None],
                  on_close: Callable[[torch.cuda.Event | None], None] | None = None,
-                 on_abandon: Callable[[], None] | None = None) -> None:
+                 on_abandon: Callable[[], None] | None = None,
+                 num_layers: int | None = None) -> None:
         self._loader = Loader(keys, values, load_layer, buffer_layers=buffer_layers,
-                               on_done=on_done, on_close=on_close, on_abandon=on_abandon)
+                               on_done=on_done, on_close=on_close, on_abandon=on_abandon,
+                               num_layers=num_layers)
         self.keys, self.values = keys, values  # [L, H, T, D]
         self.num_layers = self._loader.num_layers
         self.buffer_layers = buffer_layers
@@ -55,7 +58,7 @@ class LayerLoad:
         self._loader.start()
         return self
 
-    def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Block until ``layer`` is loaded; layers below it are released from the read buffer.
 
         Raises the loader's error (e.g. :class:`~kvstore.errors.CorruptData`) for the layer that
@@ -89,15 +92,23 @@ class LayerLoad:
 class Loader:
     """The state of one load, shared by its handle and its loader thread."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor,
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None,
                  load_layer: Callable[[int], torch.cuda.Event | None], *,
                  buffer_layers: int | None, on_done: Callable[[], None],
                  on_close: Callable[[torch.cuda.Event | None], None] | None,
-                 on_abandon: Callable[[], None] | None) -> None:
-        assert keys.shape == values.shape
-        self.keys, self.values = keys, values  # [L, H, T, D]
-        self.num_layers = keys.shape[0]
-        self._layer_views = [(keys[i], values[i]) for i in range(self.num_layers)]  # [H, T, D]
+                 on_abandon: Callable[[], None] | None, num_layers: int | None = None) -> None:
+        self.keys, self.values = keys, values  # [L, H, T, D], or None (a load into pages)
+        self._layer_views: list[tuple[torch.Tensor, torch.Tensor] | None]
+        if keys is None or values is None:
+            assert keys is None and values is None and num_layers is not None
+            self.num_layers = num_layers
+            self._layer_views = [None] * num_layers
+            self._device = torch.device("cpu")
+        else:
+            assert keys.shape == values.shape
+            self.num_layers = keys.shape[0]
+            self._layer_views = [(keys[i], values[i]) for i in range(self.num_layers)]  # [H,T,D]
+            self._device = keys.device
         if buffer_layers is not None and (isinstance(buffer_layers, bool)
                                           or not isinstance(buffer_layers, int)
                                           or buffer_layers < 0):
@@ -156,7 +167,7 @@ class Loader:
                 ev.set()  # nobody waits forever: wait() checks the error
             self._on_done()
 
-    def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Block until ``layer`` is loaded; layers below it are released from the read buffer.
 
         Raises the loader's error (e.g. :class:`~kvstore.errors.CorruptData`) for the layer that
@@ -176,7 +187,7 @@ class Loader:
         if layer < self._n_loaded:
             copied = self._copied[layer]
             if copied is not None:
-                torch.cuda.current_stream(self.keys.device).wait_event(copied)
+                torch.cuda.current_stream(self._device).wait_event(copied)
             return self._layer_views[layer]
         if self._error is not None:
             raise self._error
@@ -198,11 +209,11 @@ class Loader:
             on_close, self._on_close, self._on_abandon = self._on_close, None, None
         if on_close is not None:
             after = None
-            if self.keys.device.type == "cuda":
+            if self._device.type == "cuda":
                 # The buffer's last users: the copies of every layer loaded and the kernels
                 # queued so far on this thread's stream. The next load's copies wait for this
                 # event on the device; nothing waits on the host.
-                stream = torch.cuda.current_stream(self.keys.device)
+                stream = torch.cuda.current_stream(self._device)
                 for copied in self._copied:
                     if copied is not None:
                         stream.wait_event(copied)

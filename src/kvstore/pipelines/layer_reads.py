@@ -19,6 +19,7 @@ from kvstore.pipelines.chunk_reads import copy_layer, read_layer, reading
 from kvstore.pipelines.device_copy import strided_copies
 from kvstore.pipelines.get import count_lossy, resolve_all
 from kvstore.pipelines.layer_load import LayerLoad, Loader
+from kvstore.pipelines.pages import Pages
 from kvstore.store.parts import Core
 from kvstore.tiers.dram import Entry
 from kvstore.tiers.exec_buffers import HbmTier
@@ -228,9 +229,10 @@ class Loads:
 
     def start(self, toks: np.ndarray, namespace: str | None, *, buffer_layers: int | None,
               out: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device,
-              start: int = 0) -> LayerLoad:
+              start: int = 0, pages: Pages | None = None) -> LayerLoad:
         """Load positions [start, len(toks)) of the stored ``toks`` (``start`` checked by the
-        caller): only the chunks covering them are pinned and read."""
+        caller): only the chunks covering them are pinned and read. Into ``pages`` (checked by
+        the caller), straight into the engine's blocks: no execution buffer."""
         core = self.core
         n_tok = len(toks) - start
         with core.mutex:
@@ -239,7 +241,9 @@ class Loads:
                 raise StoreClosed(f"store {core.path!r} is closing")
             all_pieces = resolve_all(core, toks, namespace)
             pieces = covering(all_pieces, start)
-            hbm = self.hbm(device) if out is None else None
+            if pages is not None:
+                check_block_aligned(pieces, pages.block_tokens)
+            hbm = self.hbm(device) if out is None and pages is None else None
             for p in pieces:
                 core.slots.pin(p.rec.slot)
                 hit = p.rec.key in core.dram
@@ -261,14 +265,17 @@ class Loads:
 
         buf = None
         to_gpu: _ToDevice | None = None
+        k_out = v_out = None
         try:
-            if out is None:
+            if pages is not None:
+                pass
+            elif out is None:
                 buf = hbm.acquire(core.raw_bytes(n_tok))  # K and V
                 kv = buf.view(core.layout.torch_dtype).view(2, *core.layout.kv_shape(n_tok))
                 k_out, v_out = kv[0], kv[1]  # [L, H, T, D] each
             else:
                 k_out, v_out = out
-            if k_out.device.type == "cuda":
+            if k_out is not None and k_out.device.type == "cuda":
                 core.pin_dram_for_cuda()
                 to_gpu = _ToDevice(core, pieces, k_out, v_out,
                                    None if buf is None else hbm.last_use(buf))
@@ -281,7 +288,10 @@ class Loads:
         def load_layer(layer: int) -> torch.cuda.Event | None:
             if to_gpu is not None:
                 return self._load_layer_to_gpu(pieces, to_gpu, layer)
-            self._load_layer(pieces, chunk_extent.raw(k_out), chunk_extent.raw(v_out), layer)
+            if pages is not None:
+                self._load_layer_pages(pieces, pages, layer)
+            else:
+                self._load_layer(pieces, chunk_extent.raw(k_out), chunk_extent.raw(v_out), layer)
             return None
 
         loader: list[Loader] = []
@@ -298,7 +308,8 @@ class Loads:
         nbytes = 0 if buf is None else buf.numel()
         load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
                          on_close=None if buf is None else (lambda after: hbm.release(buf, after)),
-                         on_abandon=None if buf is None else (lambda: hbm.forget(nbytes)))
+                         on_abandon=None if buf is None else (lambda: hbm.forget(nbytes)),
+                         num_layers=core.layout.num_layers)
         loader.append(load.loader)
         with core.mutex:
             self._loads.add(load.loader)
@@ -375,6 +386,50 @@ class Loads:
                 part = bufs[0].view(kr.dtype).reshape(2, lay.num_kv_heads, n, lay.head_dim)
                 np.copyto(kr[layer, :, a:b], part[0, :, s:e_])
                 np.copyto(vr[layer, :, a:b], part[1, :, s:e_])
+
+
+    def _load_layer_pages(self, parts: list[Part], pages: Pages, layer: int) -> None:
+        """Fill layer ``layer`` of ``pages`` (loader thread): a raw chunk on disk is read
+        straight into its blocks and verified there; a DRAM copy (or a coded or partly used
+        chunk, through a buffer) is copied into them once."""
+        core = self.core
+        lay = core.layout
+        B = pages.block_tokens
+        for p in parts:
+            rec, n, s, e_ = p.rec, p.rec.n_tokens, p.src, p.src + p.count
+            first = p.dst // B
+            with core.mutex:
+                core.check_open()
+                e = core.dram.peek(rec.key, rec.gen)
+            if e is not None:
+                try:
+                    with reading(core, rec, self._files, during=DURING):
+                        part = copy_layer(core, rec, core.dram.buffer(e), layer)  # [2, H, n, D]
+                    pages.scatter(layer, first, part[0, :, s:e_], part[1, :, s:e_])
+                finally:
+                    with core.mutex:
+                        core.dram.unpin(e)
+                continue
+            off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
+            if p.src == 0 and p.count == n and rec.codec == 0:  # in place: K, V of each head
+                with reading(core, rec, self._files, during=DURING):
+                    read_layer(core, rec, layer, pages.regions(layer, first, n // B), off)
+                continue
+            with reading(core, rec, self._files, during=DURING):
+                got = read_layer(core, rec, layer, [np.empty(nbytes, dtype=np.uint8)], off)
+            part = got[0].view(chunk_extent._NP_INT[lay.itemsize]).reshape(
+                2, lay.num_kv_heads, n, lay.head_dim)
+            pages.scatter(layer, first, part[0, :, s:e_], part[1, :, s:e_])
+
+
+def check_block_aligned(parts: list[Part], block_tokens: int) -> None:
+    """ValueError unless every part fills whole blocks of ``block_tokens`` (a load into pages
+    places chunks block by block)."""
+    for p in parts:
+        if p.dst % block_tokens or p.count % block_tokens or p.src % block_tokens:
+            raise ValueError(
+                f"a load into pages of {block_tokens}-token blocks needs the loaded range and "
+                f"the store's chunks ({p.rec.n_tokens} tokens here) on block boundaries")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from kvstore.format.hashing import as_tokens
 from kvstore.layout import KVLayout
 from kvstore.pipelines.background import OnDemandThread
 from kvstore.pipelines.fork_join import Helpers, copy_all
+from kvstore.pipelines.pages import Pages
 from kvstore.tiers.output_pool import OutputPool
 
 
@@ -171,6 +172,28 @@ class SaveHandle:
         n = T - self.base
         self._copy(self._k[layer, :, :n], keys[:, keys.shape[1] - n :])  # [H, n, D]
         self._copy(self._v[layer, :, :n], values[:, values.shape[1] - n :])
+        self._layers[layer] = True
+
+    def layer_pages(self, layer: int, pages: Pages) -> None:
+        """Layer ``layer``'s KV of the prompt's tokens from ``base`` on, copied straight from an
+        engine's blocks: ``pages`` hold the prompt's last ``pages.num_tokens`` tokens (at least
+        the T - base the save needs, right-aligned; ``base`` on a block boundary of them)."""
+        self._check_open()
+        lay, T = self._layout, len(self.tokens)
+        if isinstance(layer, bool) or not isinstance(layer, int) \
+                or not 0 <= layer < lay.num_layers:
+            raise ValueError(f"layer must be in [0, {lay.num_layers}), got {layer!r}")
+        if not isinstance(pages, Pages):
+            raise TypeError(f"pages must be a kvstore Pages, got {type(pages).__name__}")
+        pages.check_layer(lay, layer)
+        n = T - self.base
+        skip = pages.num_tokens - n  # tokens of the pages before base
+        if skip < 0 or skip % pages.block_tokens or self._k.device.type != "cpu":
+            raise ValueError(f"pages of {pages.num_tokens} tokens in {pages.block_tokens}-token "
+                             f"blocks cannot give the {n} tokens after base={self.base} of "
+                             f"{T} (whole blocks, right-aligned, into a CPU save)")
+        pages.gather(layer, skip // pages.block_tokens, raw(self._k[layer, :, :n]),
+                     raw(self._v[layer, :, :n]))
         self._layers[layer] = True
 
     def layers(self, keys: torch.Tensor, values: torch.Tensor) -> None:

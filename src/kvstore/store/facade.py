@@ -34,6 +34,7 @@ from kvstore.index.spec import IndexSpec
 from kvstore.pipelines.get import Reader
 from kvstore.pipelines.layer_load import LayerLoad
 from kvstore.pipelines.layer_reads import Loads
+from kvstore.pipelines.pages import PagedFromBuffer, Pages
 from kvstore.pipelines.put import Writer
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
@@ -353,7 +354,8 @@ class Store:
     def load_layers(self, tokens: object, *, namespace: str | None = None,
                     buffer_layers: int | None = None,
                     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    device: str | torch.device | None = None, start: int = 0) -> LayerLoad:
+                    device: str | torch.device | None = None, start: int = 0,
+                    pages: Pages | None = None) -> LayerLoad | PagedFromBuffer:
         """Start loading the KV of ``tokens`` layer by layer; returns a :class:`LayerLoad`.
 
         A loader thread fills layer 0, 1, ... of (keys, values) [L, H, T, D] (pre-RoPE) in an
@@ -373,6 +375,13 @@ class Store:
         split). Only the chunks covering them are read, each layer verified against its
         checksum as always; the keys stay pre-RoPE (their true positions are start.. on use).
         Tokens served by the remote tier are fetched whole first, then sliced.
+
+        ``pages``: fill an engine's paged KV cache instead
+        (:class:`~kvstore.pipelines.pages.Pages`, holding exactly the loaded tokens; ``start``
+        and the store's chunks on its block boundaries): each layer goes straight into the
+        blocks, with no execution buffer (a raw chunk on disk is read into them in place and
+        verified there: a load that fails leaves its blocks holding unverified bytes, which the
+        caller must not use), and ``wait(l)`` returns None once layer l is in them.
         """
         toks = as_tokens(tokens)
         if isinstance(start, bool) or not isinstance(start, int | np.integer):
@@ -381,6 +390,15 @@ class Store:
             raise ValueError(f"start must be in [0, {len(toks)}) for {len(toks)} tokens, "
                              f"got {start}")
         start = int(start)
+        if pages is not None:
+            if not isinstance(pages, Pages):
+                raise TypeError(f"pages must be a kvstore Pages, got {type(pages).__name__}")
+            if out is not None or device is not None:
+                raise ValueError("a load into pages takes neither out nor device")
+            pages.check(self.layout)
+            if pages.num_tokens != len(toks) - start:
+                raise ValueError(f"pages hold {pages.num_tokens} tokens; the load has "
+                                 f"{len(toks) - start}")
         dev = check_device(device) if device is not None else torch.device("cpu")
         if out is not None:
             out = check_out(self.layout, out, len(toks) - start)
@@ -391,11 +409,12 @@ class Store:
             if device is not None and dev != k_out.device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
         if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
-            return self._remote.layer_load(toks, namespace, start=start,
+            load = self._remote.layer_load(toks, namespace, start=start,
                                            buffer_layers=buffer_layers, out=out, device=dev,
                                            hbm=self._loads.hbm)
+            return load if pages is None else PagedFromBuffer(load, pages)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
-                                 device=dev, start=start)
+                                 device=dev, start=start, pages=pages)
 
     def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:
         """A :class:`~kvstore.pipelines.row_reads.RowReader` over the stored context of

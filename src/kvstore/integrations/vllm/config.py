@@ -27,8 +27,9 @@ class ConnectorConfig:
       and role that names it shares it.
     * ``dram_bytes``, ``disk_bytes``, ``hbm_bytes``, ``write_buffer_bytes``, ``policy``,
       ``codecs``: as :func:`kvstore.open` takes them (omitted: the stored or default values).
-    * ``chunk_tokens``: the store's chunk size when the connector creates it (default: vLLM's
-      block size; an existing store keeps its own).
+    * ``chunk_tokens``: the store's chunk size when the connector creates it, a multiple of
+      vLLM's block size (default: the block size; an existing store keeps its own, which
+      must be such a multiple too).
     * ``remote``: a Redis URL (or a list of Redis Cluster node URLs): the tier shared by
       machines.
     * ``remote_deadline_s``: the remote tier's deadline per call (``RemoteConfig.deadline_s``;
@@ -126,6 +127,9 @@ class ConnectorConfig:
         elif self.remote is not None:
             opts["remote"] = list(self.remote) if isinstance(self.remote, tuple) \
                 else self.remote
+        if self.chunk_tokens is not None and self.chunk_tokens % block_size:
+            raise ValueError(f"kv_connector_extra_config['chunk_tokens'] must be a multiple of "
+                             f"vLLM's block size {block_size}, got {self.chunk_tokens}")
         if not os.path.isdir(os.path.join(self.store_dir, "catalog")):
             opts["chunk_tokens"] = self.chunk_tokens or block_size  # only a new store takes it
         return opts

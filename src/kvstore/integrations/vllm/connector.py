@@ -59,9 +59,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._lease = _open_store(cfg, layout, block_size)
         store = None if self._lease is None else self._lease.store
         if store is not None and store.config.chunk_tokens % block_size:
-            log.warning("kvstore: the store's chunks (%d tokens) are not whole vLLM blocks "
-                        "(%d); saves rewrite partial chunks", store.config.chunk_tokens,
-                        block_size)
+            chunk = store.config.chunk_tokens
+            self._lease.close()
+            raise ValueError(f"the KVStoreConnector moves whole vLLM blocks: the store's "
+                             f"chunk_tokens ({chunk}) must be a multiple of the block size "
+                             f"({block_size})")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -69,7 +71,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                                             namespace=cfg.namespace, save=cfg.save,
                                             block_ids_of=self._block_ids)
         else:
-            self._worker = WorkerSide(store, block_size=block_size, isa=isa,
+            self._worker = WorkerSide(store, block_size=block_size,
                                       buffer_layers=cfg.buffer_layers)
         log.info("kvstore: %s connector on %s (%s; block %d tokens, packing %s)%s",
                  role.name.lower(), cfg.store_dir, layout.engine, block_size, isa,

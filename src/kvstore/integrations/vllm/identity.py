@@ -1,11 +1,13 @@
 """What vLLM's KV bytes are: the store's layout for one vLLM configuration.
 
 The keys are stored as vLLM holds them (rotated, ``KVLayout(keys="rotated")``) in vLLM's KV
-cache dtype, so reuse is bit-exact. What else makes the bytes is named in the layout's
-``engine`` (vLLM's version, platform, attention ISA and compute dtype) and ``model_id`` (a
-digest of the model's config and weight files): KV is only served to a vLLM that would have
-computed those same bytes. Both connector roles (scheduler and worker processes) derive the
-same layout from the same configuration.
+cache dtype, and each block's bytes as vLLM's CPU attention packs them (its pages, moved as
+they are: :mod:`kvstore.pipelines.pages`), so reuse is bit-exact and needs no conversion. What
+else makes the bytes is named in the layout's ``engine`` (vLLM's version, platform, attention
+ISA, which decides the packing, the block size the packing is laid out in, and the compute
+dtype) and ``model_id`` (a digest of the model's config and weight files): KV is only served
+to a vLLM that would have computed and packed those same bytes. Both connector roles
+(scheduler and worker processes) derive the same layout from the same configuration.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def vllm_layout(vllm_config, *, model_id: str | None = None) -> tuple[KVLayout, 
                         head_dim=mc.get_head_size(), dtype=mc.dtype)
     rope = getattr(mc.hf_config, "rope_theta", None) or \
         (getattr(mc.hf_config, "rope_parameters", None) or {}).get("rope_theta") or 10000.0
-    engine = f"vllm {vllm.__version__} cpu isa={isa} dtype={dtype}"
+    engine = (f"vllm {vllm.__version__} cpu isa={isa} pages={cc.block_size} "
+              f"dtype={dtype}")
     if mc.hf_overrides:
         engine += f" hf_overrides={mc.hf_overrides!r}"
     layout = KVLayout(num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),

@@ -2,13 +2,18 @@
 
 Runs in vLLM's worker process, on its forward thread. Per step (a :class:`StepPlan`):
 
-* before the forward, each load starts a layer-wise load of the store
-  (``Store.load_layers(tokens, start=...)``): the store's loader thread reads and verifies
-  layer after layer; ``wait_for_layer_load(l)``, called by each attention layer before it
-  attends, waits for layer l only and packs it into the request's blocks;
+* before the forward, each load starts a layer-wise load of the store into the request's
+  blocks (``Store.load_layers(tokens, start=..., pages=...)``): the store's loader thread
+  reads (from disk straight into the blocks) and verifies layer after layer;
+  ``wait_for_layer_load(l)``, called by each attention layer before it attends, waits for
+  layer l only;
 * each save opens an asynchronous save of the store (``Store.begin_save``, which skips the
-  chunks already stored); after layer l has attended, its new blocks are unpacked into the
-  save's write buffer; at the end of the step the save goes to the store's writer thread.
+  chunks already stored); after layer l has attended, its new blocks are copied into the
+  save's write buffer as they are; at the end of the step the save goes to the store's writer
+  thread.
+
+The store holds vLLM's pages as vLLM packs them (no conversion either way): the layout's
+``engine`` names the packing and the block size (:mod:`~kvstore.integrations.vllm.identity`).
   The forward never waits for the disk: a save that finds the write buffer full is dropped
   (a future miss), never waited for.
 
@@ -27,10 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.errors import KVStoreError
-from kvstore.integrations.vllm import packing
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats
 from kvstore.pipelines.layer_load import LayerLoad
+from kvstore.pipelines.pages import PagedFromBuffer, Pages
 from kvstore.pipelines.saving import SaveHandle
 from kvstore.store.facade import Store
 
@@ -43,18 +48,16 @@ STORE_ERRORS = (KeyError, KVStoreError, OSError)
 @dataclass(eq=False)
 class _Load:
     spec: LoadSpec
-    handle: LayerLoad
-    blocks: torch.Tensor  # [n] int64
+    handle: LayerLoad | PagedFromBuffer
     tiers: dict[str, int]  # where its tokens were when it started
-    packed: int = 0  # layers 0..packed-1 are in vLLM's blocks
+    loaded: int = 0  # layers 0..loaded-1 are in vLLM's blocks
 
 
 @dataclass(eq=False)
 class _Save:
     spec: SaveSpec
     handle: SaveHandle
-    first_block: int  # the first block holding tokens the store does not have
-    blocks: torch.Tensor  # [n] int64, from first_block on
+    pages: Pages  # the blocks holding tokens the store does not have
     given: set[int] = field(default_factory=set)  # layers copied into the write buffer
 
 
@@ -62,14 +65,13 @@ class WorkerSide:
     """Thread-safety: vLLM calls it from its forward thread only (the store's loader and
     writer threads work behind the store's own handles)."""
 
-    def __init__(self, store: Store | None, *, block_size: int, isa: str,
+    def __init__(self, store: Store | None, *, block_size: int,
                  buffer_layers: int | None) -> None:
         self.store = store
         self.block_size = block_size
-        self.isa = isa
         self.buffer_layers = buffer_layers
         self.stats = KVStoreConnectorStats()
-        self._caches: list[torch.Tensor] = []  # per layer [NB, H, B, 2D]
+        self._caches: tuple[torch.Tensor, ...] = ()  # per layer [NB, H, 2, B*D]
         self._index: dict[str, int] = {}  # layer name -> layer
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
@@ -91,8 +93,11 @@ class WorkerSide:
         if self.store is not None and len(names) != self.store.layout.num_layers:
             raise ValueError(f"vLLM registered {len(names)} KV caches; the layout has "
                              f"{self.store.layout.num_layers} layers")
-        self._caches = [kv_caches[n] for n in names]
+        self._caches = Pages.of([kv_caches[n] for n in names], (), self.block_size).layers
         self._index = {n: i for i, n in enumerate(names)}
+
+    def _pages(self, block_ids: tuple[int, ...]) -> Pages:
+        return Pages(layers=self._caches, block_ids=block_ids, block_tokens=self.block_size)
 
     # ---- one step -------------------------------------------------------------------------
     def begin(self, plan: StepPlan) -> None:
@@ -107,13 +112,12 @@ class WorkerSide:
         layer-wise loads."""
         if self.store is None:
             for spec in plan.loads:  # a lookup cannot have matched, but never serve nothing
-                self._fail_load(spec, torch.tensor(spec.block_ids), KeyError("no store"))
+                self._fail_load(spec, KeyError("no store"))
             return
         for spec in plan.loads:
             self._start_load(spec)
 
     def _start_load(self, spec: LoadSpec) -> None:
-        blocks = torch.tensor(spec.block_ids, dtype=torch.int64)
         tokens = list(spec.tokens)
         try:
             where = self.store.residency(tokens, namespace=spec.namespace)
@@ -121,18 +125,20 @@ class WorkerSide:
                 front = self.store.residency(tokens[:spec.start], namespace=spec.namespace)
                 where = {k: where[k] - front[k] for k in where}
             handle = self.store.load_layers(tokens, namespace=spec.namespace,
-                                            start=spec.start, buffer_layers=self.buffer_layers)
+                                            start=spec.start, buffer_layers=self.buffer_layers,
+                                            pages=self._pages(spec.block_ids))
         except STORE_ERRORS as e:
-            self._fail_load(spec, blocks, e)
+            self._fail_load(spec, e)
             return
         tiers = {"dram": where["dram"], "disk": where["disk"], "remote": where["missing"]}
-        self._loads.append(_Load(spec, handle, blocks, tiers))
+        self._loads.append(_Load(spec, handle, tiers))
         self.stats.add("loads")
 
-    def _fail_load(self, spec: LoadSpec, blocks: torch.Tensor, error: BaseException) -> None:
+    def _fail_load(self, spec: LoadSpec, error: BaseException) -> None:
+        """The load's blocks hold no (or unverified) KV: vLLM recomputes them."""
         log.warning("kvstore: loading %d tokens of request %s failed, vLLM recomputes them: "
                     "%s: %s", spec.num_tokens, spec.req_id, type(error).__name__, error)
-        self._invalid.update(blocks.tolist())
+        self._invalid.update(spec.block_ids)
         self._report.failed.add(spec.req_id)
         self.stats.add("load_failures")
 
@@ -151,8 +157,7 @@ class WorkerSide:
             self._sent_if_final(spec)
             return
         first = handle.base // self.block_size
-        self._saves.append(_Save(spec, handle, first,
-                                 torch.tensor(spec.block_ids[first:], dtype=torch.int64)))
+        self._saves.append(_Save(spec, handle, self._pages(spec.block_ids[first:])))
 
     def _sent_if_final(self, spec: SaveSpec) -> None:
         if spec.final:
@@ -163,20 +168,19 @@ class WorkerSide:
         if not self._loads:
             return
         t0 = time.perf_counter()
-        self._pack_upto(self._index[name] + 1)
+        self._wait_upto(self._index[name] + 1)
         self.stats.add("load_seconds", time.perf_counter() - t0)
 
-    def _pack_upto(self, layers: int) -> None:
+    def _wait_upto(self, layers: int) -> None:
         for load in list(self._loads):
             try:
-                while load.packed < layers:
-                    k, v = load.handle.wait(load.packed)  # [H, n, D] each
-                    packing.pack(self.isa, self._caches[load.packed], load.blocks, k, v)
-                    load.packed += 1
+                while load.loaded < layers:
+                    load.handle.wait(load.loaded)
+                    load.loaded += 1
             except STORE_ERRORS as e:
                 self._loads.remove(load)
                 load.handle.close()
-                self._fail_load(load.spec, load.blocks, e)
+                self._fail_load(load.spec, e)
 
     def save_layer(self, name: str) -> None:
         """After layer ``name`` attended: copy its new blocks into each save's write buffer."""
@@ -185,15 +189,14 @@ class WorkerSide:
             self._copy_layer(save, layer)
 
     def _copy_layer(self, save: _Save, layer: int) -> None:
-        k, v = packing.unpack(self.isa, self._caches[layer], save.blocks)  # [H, n*B, D]
-        save.handle.layer(layer, k, v)  # takes the tokens from its base on (right-aligned)
+        save.handle.layer_pages(layer, save.pages)  # the tokens from its base on
         save.given.add(layer)
 
     def end(self) -> None:
         """After the forward (or a step without one): finish the loads, hand the saves to the
         store's writer (layers the forward did not visit are copied now)."""
         if self._loads:
-            self._pack_upto(len(self._caches))  # layers no attention waited for
+            self._wait_upto(len(self._caches))  # layers no attention waited for
             for load in self._loads:
                 load.handle.close()
                 self._report.loaded[load.spec.req_id] = load.tiers

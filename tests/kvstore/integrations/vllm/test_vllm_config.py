@@ -51,7 +51,7 @@ def test_layout_of_a_vllm_config():
     layout, isa = vllm_layout(_config())
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (30, 3, 64)
     assert layout.dtype == "float32" and layout.keys == "rotated"
-    assert layout.engine == "vllm 0.32.0 cpu isa=vec dtype=float32" and isa == "vec"
+    assert layout.engine == "vllm 0.32.0 cpu isa=vec pages=128 dtype=float32" and isa == "vec"
     assert layout.model_id.startswith("xxh3:") and layout.rope_theta == 100000.0
     bf16, isa16 = vllm_layout(_config(dtype="bfloat16"))
     assert bf16.fingerprint != layout.fingerprint
