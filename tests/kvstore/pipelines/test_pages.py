@@ -199,3 +199,24 @@ def test_chunks_off_block_boundaries_are_refused(tmp_path):
         put_causal(s, toks)
         with pytest.raises(ValueError, match="block boundaries"):
             s.load_layers(toks, pages=Pages.of(_caches(), [0, 1, 2], B))
+
+
+@pytest.mark.parametrize("start", [0, 8])
+def test_pages_from_the_remote_tier(tmp_path, redis_server, start):
+    """Tokens only the remote tier holds are fetched into a buffer, then placed in the pages
+    by the thread that waits for each layer."""
+    toks = list(range(200, 224))
+    opts = {"layout": LAYOUT, "chunk_tokens": 8, "dram_bytes": 1 << 20, "disk_bytes": 1 << 20,
+            "remote": redis_server.url}
+    with kvstore.open(tmp_path / "a", **opts) as a:
+        k, v = put_causal(a, toks)
+        a.flush(remote=True)
+    with kvstore.open(tmp_path / "b", **opts) as b:
+        assert b.residency(toks)["missing"] == len(toks)
+        ids = IDS[: (len(toks) - start) // B]
+        caches = _caches()
+        want = _oracle(caches, ids, k[:, :, start:], v[:, :, start:])
+        with b.load_layers(toks, start=start, pages=Pages.of(caches, ids, B)) as load:
+            for layer in range(LAYOUT.num_layers):
+                assert load.wait(layer) is None
+        assert all(torch.equal(x, y) for x, y in zip(caches, want, strict=True))
