@@ -32,6 +32,11 @@ def raw(t: torch.Tensor) -> np.ndarray:
     return t.view(_INT_VIEW[t.element_size()]).numpy()
 
 
+def int_dtype(layout: KVLayout) -> type[np.integer]:
+    """The numpy integer type of the layout's element size (raw views of KV bytes)."""
+    return _NP_INT[layout.itemsize]
+
+
 def empty_kv(layout: KVLayout, n_tokens: int, count: int = 1) -> list[torch.Tensor]:
     """``count`` new CPU tensors [L, H, n, D] in the layout dtype, allocated through numpy:
     numpy's large allocations get transparent huge pages (``madvise`` mode), so their first

@@ -417,7 +417,7 @@ class Loads:
                 continue
             with reading(core, rec, self._files, during=DURING):
                 got = read_layer(core, rec, layer, [np.empty(nbytes, dtype=np.uint8)], off)
-            part = got[0].view(chunk_extent._NP_INT[lay.itemsize]).reshape(
+            part = got[0].view(chunk_extent.int_dtype(lay)).reshape(
                 2, lay.num_kv_heads, n, lay.head_dim)
             pages.scatter(layer, first, part[0, :, s:e_], part[1, :, s:e_])
 

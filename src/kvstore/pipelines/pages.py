@@ -23,7 +23,6 @@ import torch
 
 from kvstore.format.chunk_extent import raw
 from kvstore.layout import KVLayout
-from kvstore.pipelines.layer_load import LayerLoad
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -142,42 +141,3 @@ class Pages:
                 pairs.append((t[b:b + c, :, kv].transpose(1, 0, 2), view))  # [H, c, B*D]
         return pairs
 
-
-class PagedFromBuffer:
-    """A load into pages through an execution buffer (what the remote tier serves): layer l
-    is placed into the pages by the thread that waits for it. The same methods as
-    :class:`~kvstore.pipelines.layer_load.LayerLoad`; ``wait(l)`` returns None once layers
-    0..l are in the pages. Thread-safety: one thread waits and closes."""
-
-    def __init__(self, load: LayerLoad, pages: Pages) -> None:
-        self._load = load
-        self._pages = pages
-        self._placed = 0  # layers 0.._placed-1 are in the pages
-        self.num_layers = load.num_layers
-        self.buffer_layers = load.buffer_layers
-
-    def start(self) -> PagedFromBuffer:
-        return self
-
-    def wait(self, layer: int) -> None:
-        while self._placed <= layer:
-            kv = self._load.wait(self._placed)
-            assert kv is not None
-            self._pages.scatter(self._placed, 0, raw(kv[0]), raw(kv[1]))  # [H, T, D] each
-            self._placed += 1
-
-    def done(self) -> bool:
-        return self._load.done()
-
-    @property
-    def load_s(self) -> float:
-        return self._load.load_s
-
-    def close(self) -> None:
-        self._load.close()
-
-    def __enter__(self) -> PagedFromBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -34,7 +34,7 @@ from kvstore.index.spec import IndexSpec
 from kvstore.pipelines.get import Reader
 from kvstore.pipelines.layer_load import LayerLoad
 from kvstore.pipelines.layer_reads import Loads
-from kvstore.pipelines.pages import PagedFromBuffer, Pages
+from kvstore.pipelines.pages import Pages
 from kvstore.pipelines.put import Writer
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
@@ -355,7 +355,7 @@ class Store:
                     buffer_layers: int | None = None,
                     out: tuple[torch.Tensor, torch.Tensor] | None = None,
                     device: str | torch.device | None = None, start: int = 0,
-                    pages: Pages | None = None) -> LayerLoad | PagedFromBuffer:
+                    pages: Pages | None = None) -> LayerLoad:
         """Start loading the KV of ``tokens`` layer by layer; returns a :class:`LayerLoad`.
 
         A loader thread fills layer 0, 1, ... of (keys, values) [L, H, T, D] (pre-RoPE) in an
@@ -409,10 +409,9 @@ class Store:
             if device is not None and dev != k_out.device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
         if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
-            load = self._remote.layer_load(toks, namespace, start=start,
+            return self._remote.layer_load(toks, namespace, start=start,
                                            buffer_layers=buffer_layers, out=out, device=dev,
-                                           hbm=self._loads.hbm)
-            return load if pages is None else PagedFromBuffer(load, pages)
+                                           hbm=self._loads.hbm, pages=pages)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
                                  device=dev, start=start, pages=pages)
 

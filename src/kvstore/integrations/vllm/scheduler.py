@@ -50,6 +50,10 @@ class _Tracked:
     saved: int = 0  # tokens whose saving was planned (whole blocks)
     loaded: dict[str, int] | None = None  # tokens the worker loaded, by tier
     load_failed: bool = False
+    # A save skipped in the step that loads from the remote tier (copying what was just
+    # fetched back out of vLLM's blocks would sit in that step's forward): the request's next
+    # save, at a block boundary or when it ends, covers it.
+    deferred: bool = False
 
 
 class SchedulerSide:
@@ -118,12 +122,15 @@ class SchedulerSide:
             tracked = self._tracked[rid]
             blocks = self._block_ids_of(rid)
             toks = tracked.request.all_token_ids
-            plan.loads.append(LoadSpec(req_id=rid, tokens=tuple(toks[:start + n]), start=start,
-                                       block_ids=tuple(blocks[start // B:(start + n) // B]),
-                                       namespace=tracked.namespace))
+            spec = LoadSpec(req_id=rid, tokens=tuple(toks[:start + n]), start=start,
+                            block_ids=tuple(blocks[start // B:(start + n) // B]),
+                            namespace=tracked.namespace)
+            plan.loads.append(spec)
+            tracked.deferred = self.save and self._from_remote(spec)
         self._loads = []
         if not self.save or self.store is None:
             return plan
+        loading = {spec.req_id for spec in plan.loads}
         for rid, n in num_scheduled.items():
             tracked = self._tracked.get(rid)
             if tracked is None:
@@ -133,14 +140,27 @@ class SchedulerSide:
             # whose ids are known (async scheduling appends sampled ids later).
             done = req.num_computed_tokens + n - len(spec_tokens.get(rid, ()))
             upto = min(done, len(req.all_token_ids)) // B * B
-            if upto > tracked.saved:
-                plan.saves.append(self._save(rid, tracked, upto, self._block_ids_of(rid)))
+            if upto <= tracked.saved:
+                continue
+            if tracked.deferred and rid in loading:
+                tracked.saved = upto  # the next save covers it (every save starts at 0)
+                continue
+            plan.saves.append(self._save(rid, tracked, upto, self._block_ids_of(rid)))
         return plan
+
+    def _from_remote(self, spec: LoadSpec) -> bool:
+        """Whether part of a load comes from the remote tier (not stored on this machine)."""
+        try:
+            return self.store.residency(list(spec.tokens), namespace=spec.namespace)[
+                "missing"] > 0
+        except (KVStoreError, OSError):
+            return False
 
     def _save(self, rid: str, tracked: _Tracked, upto: int, blocks, *, final: bool = False
               ) -> SaveSpec:
         B = self.block_size
         tracked.saved = upto
+        tracked.deferred = False
         return SaveSpec(req_id=rid, tokens=tuple(tracked.request.all_token_ids[:upto]),
                         block_ids=tuple(blocks[:upto // B]), namespace=tracked.namespace,
                         final=final)
@@ -164,9 +184,10 @@ class SchedulerSide:
 
     def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """The request ended. If blocks computed in its last steps were not planned for saving
-        yet (async scheduling learns sampled ids a step late), plan a final save and keep its
-        blocks until the worker has copied them (returns True: vLLM frees them when the
-        worker reports the request)."""
+        yet (async scheduling learns sampled ids a step late; a save deferred in the step that
+        loaded from the remote tier), plan a final save and keep its blocks until the worker
+        has copied them (returns True: vLLM frees them when the worker reports the
+        request)."""
         rid = request.request_id
         self._lookups.pop(rid, None)
         tracked = self._tracked.pop(rid, None)
@@ -178,7 +199,8 @@ class SchedulerSide:
         self._ended[rid] = params["kvstore"]
         B = self.block_size
         upto = min(request.num_computed_tokens, len(request.all_token_ids)) // B * B
-        if self.save and self.store is not None and upto > tracked.saved:
+        if self.save and self.store is not None and upto > 0 \
+                and (upto > tracked.saved or tracked.deferred):
             self._final.append(self._save(rid, tracked, upto, block_ids, final=True))
             return True, params
         return False, params

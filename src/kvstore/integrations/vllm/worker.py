@@ -35,7 +35,7 @@ from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats
 from kvstore.pipelines.layer_load import LayerLoad
-from kvstore.pipelines.pages import PagedFromBuffer, Pages
+from kvstore.pipelines.pages import Pages
 from kvstore.pipelines.saving import SaveHandle
 from kvstore.store.facade import Store
 
@@ -48,7 +48,7 @@ STORE_ERRORS = (KeyError, KVStoreError, OSError)
 @dataclass(eq=False)
 class _Load:
     spec: LoadSpec
-    handle: LayerLoad | PagedFromBuffer
+    handle: LayerLoad
     tiers: dict[str, int]  # where its tokens were when it started
     loaded: int = 0  # layers 0..loaded-1 are in vLLM's blocks
 

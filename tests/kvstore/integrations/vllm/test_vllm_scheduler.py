@@ -150,3 +150,38 @@ def test_no_saves_when_saving_is_off(store):
     req = request("a", list(range(8)))
     s.allocated(req, 0)
     assert s.plan({"a": 8}, {}).saves == []
+
+
+def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, redis_server):
+    """The step that fetches blocks from Redis does not copy them (and the step's new blocks)
+    back out of vLLM's cache; the request's next save, here the final one when it ends,
+    covers the whole context (the worker's begin_save skips what is local by then)."""
+    ids = list(range(400, 411))
+    opts = {"layout": LAYOUT, "chunk_tokens": B, "dram_bytes": 1 << 20, "disk_bytes": 1 << 22,
+            "remote": redis_server.url}
+    with kvstore.open(tmp_path / "other", **opts) as other:
+        other.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
+        other.flush(remote=True)
+    with kvstore.open(tmp_path / "here", **opts) as here:
+        s = side(here, {"a": [7, 3, 9], "b": [1, 2, 5]})
+        req = request("a", ids)
+        assert s.matched(req, 0) == 8
+        s.allocated(req, 8)
+        req.num_computed_tokens = 8
+        plan = s.plan({"a": 3}, {})
+        assert len(plan.loads) == 1 and plan.saves == []  # deferred
+        req.num_computed_tokens = 11
+        assert s.plan({"a": 1}, {}).saves == []  # no new whole block: still deferred
+        req.append_output_token_ids(555)
+        delay, _ = s.finished(req, [7, 3, 9])
+        assert delay
+        (final,) = s.plan({}, {}).saves
+        assert final.final and final.tokens == tuple(ids[:8]) and final.block_ids == (7, 3)
+        # a load served locally saves in its own step as before
+        here.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
+        local = request("b", ids)
+        assert s.matched(local, 0) == 8
+        s.allocated(local, 8)
+        local.num_computed_tokens = 8
+        (save,) = s.plan({"b": 3}, {}).saves
+        assert save.tokens == tuple(ids[:8])
