@@ -184,6 +184,23 @@ def read_layer(core: Core, rec: ChunkRecord, layer: int, bufs: list[np.ndarray],
     return bufs
 
 
+def read_layers(core: Core, rec: ChunkRecord, first: int, count: int, bufs: list[np.ndarray],
+                off: int) -> None:
+    """Read layers ``first .. first + count - 1`` of raw chunk ``rec`` from disk into ``bufs``
+    (their pieces in extent order, as many per layer; from byte ``off`` of its slot) with one
+    read, and verify each layer against its checksum; as :func:`read_layer`, :class:`Raced` or
+    :class:`CorruptData`."""
+    assert rec.codec == 0
+    try:
+        chunk_extent.check_stored(rec, core.layout, core.geo.slot_stride)
+        core.segments.read(rec.slot, bufs, off)
+        chunk_extent.verify(rec, chunk_extent.piece_checksums(bufs, count), first)
+    except CorruptData:
+        if not is_current(core, rec):
+            raise Raced(rec.key.hex()) from None
+        raise
+
+
 def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles) -> None:
     """Drop every context holding a corrupt chunk (durably), so no process claims it again.
     The chunk is never served by this process again either way. A segment file missing

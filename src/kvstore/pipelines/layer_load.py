@@ -230,3 +230,19 @@ class Loader:
             on_abandon, self._on_close, self._on_abandon = self._on_abandon, None, None
         if on_abandon is not None:
             on_abandon()
+
+
+def layer_groups(num_layers: int) -> dict[int, list[int]]:
+    """Layers read together by a layer-wise load, by first layer: groups of 1, 2, 4, 8, ...
+    layers, so layer 0 arrives after one small read (or round trip to a remote tier) and the
+    whole load takes about log2(L) reads per chunk rather than L (each read costs the loader a
+    call into the system and, on a busy machine, a wait for the interpreter and the CPU that
+    cost more than the bytes)."""
+    out: dict[int, list[int]] = {}
+    start, size = 0, 1
+    while start < num_layers:
+        group = list(range(start, min(num_layers, start + size)))
+        for layer in group:
+            out[layer] = group
+        start, size = start + size, size * 2
+    return out

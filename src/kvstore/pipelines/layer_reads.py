@@ -15,10 +15,10 @@ from kvstore.errors import StoreClosed
 from kvstore.format import chunk_extent
 from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
-from kvstore.pipelines.chunk_reads import copy_layer, read_layer, reading
+from kvstore.pipelines.chunk_reads import copy_layer, read_layer, read_layers, reading
 from kvstore.pipelines.device_copy import strided_copies
 from kvstore.pipelines.get import count_lossy, resolve_all
-from kvstore.pipelines.layer_load import LayerLoad, Loader
+from kvstore.pipelines.layer_load import LayerLoad, Loader, layer_groups
 from kvstore.pipelines.pages import Pages
 from kvstore.store.parts import Core
 from kvstore.tiers.dram import Entry
@@ -285,11 +285,14 @@ class Loads:
             unpin()
             raise
 
+        groups = layer_groups(core.layout.num_layers)
+
         def load_layer(layer: int) -> torch.cuda.Event | None:
             if to_gpu is not None:
                 return self._load_layer_to_gpu(pieces, to_gpu, layer)
             if pages is not None:
-                self._load_layer_pages(pieces, pages, layer)
+                if groups[layer][0] == layer:  # the group's first layer reads all of it
+                    self._load_group_pages(pieces, pages, groups[layer])
             else:
                 self._load_layer(pieces, chunk_extent.raw(k_out), chunk_extent.raw(v_out), layer)
             return None
@@ -388,10 +391,11 @@ class Loads:
                 np.copyto(vr[layer, :, a:b], part[1, :, s:e_])
 
 
-    def _load_layer_pages(self, parts: list[Part], pages: Pages, layer: int) -> None:
-        """Fill layer ``layer`` of ``pages`` (loader thread): a raw chunk on disk is read
-        straight into its blocks and verified there; a DRAM copy (or a coded or partly used
-        chunk, through a buffer) is copied into them once."""
+    def _load_group_pages(self, parts: list[Part], pages: Pages, group: list[int]) -> None:
+        """Fill layers ``group`` (consecutive) of ``pages`` (loader thread): a raw chunk on
+        disk is read straight into its blocks with one read for the group and verified there,
+        layer by layer; a DRAM copy (or a coded or partly used chunk, through a buffer) is
+        copied into them once."""
         core = self.core
         lay = core.layout
         B = pages.block_tokens
@@ -403,23 +407,28 @@ class Loads:
                 e = core.dram.peek(rec.key, rec.gen)
             if e is not None:
                 try:
-                    with reading(core, rec, self._files, during=DURING):
-                        part = copy_layer(core, rec, core.dram.buffer(e), layer)  # [2, H, n, D]
-                    pages.scatter(layer, first, part[0, :, s:e_], part[1, :, s:e_])
+                    for layer in group:
+                        with reading(core, rec, self._files, during=DURING):
+                            part = copy_layer(core, rec, core.dram.buffer(e), layer)
+                        pages.scatter(layer, first, part[0, :, s:e_], part[1, :, s:e_])
                 finally:
                     with core.mutex:
                         core.dram.unpin(e)
                 continue
-            off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
+            lbytes = n * lay.layer_token_bytes
             if p.src == 0 and p.count == n and rec.codec == 0:  # in place: K, V of each head
+                off, _ = rec.layer_span(group[0], lbytes)
+                bufs = [r for layer in group for r in pages.regions(layer, first, n // B)]
                 with reading(core, rec, self._files, during=DURING):
-                    read_layer(core, rec, layer, pages.regions(layer, first, n // B), off)
+                    read_layers(core, rec, group[0], len(group), bufs, off)
                 continue
-            with reading(core, rec, self._files, during=DURING):
-                got = read_layer(core, rec, layer, [np.empty(nbytes, dtype=np.uint8)], off)
-            part = got[0].view(chunk_extent.int_dtype(lay)).reshape(
-                2, lay.num_kv_heads, n, lay.head_dim)
-            pages.scatter(layer, first, part[0, :, s:e_], part[1, :, s:e_])
+            for layer in group:
+                off, nbytes = rec.layer_span(layer, lbytes)
+                with reading(core, rec, self._files, during=DURING):
+                    got = read_layer(core, rec, layer, [np.empty(nbytes, dtype=np.uint8)], off)
+                part = got[0].view(chunk_extent.int_dtype(lay)).reshape(
+                    2, lay.num_kv_heads, n, lay.head_dim)
+                pages.scatter(layer, first, part[0, :, s:e_], part[1, :, s:e_])
 
 
 def check_block_aligned(parts: list[Part], block_tokens: int) -> None:

@@ -16,6 +16,7 @@ blocks straight into its write buffer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,11 +102,16 @@ class Pages:
                 runs.append((i, b, 1))
         return runs
 
+    @functools.cached_property
+    def _raw(self) -> list[np.ndarray]:
+        """Per layer a raw integer view [NB, H, 2, B*D] of its tensor (made once)."""
+        return [raw(t) for t in self.layers]
+
     def regions(self, layer: int, first: int, count: int) -> list[np.ndarray]:
         """Raw views of blocks ``first .. first + count - 1`` of ``layer`` in a chunk extent's
         layer order: for K then V, for each head, each block's region ([block_tokens *
         head_dim] elements each): what a read of those tokens' layer fills in place."""
-        t = raw(self.layers[layer])  # [NB, H, 2, B*D]
+        t = self._raw[layer]  # [NB, H, 2, B*D]
         ids = self.block_ids[first:first + count]
         return [t[b, h, kv] for kv in range(2) for h in range(t.shape[1]) for b in ids]
 
@@ -128,7 +134,7 @@ class Pages:
         B = self.block_tokens
         assert k.shape == v.shape and k.shape[1] % B == 0, (k.shape, v.shape, B)
         H, n, D = k.shape
-        t = raw(self.layers[layer])  # [NB, H, 2, B*D]
+        t = self._raw[layer]  # [NB, H, 2, B*D]
         pairs = []
         for i, b, c in self.runs(first, n // B):
             a = (i - first) * B

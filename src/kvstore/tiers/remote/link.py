@@ -44,7 +44,7 @@ from kvstore.format.records import ChunkRecord
 from kvstore.pipelines.background import Worker
 from kvstore.pipelines.fork_join import copy_all
 from kvstore.pipelines.gather import gather
-from kvstore.pipelines.layer_load import LayerLoad
+from kvstore.pipelines.layer_load import LayerLoad, layer_groups
 from kvstore.pipelines.pages import Pages
 from kvstore.store.parts import Core
 from kvstore.tiers.exec_buffers import HbmTier
@@ -106,21 +106,6 @@ def check_block_starts(rest: list[_Chunk], block_tokens: int) -> None:
             raise ValueError(f"a load into pages of {block_tokens}-token blocks needs the "
                              f"store's chunks on block boundaries (a chunk of "
                              f"{len(ch.tokens)} tokens at {ch.start})")
-
-
-def layer_groups(num_layers: int) -> dict[int, list[int]]:
-    """Layers fetched together by a layer-wise load, by first layer: groups of 1, 2, 4, 8, ...
-    layers, so layer 0 arrives after one small round trip and the whole load takes about
-    log2(L) round trips rather than L (each round trip also waits for the server to be
-    scheduled, which on a busy machine costs more than the bytes)."""
-    out: dict[int, list[int]] = {}
-    start, size = 0, 1
-    while start < num_layers:
-        group = list(range(start, min(num_layers, start + size)))
-        for layer in group:
-            out[layer] = group
-        start, size = start + size, size * 2
-    return out
 
 
 class RemoteLink:
@@ -406,7 +391,8 @@ class RemoteLink:
                     pages: Pages | None = None) -> LayerLoad:
         """A layer-wise load of ``toks`` into ``kv`` (CPU [L, H, T, D]) or ``pages``: the local
         prefix at once, the remote chunks by ``GETRANGE`` in growing groups of layers
-        (:func:`layer_groups`), each chunk's layer placed where it goes as it arrives."""
+        (:func:`~kvstore.pipelines.layer_load.layer_groups`), each chunk's layer placed where
+        it goes as it arrives."""
         local = self._local(toks, namespace)
         base, rest = self._rest(toks, namespace, local)
         # one deadline for the whole load: its loader thread fetches the layers by it

@@ -182,7 +182,7 @@ def test_tier_state_machine(redis_server):
 
 
 def test_layer_groups_cover_every_layer_once_first_layer_alone():
-    from kvstore.tiers.remote.link import layer_groups
+    from kvstore.pipelines.layer_load import layer_groups
 
     for n in (1, 2, 3, 30, 64):
         g = layer_groups(n)
