@@ -131,32 +131,15 @@ class ReadTxn:
     def chunk_map(self) -> dict[bytes, ChunkRecord]:
         """Every readable chunk record by key (what :meth:`chunks` yields, decoded in one
         loop: a full load reads a million of them)."""
-        out = {}
-        decode = ChunkRecord.decode
-        for k, v in self._txn.cursor(db=self._dbs["chunks"]):
-            k = bytes(k)
-            try:
-                out[k] = decode(k, bytes(v))
-            except FormatError as e:
-                self.malformed.append(("chunks", k, str(e)))
-        return out
+        return ChunkRecord.decode_all(self._txn.cursor(db=self._dbs["chunks"]), self.malformed)
 
     def context_map(self, chunks: dict[bytes, ChunkRecord] | None = None
                     ) -> dict[bytes, ContextRecord]:
         """Every readable context record by key. With ``chunks`` (:meth:`chunk_map`'s
         dict), the keys a context holds, and its own, are the chunk records' key objects
         where those exist: one copy of each key in memory, however many records name it."""
-        out = {}
-        decode = ContextRecord.decode
-        for k, v in self._txn.cursor(db=self._dbs["contexts"]):
-            k = bytes(k)
-            try:
-                rec = decode(k, bytes(v), chunks)
-            except FormatError as e:
-                self.malformed.append(("contexts", k, str(e)))
-                continue
-            out[rec.key] = rec
-        return out
+        return ContextRecord.decode_all(self._txn.cursor(db=self._dbs["contexts"]), chunks,
+                                        self.malformed)
 
     def indexes(self) -> Iterator[tuple[bytes, IndexEntry]]:
         for k, v in self._items("indexes"):

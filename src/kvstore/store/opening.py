@@ -11,16 +11,18 @@ on the settings they share (``disk_bytes``, ``chunk_tokens``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
 from kvstore.eviction.policies import make_policy
-from kvstore.format.catalog import CATALOG, FORMAT_VERSION, Catalog
+from kvstore.format.catalog import CATALOG, DATA_FILE, FORMAT_VERSION, Catalog
 from kvstore.format.directory import Dir, UnsafePath
 from kvstore.format.open_lock import DirLock, acquire
+from kvstore.format.readahead import Readahead
 from kvstore.format.segments import SEGMENTS, SegmentFiles, SegmentGeometry
 from kvstore.format.writer_registry import PROCS, Owner, collect_dead
 from kvstore.index.lifecycle import INDEXES, IndexFiles
@@ -106,18 +108,17 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     root = Dir.open_root(path, create=not readonly)
     try:
         lock = acquire(root, exclusive=exclusive, readonly=readonly)
+        catalog = None
         try:
-            catalog = _open_catalog(root, lock, readonly)
-        except BaseException:
-            lock.release()
-            raise
-        try:
-            layout, config = _settle_format(root, catalog, layout, asked, set(given), lock,
-                                            readonly)
-            store = _assemble(root, catalog, lock, layout, config, readonly)
+            with _catalog_readahead(root):  # the open reads all of a large catalog
+                catalog = _open_catalog(root, lock, readonly)
+                layout, config = _settle_format(root, catalog, layout, asked, set(given),
+                                                lock, readonly)
+                store = _assemble(root, catalog, lock, layout, config, readonly)
         except BaseException:
             lock.release()  # first, as Store.close does
-            catalog.close()
+            if catalog is not None:
+                catalog.close()
             raise
     except BaseException:
         root.close()
@@ -137,6 +138,23 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             store.close()
             raise
     return store
+
+
+@contextlib.contextmanager
+def _catalog_readahead(root: Dir) -> Iterator[None]:
+    """:class:`~kvstore.format.readahead.Readahead` of the catalog's data file while the
+    ``with`` block runs (nothing for a new store, or a catalog directory that is not one: the
+    catalog's own checks report it)."""
+    try:
+        folder = root.sub(CATALOG)
+    except (OSError, UnsafePath):
+        yield
+        return
+    try:
+        with Readahead(folder, DATA_FILE):
+            yield
+    finally:
+        folder.close()
 
 
 def _open_catalog(root: Dir, lock: DirLock, readonly: bool) -> Catalog:
