@@ -34,6 +34,10 @@ class Pages:
     ``layers``: per layer a CPU tensor [num_blocks, num_kv_heads, 2 (K, V),
     block_tokens * head_dim] in the layout's dtype (a view of the engine's cache: vLLM's
     [num_blocks, H, block_tokens, 2 * head_dim] viewed so, :meth:`of`).
+
+    Thread-safety: the record is immutable; :meth:`scatter` and :meth:`gather` write the
+    engine's blocks or the caller's rows, so one thread at a time may write a given block
+    (a load's loader thread fills its blocks while the engine reads others).
     """
 
     layers: tuple[torch.Tensor, ...]
