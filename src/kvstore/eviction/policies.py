@@ -106,16 +106,24 @@ class FIFO(EvictionPolicy):
         return stats.inserted
 
 
+# Queued entries rank above every access time: an entry queued outside the look-ahead window
+# at QUEUED - position, inside it at 2 * QUEUED - position (access times and positions stay
+# far below it).
+QUEUED = 1 << 62
+
+
 class SchedulerAware(EvictionPolicy):
-    """AttentionStore §3.3.2. Without a queue it is LRU."""
+    """AttentionStore §3.3.2. Without a queue it is LRU. The priority is one int (the order of
+    the tuples (0, last_access) < (1, -position) < (2, -position), without a tuple per entry:
+    a store keeps one per stored context)."""
 
     name = "scheduler"
     uses_queue = True
 
     def priority(self, stats: AccessStats, queued: Queued | None = None) -> Priority:
         if queued is None:
-            return (0, stats.last_access)
-        return (2 if queued.in_window else 1, -queued.position)
+            return stats.last_access
+        return (2 if queued.in_window else 1) * QUEUED - queued.position
 
     def exempt(self, queued: Queued | None) -> bool:
         return queued is not None and queued.in_window

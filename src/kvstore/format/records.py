@@ -187,11 +187,19 @@ class ChunkRecord:
         out: dict[bytes, ChunkRecord] = {}
         unpack, head = _CHUNK_V2.unpack_from, _CHUNK_V2.size
         new = cls.__new__
+        # Chunks committed together (a put's, a bulk load's) share one generation: one int
+        # object for them all, not one each (28 bytes a record; at most _GENS_MAX kept).
+        gens: dict[int, int] = {}
         for key, raw in items:
             if raw[:1] == b"\x02" and len(raw) >= head and len(key) == HASH_BYTES:
                 _, parent, n, slot, gen, nl = unpack(raw)
                 t = head + 8 * nl
                 if len(raw) == t + 4 * n and n:
+                    shared = gens.get(gen)
+                    if shared is not None:
+                        gen = shared
+                    elif len(gens) < _GENS_MAX:
+                        gens[gen] = gen
                     rec = new(cls)
                     rec.key, rec.parent, rec.n_tokens, rec.slot, rec.gen, rec.codec = \
                         key, parent, n, slot, gen, 0
@@ -207,6 +215,7 @@ class ChunkRecord:
 
 
 _KEYS: dict[int, struct.Struct] = {}
+_GENS_MAX = 1 << 16  # distinct generations shared by one full load's chunk records
 _KEY_OF = attrgetter("key")
 # Token counts of contexts repeat (a million contexts have far fewer distinct lengths): one
 # int object per count (for the first 65,536 counts seen), shared by every record of that
@@ -296,6 +305,8 @@ class ContextRecord:
                     else:
                         if keys[-1] == key:
                             key = keys[-1]
+                        if last == created:  # never read since its put: one int object
+                            last = created
                         out[key] = cls(key, counts.get(n) or _shared_count(n), created, last,
                                        keys)
                         continue
