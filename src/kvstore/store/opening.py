@@ -105,6 +105,9 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     remote_cfg = None if remote is None else RemoteConfig.of(remote)
     if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
         raise FileNotFoundError(f"no kvstore at {path!r}")
+    if layout is None and not os.path.isdir(os.path.join(path, CATALOG)):
+        # nothing created for an open that cannot create (checked again once locked)
+        raise ValueError(f"layout is required to create a new store at {path!r}")
     root = Dir.open_root(path, create=not readonly)
     try:
         lock = acquire(root, exclusive=exclusive, readonly=readonly)

@@ -66,6 +66,11 @@ def test_match_get_reject_bad_tokens(filled):
 def test_open_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="layout is required"):
         kvstore.open(tmp_path / "a")
+    assert not (tmp_path / "a").exists()  # an open that cannot create creates nothing
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="layout is required"):
+        kvstore.open(tmp_path / "empty")
+    assert list((tmp_path / "empty").iterdir()) == []
     with pytest.raises(TypeError, match="layout must be a kvstore.KVLayout"):
         kvstore.open(tmp_path / "b", layout={"num_layers": 2})
     with pytest.raises(ValueError, match="dram_bytes must be >= 0"):
