@@ -201,10 +201,11 @@ def test_chunks_off_block_boundaries_are_refused(tmp_path):
             s.load_layers(toks, pages=Pages.of(_caches(), [0, 1, 2], B))
 
 
-@pytest.mark.parametrize("start", [0, 8])
-def test_pages_from_the_remote_tier(tmp_path, redis_server, start):
+@pytest.mark.parametrize("start, local", [(0, 0), (8, 0), (0, 8)])
+def test_pages_from_the_remote_tier(tmp_path, redis_server, start, local):
     """Tokens only the remote tier holds: each chunk's layer is placed in the pages as it
-    arrives (``start``: the tail of what is fetched at once)."""
+    arrives (``start``: the tail of what is fetched at once; ``local``: a prefix this store
+    holds goes into the pages first)."""
     toks = list(range(200, 224))
     opts = {"layout": LAYOUT, "chunk_tokens": 8, "dram_bytes": 1 << 20, "disk_bytes": 1 << 20,
             "remote": redis_server.url}
@@ -212,29 +213,13 @@ def test_pages_from_the_remote_tier(tmp_path, redis_server, start):
         k, v = put_causal(a, toks)
         a.flush(remote=True)
     with kvstore.open(tmp_path / "b", **opts) as b:
-        assert b.residency(toks)["missing"] == len(toks)
+        if local:
+            put_causal(b, toks[:local])
+        assert b.residency(toks)["missing"] == len(toks) - local
         ids = IDS[: (len(toks) - start) // B]
         caches = _caches()
         want = _oracle(caches, ids, k[:, :, start:], v[:, :, start:])
         with b.load_layers(toks, start=start, pages=Pages.of(caches, ids, B)) as load:
             for layer in range(LAYOUT.num_layers):
                 assert load.wait(layer) is None
-        assert all(torch.equal(x, y) for x, y in zip(caches, want, strict=True))
-
-
-def test_pages_from_a_local_prefix_and_the_remote_tier(tmp_path, redis_server):
-    """The local prefix goes into the pages first, the remote chunks as they arrive."""
-    toks = list(range(300, 324))
-    opts = {"layout": LAYOUT, "chunk_tokens": 8, "dram_bytes": 1 << 20, "disk_bytes": 1 << 20,
-            "remote": redis_server.url}
-    with kvstore.open(tmp_path / "a", **opts) as a:
-        k, v = put_causal(a, toks)
-        a.flush(remote=True)
-    with kvstore.open(tmp_path / "b", **opts) as b:
-        put_causal(b, toks[:8])
-        assert b.residency(toks)["missing"] == 16
-        caches = _caches()
-        want = _oracle(caches, IDS, k, v)
-        with b.load_layers(toks, pages=Pages.of(caches, IDS, B)) as load:
-            load.wait(LAYOUT.num_layers - 1)
         assert all(torch.equal(x, y) for x, y in zip(caches, want, strict=True))
