@@ -105,8 +105,9 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     remote_cfg = None if remote is None else RemoteConfig.of(remote)
     if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
         raise FileNotFoundError(f"no kvstore at {path!r}")
-    if layout is None and not os.path.isdir(os.path.join(path, CATALOG)):
-        # nothing created for an open that cannot create (checked again once locked)
+    if layout is None and not readonly and _nothing_at(path):
+        # nothing created for an open that cannot create (a directory holding anything goes
+        # on to the checks below, which say what it holds)
         raise ValueError(f"layout is required to create a new store at {path!r}")
     root = Dir.open_root(path, create=not readonly)
     try:
@@ -141,6 +142,21 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             store.close()
             raise
     return store
+
+
+def _nothing_at(path: str) -> bool:
+    """Whether ``path`` is absent or an empty directory (not following a symlink)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is None
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
