@@ -5,11 +5,14 @@ after another and prints one ``RESULT {json}`` line per request. A job::
 
     {"model": DIR, "connector": {...extra config...} | null, "multiprocessing": false,
      "prefix_caching": false,
-     "requests": [{"ids": [...], "max_tokens": 24, "after_previous": false}, ...]}
+     "requests": [{"ids": [...], "max_tokens": 24, "after_previous": false,
+                   "pause_s": 0}, ...]}
 
 ``after_previous``: the prompt is the previous request's prompt + its output + ``ids`` (the next
 turn of a conversation). The engine is built as a user would build it: ``LLM(...,
-kv_transfer_config=KVTransferConfig(kv_connector="KVStoreConnector", ...))``.
+kv_transfer_config=KVTransferConfig(kv_connector="KVStoreConnector", ...))``. Between requests
+the engine runs as a server's loop runs it (``kvstore.integrations.vllm.offline.flush``: the
+ended request's tail is saved, and the store's writes are done), as after a user's think time.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def main(path: str) -> None:
     prev: list[int] = []
     for req in job["requests"]:
         ids = prev + list(req["ids"]) if req.get("after_previous") else list(req["ids"])
+        # an engine core in its own process saves on its own; its store's writer needs a moment
+        time.sleep(req.get("pause_s", 0))
         sp = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 24),
                             ignore_eos=req.get("ignore_eos", True))
         t0 = time.perf_counter()
@@ -51,6 +56,10 @@ def main(path: str) -> None:
                                       "cached": out.num_cached_tokens, "seconds": elapsed,
                                       "params": out.kv_transfer_params}), flush=True)
         prev = ids + tokens
+        if job.get("connector") is not None and not job.get("multiprocessing"):
+            from kvstore.integrations.vllm.offline import flush
+
+            flush(llm)
 
 
 if __name__ == "__main__":

@@ -97,8 +97,7 @@ def _connector_store(llm):
     """The store the engine's connector holds (None without one): in one process the
     scheduler's and the worker's connectors share it (kvstore.integrations.shared)."""
     conn = llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
-    lease = getattr(conn, "_lease", None) if conn is not None else None
-    return None if lease is None else lease.store
+    return None if conn is None else conn.store
 
 
 def _generate(llm, ids: list[int]):
@@ -130,6 +129,8 @@ def _engine_main(setup: VllmSetup, conn) -> None:
 def _engine_loop(setup: VllmSetup, conn) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
+    from kvstore.integrations.vllm.offline import flush
+
     llm = _build_llm(setup)
     store = _connector_store(llm)
     if setup.store_dir is not None and store is None:
@@ -146,7 +147,9 @@ def _engine_loop(setup: VllmSetup, conn) -> None:
         elif kind == "forward":
             _, seconds = _generate(llm, ids)
             if store is not None:
-                store.flush()  # durable for the other servers (think time, not timed)
+                # as a server's engine loop would: the turn's tail goes to the store, durable
+                # for the other servers (think time, not timed)
+                flush(llm)
             conn.send(("forward", seconds))
         elif kind == "close":
             llm.llm_engine.engine_core.shutdown()

@@ -377,11 +377,16 @@ class Store:
         Tokens served by the remote tier are fetched whole first, then sliced.
 
         ``pages``: fill an engine's paged KV cache instead
-        (:class:`~kvstore.pipelines.pages.Pages`, holding exactly the loaded tokens; ``start``
-        and the store's chunks on its block boundaries): each layer goes straight into the
-        blocks, with no execution buffer (a raw chunk on disk is read into them in place and
-        verified there: a load that fails leaves its blocks holding unverified bytes, which the
-        caller must not use), and ``wait(l)`` returns None once layer l is in them.
+        (:class:`~kvstore.pipelines.pages.Pages`, holding the loaded tokens; ``start`` and the
+        store's chunks on its block boundaries): each layer goes straight into the blocks,
+        with no execution buffer (a raw chunk on disk is read into them in place and verified
+        there: a load that fails leaves its blocks holding unverified bytes, which the caller
+        must not use), and ``wait(l)`` returns None once layer l is in them. Blocks are filled
+        whole: where ``tokens`` end inside the pages' last block, the rest of that block comes
+        from the stored chunk holding the last token (the KV of whatever that chunk continues
+        with: positions the engine computes itself, after the load has filled that block: a
+        block the engine writes while it is loaded fails its check); KeyError if this store
+        does not hold that block whole.
         """
         toks = as_tokens(tokens)
         if isinstance(start, bool) or not isinstance(start, int | np.integer):
@@ -396,9 +401,11 @@ class Store:
             if out is not None or device is not None:
                 raise ValueError("a load into pages takes neither out nor device")
             pages.check(self.layout)
-            if pages.num_tokens != len(toks) - start:
+            if not 0 <= pages.num_tokens - (len(toks) - start) < pages.block_tokens:
                 raise ValueError(f"pages hold {pages.num_tokens} tokens; the load has "
                                  f"{len(toks) - start}")
+            if pages.num_tokens != len(toks) - start:
+                toks = self._to_block_end(toks, namespace, start + pages.num_tokens)
         dev = check_device(device) if device is not None else torch.device("cpu")
         if out is not None:
             out = check_out(self.layout, out, len(toks) - start)
@@ -414,6 +421,21 @@ class Store:
                                            hbm=self._loads.hbm, pages=pages)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
                                  device=dev, start=start, pages=pages)
+
+    def _to_block_end(self, toks: np.ndarray, namespace: str | None, end: int) -> np.ndarray:
+        """``toks`` continued to ``end`` with the tokens of the local chunk that holds the
+        last of them (a load into pages fills its last block whole). KeyError unless that
+        chunk is stored here and reaches ``end``."""
+        pieces = self._resolve(toks, namespace)
+        if served(pieces) < len(toks):
+            raise KeyError(f"the store holds {served(pieces)} of the {len(toks)} tokens here "
+                           f"(a load ending inside a block needs that block's chunk locally)")
+        last = pieces[-1]
+        if end - last.start > last.rec.n_tokens:
+            raise KeyError(f"the stored chunk holding tokens {last.start}.. has "
+                           f"{last.rec.n_tokens} tokens: it does not fill the load's last "
+                           f"block (to {end})")
+        return np.concatenate([toks[:last.start], last.rec.tokens[:end - last.start]])
 
     def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:
         """A :class:`~kvstore.pipelines.row_reads.RowReader` over the stored context of

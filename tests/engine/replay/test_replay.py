@@ -243,8 +243,9 @@ def test_idle_disk_bandwidth_is_not_banked_for_a_late_arrival():
 
 def test_vllm_replay_reuses_exactly(model, tmp_path):
     """``--engine vllm``: RE is vLLM alone, AS vLLM with the KVStoreConnector, each on a fresh
-    engine. AS reuses every whole block of each history (from vLLM's own cache or the store,
-    whichever still holds it) and samples the first token RE samples."""
+    engine. AS reuses all of each history (its whole blocks from vLLM's own cache or the store,
+    whichever still holds them, its last partial block from the store) and samples the first
+    token RE samples."""
     table = real_table(model)
     wl = WorkloadConfig(conversations=2, max_turns=2, context_window=1024, warmup_fraction=0.0,
                         think_s=1.0, arrival_rate=0.5)
@@ -262,9 +263,8 @@ def test_vllm_replay_reuses_exactly(model, tmp_path):
         re = by[("RE", r["conv"], r["turn"])]
         assert re["prompt_tokens"] == r["prompt_tokens"] and not r["truncated"]
         assert r["first_token"] == re["first_token"]  # reused KV is exact
-        assert r["reused_tokens"] == r["history_tokens"] // 128 * 128
-        assert r["hit"] == ("miss" if r["reused_tokens"] == 0 else r["hit"])
-        assert r["hit"] in ("miss", "engine", "dram", "disk")
+        assert r["reused_tokens"] == r["history_tokens"]
+        assert r["hit"] in ("dram", "disk")  # at least the history's tail
     assert summary["methods"]["AS-scheduler"]["store"]["disk"]["chunks"] > 0
     with pytest.raises(ValueError, match="--mode real"):
         ReplayConfig(mode="simulated", engine="vllm")
@@ -273,7 +273,7 @@ def test_vllm_replay_reuses_exactly(model, tmp_path):
 def test_vllm_replay_without_the_engine_cache(model, tmp_path):
     """``--engine-cache off``: both methods' engines run without vLLM's prefix cache, as if
     every turn came to a restarted server. RE recomputes every history; AS loads each
-    history's whole blocks from the store and samples RE's first token."""
+    history from the store, its last partial block too, and samples RE's first token."""
     table = real_table(model)
     wl = WorkloadConfig(conversations=1, min_turns=3, max_turns=3, context_window=1024,
                         warmup_fraction=0.0, think_s=1.0, arrival_rate=0.5)
@@ -285,15 +285,12 @@ def test_vllm_replay_without_the_engine_cache(model, tmp_path):
     t = pq.read_table(tmp_path / "out" / "turns.parquet").to_pylist()
     by = {(r["method"], r["turn"]): r for r in t}
     assert summary["engine_cache"] is False and len(t) == 6
-    hits = 0
     for turn in (1, 2):
         re, as_ = by[("RE", turn)], by[("AS-scheduler", turn)]
         assert re["reused_tokens"] == 0 and re["hit"] == "miss"
-        assert as_["reused_tokens"] == as_["history_tokens"] // 128 * 128  # every whole block
-        assert as_["hit"] == ("miss" if as_["history_tokens"] < 128 else "dram")
-        hits += as_["hit"] == "dram"
+        assert as_["reused_tokens"] == as_["history_tokens"] > 0  # all of it
+        assert as_["hit"] == "dram"
         assert as_["first_token"] == re["first_token"]
-    assert hits >= 1  # this conversation's third turn has a history of two blocks
     with pytest.raises(ValueError, match="engine='vllm'"):
         ReplayConfig(mode="real", engine_cache=False)
 
@@ -333,7 +330,7 @@ def test_vllm_replay_on_servers_shares_one_store(model, tmp_path):
         if here != before and r["history_tokens"] >= 128:
             moved += 1  # the other server saved this history: AS loads it from the store
             assert r["hit"] in ("dram", "disk")
-            assert r["reused_tokens"] == r["history_tokens"] // 128 * 128
+            assert r["reused_tokens"] == r["history_tokens"]
             assert re["hit"] in ("miss", "engine") and re["reused_tokens"] < r["reused_tokens"]
     assert moved >= 2  # seed 0 routes three turns away from their previous server
     store = summary["methods"]["AS-scheduler"]["store"]

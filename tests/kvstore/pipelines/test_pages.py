@@ -183,13 +183,45 @@ def test_wrong_dtype_or_shape_is_refused(store):
                                             block_tokens=B))
 
 
-def test_pages_must_hold_exactly_the_loaded_tokens(store):
+def test_pages_must_hold_the_loaded_tokens(store):
     toks = list(range(16))
     put_causal(store, toks)
     with pytest.raises(ValueError, match="pages hold 8 tokens"):
         store.load_layers(toks, pages=Pages.of(_caches(), [0, 1], B))
     with pytest.raises(ValueError, match="neither out nor device"):
         store.load_layers(toks, pages=Pages.of(_caches(), [0, 1, 2, 3], B), device="cpu")
+
+
+@pytest.mark.parametrize("source", ["dram", "disk"])
+@pytest.mark.parametrize("start, end", [(0, 13), (8, 23), (12, 13)])
+def test_a_load_ending_inside_a_block_fills_that_block_whole(store, source, start, end):
+    """The last block gets the stored chunk's rows to its end (what the engine overwrites as
+    it computes those positions), every other block as always."""
+    toks = list(range(100, 124))
+    k, v = put_causal(store, toks)
+    if source == "disk":
+        store.drop_caches()
+    n = -(-(end - start) // B) * B
+    ids = IDS[: n // B]
+    caches = _caches()
+    want = _oracle(caches, ids, k[:, :, start:start + n], v[:, :, start:start + n])
+    with store.load_layers(toks[:end], start=start, pages=Pages.of(caches, ids, B)) as load:
+        for layer in range(LAYOUT.num_layers):
+            assert load.wait(layer) is None
+    for got, exp in zip(caches, want, strict=True):
+        assert torch.equal(got, exp)
+
+
+def test_a_last_block_the_store_does_not_hold_whole_is_a_miss(store):
+    toks = list(range(100, 114))  # chunks of 8 and 6 tokens: the second ends inside block 4
+    put_causal(store, toks)
+    assert store.match(toks[:13]) == 13
+    with pytest.raises(KeyError, match="does not fill the load's last block"):
+        store.load_layers(toks[:13], pages=Pages.of(_caches(), [0, 1, 2, 3], B))
+    with pytest.raises(KeyError, match="holds 0 of the 3 tokens"):
+        store.load_layers([5, 6, 7], pages=Pages.of(_caches(), [0], B))
+    with pytest.raises(ValueError, match="pages hold 8 tokens; the load has 3"):
+        store.load_layers(toks[:3], pages=Pages.of(_caches(), [0, 1], B))
 
 
 def test_chunks_off_block_boundaries_are_refused(tmp_path):

@@ -41,10 +41,10 @@ log = logging.getLogger("vllm.kvstore")
 
 
 class KVStoreConnector(KVConnectorBase_V1):
-    """vLLM's KV connector backed by :func:`kvstore.open`: loads whole blocks the store holds
+    """vLLM's KV connector backed by :func:`kvstore.open`: loads the blocks the store holds
     beyond vLLM's own prefix cache, layer by layer, and saves every new full block
-    asynchronously. Thread-safety: as vLLM calls it (its scheduler thread, its forward
-    thread)."""
+    asynchronously, and a request's last partial block when it ends. Thread-safety: as vLLM
+    calls it (its scheduler thread, its forward thread)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -77,6 +77,12 @@ class KVStoreConnector(KVConnectorBase_V1):
                  role.name.lower(), cfg.store_dir, layout.engine, block_size, isa,
                  "" if store is not None else ": the store could not be opened, every "
                  "lookup is a miss")
+
+    @property
+    def store(self):
+        """The :class:`kvstore.Store` this connector serves (None if it could not be
+        opened); in one process both roles share it."""
+        return None if self._lease is None else self._lease.store
 
     @property
     def requires_kv_delivery(self) -> bool:

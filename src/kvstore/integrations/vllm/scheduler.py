@@ -1,9 +1,19 @@
 """The scheduler side: what the store can serve, and what each step loads and saves.
 
 Runs in vLLM's EngineCore process, beside its scheduler. It answers how many tokens beyond
-vLLM's own prefix cache the store holds (``Store.match``, whole blocks, never the prompt's last
-token: vLLM computes at least one), and plans each step: the blocks to fill before the forward,
-and the requests whose KV has grown by whole blocks, to save after it. It never reads KV.
+vLLM's own prefix cache the store holds (``Store.match``, never the prompt's last token: vLLM
+computes at least one), and plans each step: the blocks to fill before the forward, and the
+requests whose KV has grown by whole blocks, to save after it. It never reads KV.
+
+**Tails.** vLLM's unit is the block, but a conversation rarely ends on one. When a request
+ends, its last partial block is saved too, filled up to the block's end with :data:`PAD`, a
+token id no tokenizer produces (the block's bytes past the request's KV are whatever vLLM's
+block held: no prompt ever matches a PAD position, so they are never served as KV). A later
+prompt that shares the request's tokens then matches into that block, and the load fills the
+block whole (``Store.load_layers`` with pages): vLLM computes from the first token the store
+does not hold, so a repeated prompt computes its last token only and a conversation's next
+turn its new message only. A match that ends inside a block is taken only where this
+machine's tiers hold that block (a remote one is counted to its last whole block).
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerR
 from kvstore.store.facade import Store
 
 log = logging.getLogger("vllm.kvstore")
+
+PAD = 2**32 - 1  # fills a saved tail's last block: a token id no vocabulary has
 
 
 def request_namespace(base: str | None, cache_salt: str | None) -> str | None:
@@ -77,23 +89,27 @@ class SchedulerSide:
 
     # ---- lookups --------------------------------------------------------------------------
     def matched(self, request, num_computed: int) -> int:
-        """Tokens after ``num_computed`` (block-aligned) that the store can fill, in whole
-        blocks, leaving at least the last token to compute. A failing store is a miss."""
+        """Tokens after ``num_computed`` (block-aligned) that the store can fill, leaving at
+        least the last token to compute (ending inside a block only where this machine holds
+        that block). A failing store is a miss."""
         if self.store is None or skip_reason(request) is not None:
             return 0
         B = self.block_size
         tokens = request.all_token_ids
-        limit = (len(tokens) - 1) // B * B
+        limit = len(tokens) - 1
         if limit <= num_computed:
             return 0
         ns = request_namespace(self.namespace, request.cache_salt)
         try:
             n = self.store.match(tokens[:limit], namespace=ns)
+            if n % B and n > num_computed and \
+                    self.store.residency(tokens[:n], namespace=ns)["missing"]:
+                n = n // B * B  # the remote tier's chunks are fetched whole blocks at a time
         except (KVStoreError, OSError) as e:
             log.warning("kvstore: lookup of request %s failed (a miss): %s",
                         request.request_id, e)
             return 0
-        ext = max(0, n // B * B - num_computed)
+        ext = max(0, n - num_computed)
         self._lookups[request.request_id] = (num_computed, ext)
         return ext
 
@@ -123,7 +139,7 @@ class SchedulerSide:
             blocks = self._block_ids_of(rid)
             toks = tracked.request.all_token_ids
             spec = LoadSpec(req_id=rid, tokens=tuple(toks[:start + n]), start=start,
-                            block_ids=tuple(blocks[start // B:(start + n) // B]),
+                            block_ids=tuple(blocks[start // B:-(-(start + n) // B)]),
                             namespace=tracked.namespace)
             plan.loads.append(spec)
             tracked.deferred = self.save and self._from_remote(spec)
@@ -158,12 +174,16 @@ class SchedulerSide:
 
     def _save(self, rid: str, tracked: _Tracked, upto: int, blocks, *, final: bool = False
               ) -> SaveSpec:
+        """Save the request's first ``upto`` tokens; a final save's partial last block
+        filled up with :data:`PAD`."""
         B = self.block_size
         tracked.saved = upto
         tracked.deferred = False
-        return SaveSpec(req_id=rid, tokens=tuple(tracked.request.all_token_ids[:upto]),
-                        block_ids=tuple(blocks[:upto // B]), namespace=tracked.namespace,
-                        final=final)
+        tokens = tuple(tracked.request.all_token_ids[:upto])
+        if upto % B:
+            tokens += (PAD,) * (B - upto % B)
+        return SaveSpec(req_id=rid, tokens=tokens, block_ids=tuple(blocks[:len(tokens) // B]),
+                        namespace=tracked.namespace, final=final)
 
     # ---- outcomes -------------------------------------------------------------------------
     def reported(self, report: WorkerReport) -> None:
@@ -183,11 +203,11 @@ class SchedulerSide:
             log.warning("kvstore: the load of request %s failed; vLLM recomputes it", rid)
 
     def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """The request ended. If blocks computed in its last steps were not planned for saving
-        yet (async scheduling learns sampled ids a step late; a save deferred in the step that
-        loaded from the remote tier), plan a final save and keep its blocks until the worker
-        has copied them (returns True: vLLM frees them when the worker reports the
-        request)."""
+        """The request ended. If KV computed in its last steps was not planned for saving
+        yet (its tail, the last partial block; async scheduling learns sampled ids a step
+        late; a save deferred in the step that loaded from the remote tier), plan a final save
+        and keep its blocks until the worker has copied them (returns True: vLLM frees them
+        when the worker reports the request)."""
         rid = request.request_id
         self._lookups.pop(rid, None)
         tracked = self._tracked.pop(rid, None)
@@ -197,8 +217,7 @@ class SchedulerSide:
         params = {"kvstore": {"loaded_tokens": sum(tiers.values()), "loaded_from": dict(tiers),
                               "load_failed": tracked.load_failed}}
         self._ended[rid] = params["kvstore"]
-        B = self.block_size
-        upto = min(request.num_computed_tokens, len(request.all_token_ids)) // B * B
+        upto = min(request.num_computed_tokens, len(request.all_token_ids))
         if self.save and self.store is not None and upto > 0 \
                 and (upto > tracked.saved or tracked.deferred):
             self._final.append(self._save(rid, tracked, upto, block_ids, final=True))

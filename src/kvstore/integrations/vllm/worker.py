@@ -6,7 +6,10 @@ Runs in vLLM's worker process, on its forward thread. Per step (a :class:`StepPl
   blocks (``Store.load_layers(tokens, start=..., pages=...)``): the store's loader thread
   reads (from disk straight into the blocks) and verifies layer after layer;
   ``wait_for_layer_load(l)``, called by each attention layer before it attends, waits for
-  layer l only;
+  layer l only. A load that ends inside a block (a stored tail) fills that block whole, and
+  vLLM's CPU backend writes a layer's new KV into its blocks *before* that layer waits for
+  its load: so the last block is loaded apart, every layer of it, before the forward starts
+  (one block; the whole blocks before it stay layer-wise);
 * each save opens an asynchronous save of the store (``Store.begin_save``, which skips the
   chunks already stored); after layer l has attended, its new blocks are copied into the
   save's write buffer as they are; at the end of the step the save goes to the store's writer
@@ -48,7 +51,7 @@ STORE_ERRORS = (KeyError, KVStoreError, OSError)
 @dataclass(eq=False)
 class _Load:
     spec: LoadSpec
-    handle: LayerLoad
+    handle: LayerLoad | None  # the whole blocks' layer-wise load (None: a tail block only)
     tiers: dict[str, int]  # where its tokens were when it started
     loaded: int = 0  # layers 0..loaded-1 are in vLLM's blocks
 
@@ -119,20 +122,39 @@ class WorkerSide:
 
     def _start_load(self, spec: LoadSpec) -> None:
         tokens = list(spec.tokens)
+        whole = len(tokens) // self.block_size * self.block_size  # tokens in whole blocks
+        blocks = spec.block_ids[:(whole - spec.start) // self.block_size]
+        t0 = time.perf_counter()
         try:
             where = self.store.residency(tokens, namespace=spec.namespace)
             if spec.start:  # the loaded range is the back of the prefix
                 front = self.store.residency(tokens[:spec.start], namespace=spec.namespace)
                 where = {k: where[k] - front[k] for k in where}
-            handle = self.store.load_layers(tokens, namespace=spec.namespace,
-                                            start=spec.start, buffer_layers=self.buffer_layers,
-                                            pages=self._pages(spec.block_ids))
+            if whole < len(tokens):
+                self._load_last_block(spec, tokens, max(whole, spec.start))
+            handle = None
+            if blocks:
+                handle = self.store.load_layers(tokens[:whole], namespace=spec.namespace,
+                                                start=spec.start,
+                                                buffer_layers=self.buffer_layers,
+                                                pages=self._pages(blocks))
         except STORE_ERRORS as e:
             self._fail_load(spec, e)
             return
+        finally:
+            self.stats.add("load_seconds", time.perf_counter() - t0)
         tiers = {"dram": where["dram"], "disk": where["disk"], "remote": where["missing"]}
         self._loads.append(_Load(spec, handle, tiers))
         self.stats.add("loads")
+
+    def _load_last_block(self, spec: LoadSpec, tokens: list[int], start: int) -> None:
+        """Fill the load's last block, which ends inside (the store fills it whole), every
+        layer of it, now: the forward writes its new tokens' KV there before it waits."""
+        pages = self._pages(spec.block_ids[-1:])
+        with self.store.load_layers(tokens, namespace=spec.namespace, start=start,
+                                    pages=pages) as load:
+            for layer in range(len(self._caches)):
+                load.wait(layer)
 
     def _fail_load(self, spec: LoadSpec, error: BaseException) -> None:
         """The load's blocks hold no (or unverified) KV: vLLM recomputes them."""
@@ -173,6 +195,8 @@ class WorkerSide:
 
     def _wait_upto(self, layers: int) -> None:
         for load in list(self._loads):
+            if load.handle is None:
+                continue
             try:
                 while load.loaded < layers:
                     load.handle.wait(load.loaded)
@@ -198,7 +222,8 @@ class WorkerSide:
         if self._loads:
             self._wait_upto(len(self._caches))  # layers no attention waited for
             for load in self._loads:
-                load.handle.close()
+                if load.handle is not None:
+                    load.handle.close()
                 self._report.loaded[load.spec.req_id] = load.tiers
                 self.stats.add("loaded_tokens", load.spec.num_tokens)
             self._loads = []
@@ -249,7 +274,8 @@ class WorkerSide:
         """Cancel loads in flight (engine shutdown); saves already handed over are written
         by the store's close."""
         for load in self._loads:
-            load.handle.close()
+            if load.handle is not None:
+                load.handle.close()
         for save in self._saves:
             save.handle.abort()
         self._loads, self._saves = [], []

@@ -20,6 +20,7 @@ import tokenizers
 
 import kvstore
 from engine.hf_export import hf_model_dir
+from kvstore.integrations.vllm.scheduler import PAD
 from tests.support.paths import ROOT
 
 B = 128  # vLLM's CPU block size
@@ -76,6 +77,12 @@ def run_engine(tmp_path: Path, model_dir: str, requests: list[dict], *,
     return results
 
 
+def common(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
 def connector(store: Path, **extra) -> dict:
     return {"store_dir": str(store), **STORE_SIZES, **extra}
 
@@ -84,8 +91,19 @@ def whole_blocks(n: int) -> int:
     return n // B * B
 
 
+def blocks_to_hold(n: int) -> int:
+    return -(-n // B) * B
+
+
 def reused_limit(prompt_len: int) -> int:
-    """What a store holding the whole prompt serves: whole blocks, not the last token."""
+    """What a store on this machine holding the whole prompt serves: all but the last token
+    (vLLM computes at least one)."""
+    return prompt_len - 1
+
+
+def remote_limit(prompt_len: int) -> int:
+    """What the remote tier serves of a prompt it holds whole: its whole blocks (fetched
+    chunk by chunk), not the last token."""
     return whole_blocks(prompt_len - 1)
 
 
@@ -116,7 +134,10 @@ def stored(tmp_path_factory, model_dir, prompts, reference, redis) -> Path:
     store = tmp / "store"
     out = run_engine(tmp, model_dir, [{"ids": prompts["long"]}, {"ids": prompts["short"]}],
                      connector=connector(store, remote=redis.url))
-    assert [r["cached"] for r in out] == [0, 0]  # nothing to reuse yet
+    # nothing to reuse yet but the chat template's first tokens, which the short prompt
+    # shares with the long one (read from the long one's first block)
+    head = common(prompts["long"], prompts["short"])
+    assert [r["cached"] for r in out] == [0, head] and 0 < head < 8
     assert [r["tokens"] for r in out] == [reference["long"]["tokens"],
                                          reference["short"]["tokens"]]
     return store
@@ -150,7 +171,9 @@ def restarted(tmp_path_factory, model_dir, prompts, stored) -> list[dict]:
     then the short one."""
     tmp = tmp_path_factory.mktemp("restarted")
     store = copy_store(stored, tmp / "s")
-    assert corrupt_context(store, whole_blocks(len(prompts["short"]) + 23)) >= 3
+    # the context saved as the request ended: prompt + 23 generated tokens, its last block
+    # filled up (the tail)
+    assert corrupt_context(store, blocks_to_hold(len(prompts["short"]) + 23)) >= 3
     return run_engine(tmp, model_dir, [{"ids": prompts["long"]}, {"ids": prompts["short"]}],
                       connector=connector(store))
 
@@ -174,28 +197,31 @@ def test_damaged_store_recomputes_and_answers_correctly(restarted, reference):
     assert "vLLM recomputes" in res["log"]
 
 
-def test_shared_system_prompt_reuses_exactly_the_shared_blocks_and_stores_them_once(
+def test_shared_system_prompt_reuses_exactly_the_shared_tokens_and_stores_them_once(
         tmp_path, model_dir, prompts, reference):
     store = tmp_path / "s"
     q1, q2 = prompts["q1"], prompts["q2"]
-    shared = next(i for i, (a, b) in enumerate(zip(q1, q2, strict=False)) if a != b)
+    shared = common(q1, q2)
     r1, r2, r3 = run_engine(tmp_path, model_dir,
                             [{"ids": q1}, {"ids": q2},
                              {"ids": prompts["turn2"], "after_previous": True}],
                             connector=connector(store))
     assert r1["cached"] == 0
-    assert whole_blocks(shared) >= 3 * B
-    assert r2["cached"] == whole_blocks(shared)  # exactly the shared whole blocks
+    assert whole_blocks(shared) >= 3 * B and shared % B
+    assert r2["cached"] == shared  # exactly the shared tokens (into q1's block there)
     assert r2["tokens"] == reference["q2"]["tokens"]
     # The next turn reuses the previous prompt and its answer (the last sampled token was
-    # never computed, so whole blocks of prompt + 23 generated tokens).
+    # never computed: prompt + 23 generated tokens, the last of them from the tail).
     assert r3["prompt_len"] == reference["turn2"]["prompt_len"]
-    assert r3["cached"] == whole_blocks(len(q2) + 24 - 1)
+    assert r3["cached"] == len(q2) + 24 - 1
     assert r3["tokens"] == reference["turn2"]["tokens"]
-    # Chunks are stored once: the distinct whole-block prefixes of everything saved.
+    # Chunks are stored once: the distinct whole-block prefixes of everything saved (each
+    # request's KV: its prompt and all but its last generated token), and each request's
+    # tail (its last partial block, filled up with PAD).
     seqs = [q1 + r1["tokens"], q2 + r2["tokens"],
             q2 + r2["tokens"] + prompts["turn2"] + r3["tokens"]]
     prefixes = {tuple(s[:k]) for s in seqs for k in range(B, len(s), B)}
+    prefixes |= {tuple(s[:len(s) - 1]) + (PAD,) for s in seqs if (len(s) - 1) % B}
     with kvstore.open(store) as s:
         assert s.config.chunk_tokens == B
         assert len(s.chunk_records()) == len(prefixes)
@@ -225,7 +251,7 @@ def test_two_directories_share_through_one_redis(tmp_path, model_dir, prompts, r
     directory, wrote through to the same redis-server."""
     (b,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
                       connector=connector(tmp_path / "b", remote=redis.url))
-    n = reused_limit(len(prompts["short"]))
+    n = remote_limit(len(prompts["short"]))
     assert b["cached"] == n > 0
     assert b["params"]["kvstore"]["loaded_from"]["remote"] == n
     assert b["tokens"] == reference["short"]["tokens"]
@@ -238,11 +264,11 @@ def test_default_three_process_engine_reuses_and_saves(tmp_path, model_dir, prom
     store = copy_store(stored, tmp_path / "s")
     r1, r2, r3 = run_engine(tmp_path, model_dir,
                             [{"ids": prompts["long"]}, {"ids": prompts["q1"]},
-                             {"ids": prompts["q1"]}],
+                             {"ids": prompts["q1"], "pause_s": 3}],
                             connector=connector(store), multiprocessing=True)
     assert r1["cached"] == reused_limit(len(prompts["long"]))
     assert r1["tokens"] == reference["long"]["tokens"]
-    assert r2["cached"] == 0
+    assert r2["cached"] == common(prompts["q1"], prompts["long"]) < 8  # the chat template's
     # saved by the worker process, matched by the scheduler process
     assert r3["cached"] == reused_limit(len(prompts["q1"]))
     assert r3["tokens"] == r2["tokens"] == reference["q1"]["tokens"]

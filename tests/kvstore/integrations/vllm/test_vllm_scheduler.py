@@ -15,7 +15,12 @@ from vllm.v1.request import Request
 
 import kvstore
 from kvstore.integrations.vllm.plan import WorkerReport
-from kvstore.integrations.vllm.scheduler import SchedulerSide, request_namespace, skip_reason
+from kvstore.integrations.vllm.scheduler import (
+    PAD,
+    SchedulerSide,
+    request_namespace,
+    skip_reason,
+)
 from tests.support.kvgen import SMALL, causal_kv
 
 B = 4
@@ -38,7 +43,7 @@ def side(store, blocks: dict[str, list[int]], save: bool = True) -> SchedulerSid
                          block_ids_of=lambda rid: blocks[rid])
 
 
-def test_lookup_answers_whole_blocks_beyond_the_local_hit_never_the_last_token(store):
+def test_lookup_answers_what_is_stored_beyond_the_local_hit_never_the_last_token(store):
     ids = list(range(100, 111))  # 11 tokens
     store.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
     s = side(store, {})
@@ -46,7 +51,7 @@ def test_lookup_answers_whole_blocks_beyond_the_local_hit_never_the_last_token(s
     assert s.matched(request("b", ids), 4) == 4  # vLLM's prefix cache holds the first block
     assert s.matched(request("c", ids), 8) == 0
     assert s.matched(request("d", ids[:9]), 0) == 8  # 9 tokens: the last is computed
-    assert s.matched(request("e", ids[:8]), 0) == 4  # fully stored: the last block is not
+    assert s.matched(request("e", ids[:8]), 0) == 7  # fully stored: all but the last token
     assert s.matched(request("f", [7] + ids[1:]), 0) == 0
     salted = request("g", ids, cache_salt="tenant-1")
     assert s.matched(salted, 0) == 0  # a salted request sees its own namespace only
@@ -92,9 +97,41 @@ def test_a_step_plans_the_allocated_load_and_the_saves_of_grown_requests(store):
     req.num_computed_tokens = 13
     req.append_output_token_ids([557, 558, 559])
     assert s.plan({"a": 4}, {"a": [1, 2, 3]}).saves == []
+    blocks["a"].append(8)
     delay, params = s.finished(req, blocks["a"])
-    assert not delay and params == {"kvstore": {"loaded_tokens": 0, "loaded_from": {},
-                                                "load_failed": False}}
+    assert params == {"kvstore": {"loaded_tokens": 0, "loaded_from": {}, "load_failed": False}}
+    # 13 computed: the tail (token 13, in the fourth block) is saved as the request ends
+    assert delay
+    (final,) = s.plan({}, {}).saves
+    assert final.final and final.tokens == tuple(ids + [555, 556]) + (PAD,) * 3
+    assert final.block_ids == (7, 3, 9, 4)
+
+
+def test_a_tail_saved_as_its_request_ends_serves_the_next_prompt_to_its_last_token(store):
+    """The final save fills the last block up with PAD; a prompt repeating the request's
+    tokens then matches into that block (all but its own last token), and the load names the
+    block whole."""
+    ids = list(range(100, 111))  # 11 tokens: two whole blocks and 3 in the third
+    s = side(store, {"a": [7, 3, 9], "b": [1, 2, 5, 6]})
+    req = request("a", ids)
+    assert s.matched(req, 0) == 0
+    s.allocated(req, 0)
+    (save,) = s.plan({"a": 11}, {}).saves
+    assert save.tokens == tuple(ids[:8])
+    req.num_computed_tokens = 11
+    req.append_output_token_ids(555)
+    delay, _ = s.finished(req, [7, 3, 9])
+    assert delay
+    (final,) = s.plan({}, {}).saves
+    assert final.tokens == tuple(ids) + (PAD,) and final.block_ids == (7, 3, 9)
+    store.put(list(final.tokens), *causal_kv(LAYOUT, list(final.tokens)))  # as the worker does
+    again = request("b", ids + [555, 600])
+    assert s.matched(again, 0) == 11  # the tail's tokens, not its PAD
+    assert s.matched(request("c", ids), 0) == 10  # the same prompt: all but its last token
+    s.allocated(again, 11)
+    again.num_computed_tokens = 11
+    (load,) = s.plan({"b": 2}, {}).loads
+    assert load.tokens == tuple(ids) and load.block_ids == (1, 2, 5)
 
 
 def test_a_request_that_ends_in_its_loading_step_still_reports_its_load(store):
@@ -176,7 +213,8 @@ def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, r
         delay, _ = s.finished(req, [7, 3, 9])
         assert delay
         (final,) = s.plan({}, {}).saves
-        assert final.final and final.tokens == tuple(ids[:8]) and final.block_ids == (7, 3)
+        assert final.final and final.tokens == tuple(ids) + (PAD,)
+        assert final.block_ids == (7, 3, 9)
         # a load served locally saves in its own step as before
         here.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
         local = request("b", ids)
@@ -185,3 +223,11 @@ def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, r
         local.num_computed_tokens = 8
         (save,) = s.plan({"b": 3}, {}).saves
         assert save.tokens == tuple(ids[:8])
+    # a remote match that ends inside a block (here a partial chunk) counts to the block's
+    # start: the load fills whole blocks from chunks on this machine only
+    with kvstore.open(tmp_path / "other", **opts) as other:
+        other.put(ids[:10], *causal_kv(LAYOUT, ids[:10]))
+        other.flush(remote=True)
+    with kvstore.open(tmp_path / "third", **opts) as third:
+        assert third.match(ids) == 10
+        assert side(third, {}).matched(request("c", ids), 0) == 8
