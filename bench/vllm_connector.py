@@ -75,7 +75,7 @@ def engine_main(job_path: str) -> None:
     if t is not None and t["kind"] == "kvstore":
         from kvstore.integrations.vllm.offline import flush
     else:
-        def flush(llm):
+        def flush(llm, *, remote: bool = False):
             return None
     for step in job["steps"]:
         sp = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True)
@@ -89,9 +89,10 @@ def engine_main(job_path: str) -> None:
                                       "kvstore": (out.kv_transfer_params or {}).get("kvstore")}),
               flush=True)
         # untimed, as a server's engine loop runs it: the request's tail goes to the store,
-        # and every save is written before the next step reads it (no idle pause: on this VM
-        # a request after one runs slower, its vCPU woken up cold)
-        flush(llm)
+        # and every save is written (to Redis too) before the next step, which then runs with
+        # nothing else on the machine (no idle pause: on this VM a request after one runs
+        # slower, its vCPU woken up cold)
+        flush(llm, remote=True)
 
 
 def run_engine(job: dict, workdir: Path) -> list[dict]:

@@ -26,10 +26,11 @@ def _engine_core(llm):
     return core
 
 
-def flush(llm) -> BaseException | None:
+def flush(llm, *, remote: bool = False) -> BaseException | None:
     """Run ``llm``'s engine until its scheduler holds no request (the final saves of the
     requests that ended are handed to the store), then wait until the store has written
-    every save (durable, visible to other processes). Returns the first error a save met
+    every save (durable, visible to other processes; with ``remote=True`` also sent to the
+    remote tier: ``Store.flush(remote=True)``). Returns the first error a save met
     since the last flush, or None: as in a server, a failed save is a future miss that the
     connector has logged and counted (``save_failures``), never an error of the engine.
     ValueError for an engine in another process; RuntimeError if the engine still holds
@@ -47,7 +48,7 @@ def flush(llm) -> BaseException | None:
     if store is None:
         return None
     try:
-        store.flush()
+        store.flush(remote=remote)
     except STORE_ERRORS as e:
         return e
     return None
