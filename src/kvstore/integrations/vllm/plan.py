@@ -20,7 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 @dataclass(frozen=True, kw_only=True)
 class LoadSpec:
     """Fill positions [start, len(tokens)) of a request from the store: block
-    ``block_ids[i]`` receives positions start + i*B .. start + (i+1)*B - 1."""
+    ``block_ids[i]`` receives positions start + i*B .. start + (i+1)*B - 1 (the last block
+    whole, where ``tokens`` end inside it: vLLM computes the rest of it)."""
 
     req_id: str
     tokens: tuple[int, ...]  # the stored prefix the load reads (its chain address)
@@ -35,8 +36,9 @@ class LoadSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class SaveSpec:
-    """Save the KV of ``tokens`` (whole blocks) from the request's blocks ``block_ids`` (one per
-    block of ``tokens``, in order). The store writes only what it does not hold yet.
+    """Save the KV of ``tokens`` (whole blocks; a final save's tail filled up with the
+    scheduler's ``PAD``) from the request's blocks ``block_ids`` (one per block of
+    ``tokens``, in order). The store writes only what it does not hold yet.
     ``final``: the request has finished; vLLM frees its blocks once the worker reports it."""
 
     req_id: str
