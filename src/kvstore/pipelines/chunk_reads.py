@@ -171,34 +171,26 @@ def read_layer(core: Core, rec: ChunkRecord, layer: int, bufs: list[np.ndarray],
     then decoded. Returns the raw layer's buffers; as :func:`read_verified`, :class:`Raced`
     if another process changed the chunk's slot under the read, :class:`CorruptData` if the
     bytes are corrupt or do not decode (the caller quarantines)."""
+    read_layers(core, rec, layer, 1, bufs, off)
+    if rec.codec == 0:
+        return bufs
     try:
-        chunk_extent.check_stored(rec, core.layout, core.geo.slot_stride)
-        core.segments.read(rec.slot, bufs, off)
-        chunk_extent.verify(rec, chunk_extent.piece_checksums(bufs, 1), layer)
-        if rec.codec != 0:
-            return [chunk_extent.decode_layer(core.layout, rec, layer, bufs[0])]
-    except CorruptData:
-        if not is_current(core, rec):
-            raise Raced(rec.key.hex()) from None
-        raise
-    return bufs
+        return [chunk_extent.decode_layer(core.layout, rec, layer, bufs[0])]
+    except CorruptData as err:
+        raise raced_or(core, rec, err) from None
 
 
 def read_layers(core: Core, rec: ChunkRecord, first: int, count: int, bufs: list[np.ndarray],
                 off: int) -> None:
-    """Read layers ``first .. first + count - 1`` of raw chunk ``rec`` from disk into ``bufs``
-    (their pieces in extent order, as many per layer; from byte ``off`` of its slot) with one
-    read, and verify each layer against its checksum; as :func:`read_layer`, :class:`Raced` or
-    :class:`CorruptData`."""
-    assert rec.codec == 0
+    """Read the stored bytes of layers ``first .. first + count - 1`` of ``rec`` from disk into
+    ``bufs`` (their pieces in extent order, as many per layer; from byte ``off`` of its slot)
+    with one read, and verify each layer against its checksum; errors as :func:`read_layer`."""
     try:
         chunk_extent.check_stored(rec, core.layout, core.geo.slot_stride)
         core.segments.read(rec.slot, bufs, off)
         chunk_extent.verify(rec, chunk_extent.piece_checksums(bufs, count), first)
-    except CorruptData:
-        if not is_current(core, rec):
-            raise Raced(rec.key.hex()) from None
-        raise
+    except CorruptData as err:
+        raise raced_or(core, rec, err) from None
 
 
 def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles) -> None:

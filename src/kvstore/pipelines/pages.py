@@ -24,6 +24,7 @@ import torch
 
 from kvstore.format.chunk_extent import raw
 from kvstore.layout import KVLayout
+from kvstore.view.prefix_tree import Piece, served
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -151,3 +152,18 @@ class Pages:
                 pairs.append((t[b:b + c, :, kv].transpose(1, 0, 2), view))  # [H, c, B*D]
         return pairs
 
+
+
+def to_block_end(toks: np.ndarray, pieces: list[Piece], end: int) -> np.ndarray:
+    """``toks`` continued to ``end`` with the tokens of the chunk that holds the last of them
+    (``pieces``: the local pieces serving ``toks``): a load into pages fills its last block
+    whole. KeyError unless ``pieces`` serve every token and that chunk reaches ``end``."""
+    if served(pieces) < len(toks):
+        raise KeyError(f"the store holds {served(pieces)} of the {len(toks)} tokens here "
+                       f"(a load ending inside a block needs that block's chunk locally)")
+    last = pieces[-1]
+    if end - last.start > last.rec.n_tokens:
+        raise KeyError(f"the stored chunk holding tokens {last.start}.. has "
+                       f"{last.rec.n_tokens} tokens: it does not fill the load's last "
+                       f"block (to {end})")
+    return np.concatenate([toks[:last.start], last.rec.tokens[:end - last.start]])

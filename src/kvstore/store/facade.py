@@ -34,7 +34,7 @@ from kvstore.index.spec import IndexSpec
 from kvstore.pipelines.get import Reader
 from kvstore.pipelines.layer_load import LayerLoad
 from kvstore.pipelines.layer_reads import Loads
-from kvstore.pipelines.pages import Pages
+from kvstore.pipelines.pages import Pages, to_block_end
 from kvstore.pipelines.put import Writer
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
@@ -405,7 +405,8 @@ class Store:
                 raise ValueError(f"pages hold {pages.num_tokens} tokens; the load has "
                                  f"{len(toks) - start}")
             if pages.num_tokens != len(toks) - start:
-                toks = self._to_block_end(toks, namespace, start + pages.num_tokens)
+                toks = to_block_end(toks, self._resolve(toks, namespace),
+                                    start + pages.num_tokens)
         dev = check_device(device) if device is not None else torch.device("cpu")
         if out is not None:
             out = check_out(self.layout, out, len(toks) - start)
@@ -421,21 +422,6 @@ class Store:
                                            hbm=self._loads.hbm, pages=pages)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
                                  device=dev, start=start, pages=pages)
-
-    def _to_block_end(self, toks: np.ndarray, namespace: str | None, end: int) -> np.ndarray:
-        """``toks`` continued to ``end`` with the tokens of the local chunk that holds the
-        last of them (a load into pages fills its last block whole). KeyError unless that
-        chunk is stored here and reaches ``end``."""
-        pieces = self._resolve(toks, namespace)
-        if served(pieces) < len(toks):
-            raise KeyError(f"the store holds {served(pieces)} of the {len(toks)} tokens here "
-                           f"(a load ending inside a block needs that block's chunk locally)")
-        last = pieces[-1]
-        if end - last.start > last.rec.n_tokens:
-            raise KeyError(f"the stored chunk holding tokens {last.start}.. has "
-                           f"{last.rec.n_tokens} tokens: it does not fill the load's last "
-                           f"block (to {end})")
-        return np.concatenate([toks[:last.start], last.rec.tokens[:end - last.start]])
 
     def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:
         """A :class:`~kvstore.pipelines.row_reads.RowReader` over the stored context of
