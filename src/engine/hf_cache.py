@@ -173,7 +173,7 @@ def create_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *
         raise kvstore.LayoutMismatch(
             f"store layout {store.layout} does not match the given layout {layout}"
         )
-    layout.require_pre_rope("the HF Cache adapter (create_session)")
+    layout.require_plain("the HF Cache adapter (create_session)")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     toks = _ids_list(ids)

@@ -410,7 +410,7 @@ def open_offloaded(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *
     """An :class:`OffloadedSession` over the longest stored prefix of ``ids`` (at least one id
     is left to run), with the store's indexes of exactly that context when it has them.
     Returns (session, rest). KeyError if nothing of ``ids`` is stored."""
-    layout.require_pre_rope("an offloaded session (open_offloaded)")
+    layout.require_plain("an offloaded session (open_offloaded)")
     toks = [int(t) for t in kvstore.format.hashing.as_tokens(ids, name="ids").tolist()]
     n = min(store.match(toks, namespace=namespace), len(toks) - 1)
     if n < 1:

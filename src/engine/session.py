@@ -208,7 +208,7 @@ def open_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *,
     """A :class:`Session` over the longest stored prefix of ``ids`` (at least one id is left to
     run), with the store's indexes of that context when it has them. Returns (session, rest).
     KeyError if nothing of ``ids`` is stored."""
-    layout.require_pre_rope("a runtime session (open_session)")
+    layout.require_plain("a runtime session (open_session)")
     toks = [int(t) for t in kvstore.format.hashing.as_tokens(ids, name="ids").tolist()]
     n = min(store.match(toks, namespace=namespace), len(toks) - 1)
     if n < 1:

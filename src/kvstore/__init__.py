@@ -4,6 +4,7 @@ from kvstore.errors import (
     CapacityError,
     CorruptData,
     FormatError,
+    HybridLayers,
     KVStoreError,
     LayoutMismatch,
     RotatedKeys,
@@ -12,10 +13,12 @@ from kvstore.errors import (
     StoreTampered,
     UnsafePath,
 )
-from kvstore.layout import KVLayout
+from kvstore.layout import KVLayout, LayerKind, StateTensor
 
 __all__ = [
     "KVLayout",
+    "LayerKind",
+    "StateTensor",
     "KVStoreError",
     "LayoutMismatch",
     "StoreLocked",
@@ -26,6 +29,7 @@ __all__ = [
     "FormatError",
     "UnsafePath",
     "RotatedKeys",
+    "HybridLayers",
 ]
 
 from kvstore.eviction.jobs import Job  # noqa: E402

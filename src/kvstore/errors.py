@@ -47,3 +47,10 @@ class RotatedKeys(KVStoreError, ValueError):
     """A feature that re-positions keys (truncation, RoPE at other positions, per-head indexes,
     the runtime's sessions) was asked of a layout whose keys are stored rotated, as an engine
     holds them (``KVLayout(keys="rotated")``)."""
+
+
+class HybridLayers(KVStoreError, ValueError):
+    """A feature that needs the KV of every token in every layer (truncation, re-positioning,
+    per-head indexes, the runtime's sessions) was asked of a layout with sliding-window or
+    recurrent layers (``KVLayout(layers=...)``), whose state exists only at stored
+    boundaries."""

@@ -14,6 +14,18 @@ Key conventions (``keys``):
   names what produced the bytes (the engine, its version, its packing or attention mode, its
   KV type: whatever changes them), so KV is only served to an engine that would have computed
   those same bytes; both are part of the fingerprint.
+
+Layer kinds (``layers``, for hybrid models): each of the model's layers is full attention
+(its KV kept for every token, in the store's chunks: ``num_layers`` counts these), a sliding
+window of ``window`` tokens, or a recurrent state of fixed size (Mamba2, gated delta nets,
+short convolutions: :class:`StateTensor` shapes and dtypes). Sliding windows and recurrent
+states exist only at the position where they were taken: the store keeps them as a *boundary
+state* (at most ``state_bytes``, in the engine's own encoding) tied to one exact token count,
+and serves a prefix only up to a boundary whose state it holds
+(:mod:`kvstore.view.boundaries`). Every kind, window and state shape is in the fingerprint:
+a state of one structure is never served to another. Features that need every layer's KV for
+every token (truncation, re-positioning, per-head indexes, the runtime's sessions) refuse such
+a layout (:meth:`KVLayout.require_plain`, :class:`~kvstore.errors.HybridLayers`).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.errors import RotatedKeys
+from kvstore.errors import HybridLayers, RotatedKeys
 
 KEY_CONVENTIONS = ("pre_rope", "rotated")
 # dtype name -> (torch dtype, numpy dtype used for raw byte views, bytes per element)
@@ -36,6 +48,101 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "bfloat16": (torch.bfloat16, np.dtype(np.uint16)),  # numpy has no bf16: viewed as raw u16
     "float32": (torch.float32, np.dtype(np.float32)),
 }
+
+
+LAYER_KINDS = ("full", "sliding", "recurrent")
+# dtypes a recurrent state tensor may have -> bytes per element
+STATE_DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+                                "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateTensor:
+    """One tensor of a recurrent layer's state (a Mamba2 conv or SSM state, a gated delta
+    net's recurrent matrix, a short convolution's history): its name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"StateTensor.name must be a non-empty str, got {self.name!r}")
+        shape = self.shape
+        if not isinstance(shape, tuple | list) or not shape or any(
+                isinstance(d, bool) or not isinstance(d, int | np.integer) or d <= 0
+                for d in shape):
+            raise ValueError(f"StateTensor.shape must be a non-empty tuple of positive ints, "
+                             f"got {shape!r}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+        if self.dtype not in STATE_DTYPES:
+            raise ValueError(f"StateTensor.dtype must be one of {sorted(STATE_DTYPES)}, got "
+                             f"{self.dtype!r}")
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * STATE_DTYPES[self.dtype]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerKind:
+    """What one model layer keeps between tokens: ``"full"`` attention (KV of every token),
+    ``"sliding"`` attention over the last ``window`` tokens, or a ``"recurrent"`` state of
+    fixed size (``state``: its tensors)."""
+
+    kind: str = "full"
+    window: int = 0
+    state: tuple[StateTensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"LayerKind.kind must be one of {list(LAYER_KINDS)}, got "
+                             f"{self.kind!r}")
+        w = self.window
+        if isinstance(w, bool) or not isinstance(w, int | np.integer):
+            raise ValueError(f"LayerKind.window must be an int, got {w!r}")
+        if (self.kind == "sliding") != (w > 0) or w < 0:
+            raise ValueError(f"LayerKind.window must be > 0 exactly for a sliding layer, got "
+                             f"{self.kind} with window {w}")
+        object.__setattr__(self, "window", int(w))
+        state = tuple(self.state)
+        if any(not isinstance(t, StateTensor) for t in state):
+            raise ValueError("LayerKind.state must hold StateTensor records")
+        if (self.kind == "recurrent") != bool(state):
+            raise ValueError(f"LayerKind.state must be given exactly for a recurrent layer, "
+                             f"got {self.kind} with {len(state)} state tensors")
+        object.__setattr__(self, "state", state)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of a recurrent layer's state (0 for attention layers)."""
+        return sum(t.nbytes for t in self.state)
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {"kind": self.kind}
+        if self.window:
+            d["window"] = self.window
+        if self.state:
+            d["state"] = [t.to_dict() for t in self.state]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: object) -> LayerKind:
+        if not isinstance(d, Mapping) or set(d) - {"kind", "window", "state"}:
+            raise ValueError(f"a layer kind must be a mapping of kind, window and state, got "
+                             f"{d!r}")
+        state = d.get("state", ())
+        if not isinstance(state, list | tuple) or any(
+                not isinstance(t, Mapping) or set(t) != {"name", "shape", "dtype"}
+                for t in state):
+            raise ValueError(f"a recurrent layer's state must be a list of name/shape/dtype "
+                             f"mappings, got {state!r}")
+        return cls(kind=d.get("kind", "full"), window=d.get("window", 0),  # type: ignore
+                   state=tuple(StateTensor(name=t["name"], shape=tuple(t["shape"]),
+                                           dtype=t["dtype"]) for t in state))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +165,8 @@ class KVLayout:
     model_id: str = ""
     keys: str = "pre_rope"
     engine: str = ""
+    layers: tuple[LayerKind, ...] | None = None
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -99,6 +208,56 @@ class KVLayout:
             raise ValueError("KVLayout.engine must name the engine (and whatever else changes "
                              "its bytes) when keys='rotated': rotated keys are only served to "
                              "an engine that would have computed those same bytes")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        """``layers`` (each model layer's kind) against ``num_layers`` (the full-attention
+        layers, whose KV the chunks hold) and ``state_bytes`` (the bound of a boundary
+        state). A layout whose layers are all full attention is a plain one (layers None)."""
+        layers = self.layers
+        if layers is not None:
+            try:
+                layers = tuple(layers)
+            except TypeError:
+                raise ValueError(f"KVLayout.layers must be a sequence of LayerKind, got "
+                                 f"{self.layers!r}") from None
+            if not layers or any(not isinstance(k, LayerKind) for k in layers):
+                raise ValueError("KVLayout.layers must be a non-empty sequence of LayerKind")
+            full = sum(k.kind == "full" for k in layers)
+            if full != self.num_layers:
+                raise ValueError(f"KVLayout.num_layers must count the full-attention layers "
+                                 f"(whose KV is kept per token), {full} of layers; got "
+                                 f"{self.num_layers}")
+            if full == len(layers):
+                layers = None
+            object.__setattr__(self, "layers", layers)
+        sb = self.state_bytes
+        if isinstance(sb, bool) or not isinstance(sb, int | np.integer) or sb < 0:
+            raise ValueError(f"KVLayout.state_bytes must be an int >= 0, got {sb!r}")
+        object.__setattr__(self, "state_bytes", int(sb))
+        if (layers is None) != (sb == 0):
+            raise ValueError("KVLayout.state_bytes (the most bytes one boundary state takes) "
+                             "must be > 0 exactly when some layer is sliding-window or "
+                             f"recurrent; got {sb} with "
+                             f"{'no such layer' if layers is None else 'such layers'}")
+
+    # ---- layer kinds -----------------------------------------------------------------------
+    @property
+    def boundary_state(self) -> bool:
+        """Whether some layer is sliding-window or recurrent: a prefix is then restorable only
+        at a boundary whose state is stored."""
+        return self.layers is not None
+
+    def require_plain(self, feature: str) -> None:
+        """Raise unless every layer keeps the KV of every token, stored before rotary encoding:
+        :class:`~kvstore.errors.HybridLayers` (sliding-window or recurrent layers) or
+        :class:`~kvstore.errors.RotatedKeys`, naming ``feature``."""
+        if self.boundary_state:
+            kinds = sorted({k.kind for k in self.layers or () if k.kind != "full"})
+            raise HybridLayers(
+                f"{feature} needs the KV of every token in every layer; this layout has "
+                f"{' and '.join(kinds)} layers, whose state exists only at stored boundaries")
+        self.require_pre_rope(feature)
 
     # ---- key convention ------------------------------------------------------------------
     @property
@@ -185,16 +344,25 @@ class KVLayout:
             d["keys"] = self.keys
         if self.engine:
             d["engine"] = self.engine
+        if self.layers is not None:
+            d["layers"] = [k.to_dict() for k in self.layers]
+            d["state_bytes"] = self.state_bytes
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> KVLayout:
         known = {"num_layers", "num_kv_heads", "head_dim", "dtype", "rope_theta",
-                 "rope_scaling", "model_id", "keys", "engine"}
+                 "rope_scaling", "model_id", "keys", "engine", "layers", "state_bytes"}
         extra = set(d) - known
         if extra:
             raise ValueError(f"unknown KVLayout fields: {sorted(extra)}")
-        return cls(**d)  # type: ignore[arg-type]
+        fields = dict(d)
+        if fields.get("layers") is not None:
+            kinds = fields["layers"]
+            if not isinstance(kinds, list | tuple):
+                raise ValueError(f"KVLayout layers must be a list, got {kinds!r}")
+            fields["layers"] = tuple(LayerKind.from_dict(k) for k in kinds)
+        return cls(**fields)  # type: ignore[arg-type]
 
     @cached_property
     def fingerprint(self) -> bytes:

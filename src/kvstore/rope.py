@@ -23,7 +23,7 @@ def inv_freq(layout: KVLayout) -> torch.Tensor:
     divided by f), and ``"llama3"`` (``factor``, ``low_freq_factor``, ``high_freq_factor``,
     ``original_max_position_embeddings``).
     """
-    layout.require_pre_rope("rotary encoding at chosen positions")
+    layout.require_plain("rotary encoding at chosen positions")
     d = layout.head_dim
     if d % 2:
         raise ValueError(f"head_dim must be even for RoPE, got {d}")

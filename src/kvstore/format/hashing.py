@@ -15,6 +15,10 @@ import xxhash
 
 HASH_BYTES = 16
 _MAX_TOKEN = np.iinfo(np.uint32).max
+# The token id that marks a boundary state's positions (kvstore.store.boundaries): no
+# vocabulary has it, and public calls refuse it, so only the store writes it.
+STATE_TOKEN = _MAX_TOKEN - 1
+STATE_TOKEN_BYTES = int(STATE_TOKEN).to_bytes(4, "little")
 
 
 def chain_seed(layout_fingerprint: bytes, namespace: str | None) -> bytes:
@@ -35,8 +39,8 @@ def as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
     """Validate token ids and return them as a contiguous 1-D little-endian uint32 array.
 
     Accepts a list/tuple of ints, a 1-D integer numpy array, or a 1-D integer torch tensor.
-    Raises TypeError for non-integer input and ValueError for empty input, wrong rank, or ids
-    outside [0, 2**32).
+    Raises TypeError for non-integer input and ValueError for empty input, wrong rank, ids
+    outside [0, 2**32), or :data:`STATE_TOKEN` (the store's own marker).
     """
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -69,7 +73,11 @@ def as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
         raise ValueError(f"{name} must not be empty")
     if arr.min() < 0 or arr.max() > _MAX_TOKEN:
         raise ValueError(f"{name} must be in [0, 2**32), got min {arr.min()} max {arr.max()}")
-    return np.ascontiguousarray(arr, dtype="<u4")
+    out = np.ascontiguousarray(arr, dtype="<u4")
+    if arr.max() >= STATE_TOKEN and (out == STATE_TOKEN).any():
+        raise ValueError(f"{name} must not hold {STATE_TOKEN} (2**32 - 2), the id the store "
+                         f"marks boundary states with")
+    return out
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

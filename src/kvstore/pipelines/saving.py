@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import CapacityError, StoreClosed
+from kvstore.format import boundary_state
 from kvstore.format.chunk_extent import empty_kv, raw
 from kvstore.format.hashing import as_tokens
 from kvstore.layout import KVLayout
@@ -89,12 +90,18 @@ class SaveHandle:
 
     def __init__(self, saver: Saver, layout: KVLayout, tokens: np.ndarray,
                  namespace: str | None, base: int, capacity: int, held: list[bytes],
-                 nbytes: int, buffers: OutputPool | None = None) -> None:
+                 nbytes: int, buffers: OutputPool | None = None,
+                 state_chunk: int | None = None) -> None:
         self._saver = saver
         self._layout = layout
         self.tokens = tokens  # the prompt's ids; append() adds more
         self.namespace = namespace
         self.base = base  # tokens before this are stored already (held until the save ends)
+        # A save that ends at a boundary carrying its state (kvstore.format.boundary_state):
+        # the chunk size, and how many rows from base on were given (the rest of the
+        # boundary's chunk is zeros).
+        self._state_chunk = state_chunk
+        self._given = 0
         self._extra: list[np.ndarray] = []
         self._n_extra = 0
         self._hold = hold = _Hold(saver, nbytes, held)
@@ -173,6 +180,7 @@ class SaveHandle:
         self._copy(self._k[layer, :, :n], keys[:, keys.shape[1] - n :])  # [H, n, D]
         self._copy(self._v[layer, :, :n], values[:, values.shape[1] - n :])
         self._layers[layer] = True
+        self._given = max(self._given, n)
 
     def layer_pages(self, layer: int, pages: Pages) -> None:
         """Layer ``layer``'s KV of the prompt's tokens from ``base`` on, copied straight from an
@@ -186,6 +194,8 @@ class SaveHandle:
         if not isinstance(pages, Pages):
             raise TypeError(f"pages must be a kvstore Pages, got {type(pages).__name__}")
         pages.check_layer(lay, layer)
+        if self._state_chunk is not None:  # the boundary's block whole, as the pages hold it
+            T = -(-T // pages.block_tokens) * pages.block_tokens
         n = T - self.base
         skip = pages.num_tokens - n  # tokens of the pages before base
         if skip < 0 or skip % pages.block_tokens or self._k.device.type != "cpu":
@@ -195,6 +205,7 @@ class SaveHandle:
         pages.gather(layer, skip // pages.block_tokens, raw(self._k[layer, :, :n]),
                      raw(self._v[layer, :, :n]))
         self._layers[layer] = True
+        self._given = max(self._given, n)
 
     def layers(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Every layer's KV of the prompt at once, [num_layers, num_kv_heads, T_prompt,
@@ -218,10 +229,13 @@ class SaveHandle:
             self._copy(self._k[:, :, :n], ks)
             self._copy(self._v[:, :, :n], vs)
         self._layers[:] = True
+        self._given = max(self._given, n)
 
     def append(self, tokens: object, keys: torch.Tensor, values: torch.Tensor) -> None:
         """KV of more tokens after the prompt (decode steps, batched): [L, H, t, D] each."""
         self._check_open()
+        if self._state_chunk is not None:
+            raise ValueError("a save with state=True ends at its tokens: nothing is appended")
         extra = as_tokens(tokens)
         t, at = len(extra), self.num_tokens - self.base
         want = (self._layout.num_layers, self._layout.num_kv_heads, t, self._layout.head_dim)
@@ -237,15 +251,25 @@ class SaveHandle:
         self._extra.append(extra)
         self._n_extra += t
 
-    def finish(self) -> Future[bool]:
+    def finish(self, state: bytes | np.ndarray | None = None) -> Future[bool]:
         """Hand the context to the writer; the future completes when it is durable (True),
-        or with False if the store's eviction policy refused it (admission: nothing stored)."""
+        or with False if the store's eviction policy refused it (admission: nothing stored).
+        ``state``: the boundary state of a save begun with ``state=True`` (required there,
+        refused elsewhere): the engine's bytes after exactly these tokens."""
         self._check_open()
+        if (state is None) != (self._state_chunk is None):
+            raise ValueError("finish(state=...) takes the state exactly of a save begun with "
+                             "state=True")
         missing = np.flatnonzero(~self._layers)
         if len(missing):
             raise ValueError(f"layers {missing.tolist()} were never given to layer()")
+        view = None if state is None else boundary_state.check_state(self._layout, state)
         try:
-            toks = np.concatenate([self.tokens, *self._extra]) if self._extra else self.tokens
+            if view is not None:
+                toks = self._place_state(view)
+            else:
+                toks = np.concatenate([self.tokens, *self._extra]) if self._extra \
+                    else self.tokens
             n = len(toks) - self.base
             ready = None if self._stream is None else self._stream.record_event()
             job = _Job(tokens=toks, namespace=self.namespace, base=self.base,
@@ -258,6 +282,21 @@ class SaveHandle:
         self._finalizer.detach()  # the job owns the hold now: the writer releases it
         self._saver._submit(job)
         return job.future
+
+    def _place_state(self, view: memoryview) -> np.ndarray:
+        """Write the state's rows after the boundary's chunk (zeros between what was given
+        and there); returns the tokens of the context that carries it."""
+        lay, c, base = self._layout, self._state_chunk, self.base
+        assert c is not None
+        rows = boundary_state.encode(lay, view)  # [L, 2, H, m, D] raw
+        m = rows.shape[3]
+        d = boundary_state.data_start(len(self.tokens), c) - base
+        assert self._given <= d and d + m <= self._k.shape[2]
+        for i, buf in enumerate((self._k, self._v)):
+            r = raw(buf)  # [L, H, cap, D]
+            r[:, :, self._given : d] = 0
+            r[:, :, d : d + m] = rows[:, i]
+        return boundary_state.state_tokens(self.tokens, c, m)
 
     def abort(self) -> None:
         """Drop the save; nothing of it is stored. Idempotent."""

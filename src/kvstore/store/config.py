@@ -111,7 +111,15 @@ class StoreConfig:
     def check_budget(self, layout: KVLayout) -> None:
         """Refuse budgets the layout cannot use: a disk tier smaller than one chunk, or one
         with more slots than the catalog can address; and, with disk slots sized for a codec,
-        a disk codec whose full chunks would not fit them."""
+        a disk codec whose full chunks would not fit them; and a lossy codec for a layout
+        with boundary states (their rows are an engine's bytes, not KV values)."""
+        if layout.boundary_state:
+            lossy = sorted(t for t in TIERS if per_tier.is_lossy(self.codecs[t]))
+            if lossy:
+                raise ValueError(
+                    f"codecs[{lossy[0]!r}]={self.codecs[lossy[0]]!r} is lossy; a layout with "
+                    f"sliding-window or recurrent layers stores their state as bytes that only "
+                    f"lossless codecs ('none', 'zstd') keep")
         self.tier_codecs.check_disk_fits_slots(layout, self.chunk_tokens)
         slot = self.disk_slot_bytes(layout)
         if self.disk_bytes < slot:

@@ -24,7 +24,7 @@ from kvstore.errors import StoreClosed
 from kvstore.eviction.jobs import as_jobs
 from kvstore.eviction.lookahead import Hints
 from kvstore.eviction.policies import EvictionPolicy
-from kvstore.format import chunk_extent
+from kvstore.format import boundary_state, chunk_extent
 from kvstore.format.hashing import as_tokens
 from kvstore.format.open_lock import DirLock
 from kvstore.format.records import ChunkRecord, ContextRecord
@@ -44,6 +44,7 @@ from kvstore.store.stats_report import assemble_stats
 from kvstore.tiers.disk_throttle import ReadThrottle, TokenBucket
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.tier import RemoteTier
+from kvstore.view import boundaries
 from kvstore.view.catch_up import writing
 from kvstore.view.prefix_tree import Piece, served
 
@@ -112,7 +113,8 @@ class Store:
 
     # ------------------------------------------------------------------ writing
     def put(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
-            namespace: str | None = None, index: IndexSpec | None = None) -> bool:
+            namespace: str | None = None, index: IndexSpec | None = None,
+            state: bytes | np.ndarray | None = None) -> bool:
         """Store the KV of ``tokens``; durable when it returns. Returns True once stored (or
         if it was already), False if the eviction policy's admission refused it (``reuse``,
         ``belady``: it would have had to evict contexts all ranked above it; nothing is
@@ -127,6 +129,12 @@ class Store:
         0..T-1) and stored with it (see :meth:`build_indexes`); keys that cannot be indexed
         are refused before anything is stored.
 
+        ``state`` (layouts with sliding-window or recurrent layers, ``KVLayout.layers``): the
+        engine's bytes of those layers' state after exactly these tokens (at most
+        ``layout.state_bytes``), stored with the KV as the boundary state that lets
+        :meth:`match` serve this prefix (:mod:`kvstore.store.boundaries`). Without it such a
+        put stores the full-attention KV only, which serves a longer prefix's boundary.
+
         Thread-safe; puts of several threads and processes run at once. The metadata lock is
         not held while the extents are written and synced or the indexes built.
         """
@@ -134,12 +142,16 @@ class Store:
         toks = as_tokens(tokens)
         keys = check_kv(lay, "keys", keys, len(toks))
         values = check_kv(lay, "values", values, len(toks))
+        view = None if state is None else boundary_state.check_state(lay, state)
         if index is not None:
-            lay.require_pre_rope("per-head indexes (put(index=...))")
+            lay.require_plain("per-head indexes (put(index=...))")
             check_spec(index, "index", lay.head_dim)
             check_keys(keys)
         kr = chunk_extent.raw(keys.detach().to("cpu").contiguous())  # [L, H, T, D]
         vr = chunk_extent.raw(values.detach().to("cpu").contiguous())  # [L, H, T, D]
+        if view is not None:
+            toks, kr, vr = boundary_state.with_state(lay, self.config.chunk_tokens, toks, kr, vr,
+                                                 view)
         if not self._writer.put(toks, kr, vr, namespace):
             return False
         if self._remote is not None:  # queued for write-through (sent in the background)
@@ -170,7 +182,8 @@ class Store:
         return ctx is not None
 
     def begin_save(self, tokens: object, *, namespace: str | None = None,
-                   max_new_tokens: int = 0, wait: bool = True) -> SaveHandle:
+                   max_new_tokens: int = 0, wait: bool = True,
+                   state: bool = False) -> SaveHandle:
         """Start saving the context ``tokens`` asynchronously (AttentionStore §3.2.2).
 
         Give each layer's KV to :meth:`SaveHandle.layer` as soon as it exists (during prefill),
@@ -183,8 +196,20 @@ class Store:
         Thread-safe; waits while the write buffer (``write_buffer_bytes``) is full, or with
         ``wait=False`` raises :class:`CapacityError` at once (a caller that must not block
         drops the save).
+
+        ``state=True`` (layouts with sliding-window or recurrent layers): the save ends at the
+        boundary ``len(tokens)`` and carries its state, given to
+        :meth:`SaveHandle.finish(state=...) <kvstore.SaveHandle.finish>` (no ``append``).
         """
         toks = as_tokens(tokens)
+        if not isinstance(state, bool):
+            raise TypeError(f"state must be a bool, got {type(state).__name__}")
+        if state and not self.layout.boundary_state:
+            raise ValueError("begin_save(state=True) is for layouts with sliding-window or "
+                             "recurrent layers (KVLayout.layers)")
+        if state and max_new_tokens:
+            raise ValueError("a save with state=True ends at len(tokens): max_new_tokens "
+                             "must be 0")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
                 or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -202,6 +227,9 @@ class Store:
             core.tree.hold(held)
         base = len(held) * c
         capacity = len(toks) + max_new_tokens - base
+        if state:  # the rest of the boundary's chunk, then the largest state's rows
+            capacity = boundary_state.data_start(len(toks), c) - base + \
+                boundary_state.state_rows(self.layout, self.layout.state_bytes)
         nbytes = capacity * self.layout.token_bytes
         try:
             self._saver.reserve(nbytes, wait=wait)
@@ -209,7 +237,7 @@ class Store:
             self._release_held(held)
             raise
         return SaveHandle(self._saver, self.layout, toks, namespace, base, capacity, held,
-                          nbytes, core.buffers)
+                          nbytes, core.buffers, state_chunk=c if state else None)
 
     def _release_held(self, keys: list[bytes]) -> None:
         with self._core.mutex:
@@ -290,14 +318,53 @@ class Store:
         is a shorter match, never an error."""
         toks = as_tokens(tokens)
         core = self._core
-        pieces = self._resolve(toks, namespace)
-        n = served(pieces)
-        if self._remote is not None and n < len(toks):
-            n = self._remote.match(toks, namespace, pieces)
+        if self.layout.boundary_state:
+            found = self._boundary(toks, namespace)
+            n = 0 if found is None else found.position
+        else:
+            pieces = self._resolve(toks, namespace)
+            n = served(pieces)
+            if self._remote is not None and n < len(toks):
+                n = self._remote.match(toks, namespace, pieces)
         with core.mutex:
             core.counters.match_calls += 1
             core.counters.matched_tokens += n
         return n
+
+    def _boundary(self, toks: np.ndarray, namespace: str | None, limit: int | None = None
+                  ) -> boundaries.Boundary | None:
+        """The longest stored boundary state of ``toks`` (at most ``limit``), after catching
+        up with the other processes' commits."""
+        core = self._core
+        with core.mutex:
+            core.check_open()
+            core.mirror.catch_up()
+            return boundaries.find(core.tree, toks, namespace,
+                                   limit=len(toks) if limit is None else limit,
+                                   layout=self.layout)
+
+    def state(self, tokens: object, *, namespace: str | None = None) -> bytes:
+        """The boundary state stored with exactly ``tokens`` (layouts with sliding-window or
+        recurrent layers): the engine's bytes given to :meth:`put` (or a save). KeyError if no
+        state is stored at len(tokens) (it was never stored, was evicted, or another process
+        evicted it while it was read), :class:`CorruptData` if its bytes fail their checksum
+        (the context is then dropped: the next :meth:`match` is shorter). Read from this
+        machine's tiers. Thread-safe."""
+        toks = as_tokens(tokens)
+        if not self.layout.boundary_state:
+            raise ValueError("state() is for layouts with sliding-window or recurrent layers "
+                             "(KVLayout.layers)")
+        found = self._boundary(toks, namespace)
+        if found is None or found.position != len(toks):
+            raise KeyError(f"no boundary state stored after these {len(toks)} tokens")
+        lay = self.layout
+        k, v = chunk_extent.empty_kv(lay, found.rows, 2)  # [L, H, m, D] each
+        with self._loads.start(found.tokens, namespace, buffer_layers=None, out=(k, v),
+                               device=torch.device("cpu"), start=found.rows_at) as load:
+            for layer in range(lay.num_layers):
+                load.wait(layer)
+        rows = np.stack([chunk_extent.raw(k), chunk_extent.raw(v)], axis=1)  # [L, 2, H, m, D]
+        return boundary_state.decode(lay, rows)
 
     def _resolve(self, toks: np.ndarray, namespace: str | None) -> list[Piece]:
         """The stored pieces serving a prefix of ``toks`` here, after catching up with the
@@ -458,7 +525,7 @@ class Store:
         eviction, a longer put that supersedes it). Existing indexes are replaced. Returns
         False if no context of exactly these tokens is stored (or it left meanwhile).
         Thread-safe; the build runs without the metadata lock."""
-        self.layout.require_pre_rope("per-head indexes (build_indexes)")
+        self.layout.require_plain("per-head indexes (build_indexes)")
         check_spec(spec, "spec", self.layout.head_dim)
         return self._indexes.build(as_tokens(tokens), namespace, spec)
 
@@ -480,7 +547,7 @@ class Store:
         walk). If the context was evicted or a chunk failed its checksum since this call, that
         query raises ``KeyError`` or :class:`CorruptData` (a miss: recompute).
         """
-        self.layout.require_pre_rope("per-head indexes (indexes)")
+        self.layout.require_plain("per-head indexes (indexes)")
         return self._indexes.read(as_tokens(tokens), namespace)
 
     def index_dirs(self) -> dict[bytes, str]:

@@ -17,6 +17,7 @@ import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
+from kvstore.codecs import layer_codec
 from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
 from kvstore.eviction.policies import make_policy
 from kvstore.format.catalog import CATALOG, DATA_FILE, FORMAT_VERSION, Catalog
@@ -131,6 +132,9 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     if remote_cfg is not None:
         try:
             codec = config.tier_codecs.remote_for(remote_cfg.codec)
+            if store.layout.boundary_state and layer_codec.is_lossy(codec):
+                raise ValueError(f"remote codec {codec!r} is lossy; a layout with "
+                                 f"sliding-window or recurrent layers needs a lossless one")
             tier = RemoteTier(replace(remote_cfg, codec=codec), store.layout)
             try:
                 tier.connect()

@@ -32,7 +32,7 @@ from operator import attrgetter
 import numpy as np
 
 from kvstore.eviction.policies import Priority, PriorityHeap
-from kvstore.format.hashing import chain_seed, chunk_hash
+from kvstore.format.hashing import STATE_TOKEN, STATE_TOKEN_BYTES, chain_seed, chunk_hash
 from kvstore.format.records import ChunkRecord, ContextRecord, IndexEntry
 
 
@@ -58,6 +58,15 @@ def _common_bytes(a: bytes, b: bytes) -> int:
     y = np.frombuffer(b, dtype=np.uint32, count=n)
     neq = np.flatnonzero(x != y)
     return int(neq[0]) if neq.size else n
+
+
+def state_offset(toks: bytes) -> int | None:
+    """Where the first :data:`STATE_TOKEN` is in token-id bytes (in tokens), or None: a
+    chunk carrying a boundary state's marker (:mod:`kvstore.store.boundaries`)."""
+    if STATE_TOKEN_BYTES not in toks:  # the common case, one scan in C
+        return None
+    hit = np.flatnonzero(np.frombuffer(toks, dtype="<u4") == STATE_TOKEN)
+    return int(hit[0]) if hit.size else None
 
 
 class Holders:
@@ -150,14 +159,16 @@ class Kids:
     and ``keys[i]`` are the i-th child's (two lists, not a tuple per child). In a
     lexicographic order the child sharing the longest prefix with any query is next to the
     query's place, and the children that start with a given prefix are contiguous.
-    ``lengths`` counts the children per token count."""
+    ``lengths`` counts the children per token count, ``marks`` the children per offset of
+    their first :data:`STATE_TOKEN` (where a boundary state begins inside them)."""
 
-    __slots__ = ("toks", "keys", "lengths")
+    __slots__ = ("toks", "keys", "lengths", "marks")
 
     def __init__(self) -> None:
         self.toks: list[bytes] = []
         self.keys: list[bytes] = []
         self.lengths: Counter[int] = Counter()
+        self.marks: Counter[int] = Counter()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -180,6 +191,9 @@ class Kids:
         self.toks.insert(i, toks)
         self.keys.insert(i, key)
         self.lengths[len(toks) // 4] += 1
+        o = state_offset(toks)
+        if o is not None:
+            self.marks[o] += 1
 
     def remove(self, toks: bytes, key: bytes) -> None:
         i = self._find(toks, key)
@@ -189,6 +203,11 @@ class Kids:
             self.lengths[n] -= 1
             if not self.lengths[n]:
                 del self.lengths[n]
+            o = state_offset(toks)
+            if o is not None:
+                self.marks[o] -= 1
+                if not self.marks[o]:
+                    del self.marks[o]
 
     def starting_with(self, prefix: bytes) -> Iterator[bytes]:
         """Keys of the children whose token ids start with ``prefix``, in order."""
@@ -409,6 +428,7 @@ class ContextTree:
             kids.toks = [r.token_ids for r in recs]
             kids.keys = [r.key for r in recs]
             kids.lengths = Counter(len(t) // 4 for t in kids.toks)
+            kids.marks = Counter(o for o in map(state_offset, kids.toks) if o is not None)
             self.kids[parent] = kids
         self.holders.add_all(contexts.items())
         priority = self.priority
