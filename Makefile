@@ -28,8 +28,14 @@ $(HF_MODEL): | $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests bench
 
-test: lint $(HF_MODEL) $(VENV)/.llama-installed
+# Hybrid models with random weights (sliding-window and recurrent layers) that the tests run,
+# HF directories and GGUFs converted by the llama-cpp-python sdist's converter (gitignored).
+HYBRID_TINY := $(KVSTORE_CACHE_DIR)/hybrid/.tiny-built
+HYBRID_NAMES := gemma3 granitemoehybrid qwen3_next lfm2 falcon_h1 mamba2
+
+test: lint $(HF_MODEL) $(VENV)/.llama-installed $(HYBRID_TINY)
 	$(VENV)/bin/pytest -q
+
 
 demo: $(VENV)/.installed
 	$(PY) -m engine.replay.demo
@@ -58,13 +64,23 @@ LLAMA_WHEEL_DIR := .whl/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell \
 	echo '$(LLAMA_CMAKE_ARGS)' | cat - native/llama_cpp_*.cmake | md5sum | cut -c1-10)
 LLAMA_WHEEL := $(LLAMA_WHEEL_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_$(shell uname -m).whl
 
+LLAMA_SDIST := .whl/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
+
 llama-wheel: $(LLAMA_WHEEL)
 
-$(LLAMA_WHEEL): native/llama_cpp_minimal.cmake native/llama_cpp_ggml.cmake
+# The sdist, downloaded once: the wheel is built from it, and the hybrid test models are
+# converted to GGUF by the convert_hf_to_gguf.py it vendors.
+$(LLAMA_SDIST):
+	mkdir -p $(dir $@)
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+		-d $(dir $@) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	test -f $@
+
+$(LLAMA_WHEEL): native/llama_cpp_minimal.cmake native/llama_cpp_ggml.cmake $(LLAMA_SDIST)
 	mkdir -p $(LLAMA_WHEEL_DIR)
 	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS) $(LLAMA_CMAKE_HOOK)' CMAKE_BUILD_PARALLEL_LEVEL=2 \
 		$(PYTHON) -m pip wheel -q --disable-pip-version-check --no-deps --no-cache-dir \
-		--no-binary llama-cpp-python -w $(LLAMA_WHEEL_DIR) llama-cpp-python==$(LLAMA_CPP_VERSION)
+		--no-binary llama-cpp-python -w $(LLAMA_WHEEL_DIR) $(LLAMA_SDIST)
 	test -f $@
 
 # What `pip install kvstore[llama]` installs, from the wheel above (never the sdist).
@@ -79,3 +95,7 @@ $(VENV)/.llama-installed: $(VENV)/.installed $(LLAMA_WHEEL)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis kvstore-demo-store kvstore-demo-out .cache
+
+$(HYBRID_TINY): $(HF_MODEL) $(LLAMA_SDIST) src/engine/hybrid_models.py | $(VENV)/.installed
+	KVSTORE_LLAMA_SDIST=$(LLAMA_SDIST) $(PY) -m engine.hybrid_models --gguf $(HYBRID_NAMES)
+	touch $@

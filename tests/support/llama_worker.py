@@ -31,12 +31,13 @@ def main() -> int:
     p.add_argument("--prompts", required=True, help="JSON file: a list of token id lists")
     p.add_argument("--gguf", default=None)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--n-ctx", type=int, default=None)
     p.add_argument("--announce-saves", action="store_true")
     p.add_argument("--loop", action="store_true")
     args = p.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
-    llm = make_llama(args.gguf)
+    llm = make_llama(args.gguf, **({} if args.n_ctx is None else {"n_ctx": args.n_ctx}))
     cache = (AnnouncingCache if args.announce_saves else KVStoreLlamaCache)(args.store)
     llm.set_cache(cache)
     i = 0

@@ -162,6 +162,8 @@ class Store:
 
     def delete(self, tokens: object, *, namespace: str | None = None) -> bool:
         """Remove the context stored for exactly ``tokens``; chunks other contexts share stay.
+        With a layout of sliding-window or recurrent layers, the boundary state stored after
+        exactly ``tokens`` (with what only it holds).
 
         Returns False if no context was stored for exactly these tokens. Thread-safe (one
         catalog transaction; other processes see the removal at their next call)."""
@@ -173,6 +175,11 @@ class Store:
             with core.mutex:
                 core.check_writable()
                 core.mirror.catch_up(txn)
+                if self.layout.boundary_state:
+                    found = boundaries.find(core.tree, toks, namespace, limit=len(toks),
+                                            layout=self.layout)
+                    if found is not None and found.position == len(toks):
+                        toks = found.tokens
                 ctx = core.tree.exact_context(toks, namespace)
                 dirs: list = []
                 if ctx is not None:

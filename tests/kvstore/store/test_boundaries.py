@@ -362,3 +362,14 @@ def test_the_layout_states_every_layer_kind(tmp_path):
     with kvstore.open(tmp_path / "s") as store:  # the kinds come back from the catalog
         assert store.layout == HYBRID
     assert data_start(5, 4) == 8 and data_start(8, 4) == 8
+
+
+def test_delete_removes_a_boundary_state(tmp_path):
+    toks = list(range(1, 12))
+    with open_hybrid(tmp_path / "s") as store:
+        put_state(store, toks[:5])
+        put_state(store, toks)
+        assert store.delete(toks) is True
+        assert store.match(toks) == 5 and store.delete(toks) is False
+        assert store.delete(toks[:5]) is True
+        assert store.match(toks) == 0 and store.contexts() == []

@@ -19,6 +19,10 @@ cache before each completion (``cache[prompt]``) and hands it the context after 
   llama.cpp build and context setup. A Llama whose KV differs (another GGUF, build, attention
   mode or KV type) gets no KV from it and stores none in it (counted in :meth:`stats` as
   ``unsupported``, with the reason logged); models the codec does not understand likewise.
+* **Hybrid models** (sliding-window or recurrent layers, :mod:`.boundary`): a prefix is
+  restored only at a boundary whose state the store holds, the context is never truncated,
+  and boundaries are taken when a completion ends and, on lookups, at the prompt's end and
+  where it leaves a prefix stored for another context.
 * **Failures** never reach the completion: a damaged store, a full disk, a state llama.cpp
   refuses, KV evicted by another process between match and read: each is a miss or a skipped
   save, counted by cause in :meth:`stats` and logged, and the prompt is computed as without
@@ -38,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import KVStoreError, LayoutMismatch
+from kvstore.errors import CapacityError, KVStoreError, LayoutMismatch
 from kvstore.format.hashing import as_tokens
-from kvstore.integrations.llama_cpp import context
+from kvstore.integrations.llama_cpp import boundary, context
 from kvstore.integrations.llama_cpp.identity import Identity, Unsupported, identify
 from kvstore.integrations.llama_cpp.state import StateError
 from kvstore.integrations.shared import Lease, acquire
@@ -69,6 +73,9 @@ class CacheCounters:
     raced_misses: int = 0  # the prefix was evicted (by any process) between match and get
     state_errors: int = 0  # states the codec refused (see state.StateError)
     refused_restores: int = 0  # states llama.cpp refused to load (prompt then recomputed)
+    checkpoints: int = 0  # boundaries a lookup evaluated to and queued for saving (hybrids)
+    cleared_contexts: int = 0  # contexts emptied, not truncated (hybrids: their state exists
+    # only where it was taken)
 
 
 @dataclass(eq=False)
@@ -132,6 +139,8 @@ class KVStoreLlamaCache:
             raise KeyError("no stored KV for this Llama (see KVStoreLlamaCache.stats())")
         assert llm is not None and binding.store is not None and binding.identity is not None
         toks = as_tokens(key, "key").astype(np.int64)
+        if binding.identity.partial is not None:
+            return self._lookup_boundary(llm, binding, toks)
         limit = len(toks) - KEEP_UNSERVED
         held = context.held_tokens(llm, toks)
         n = 0
@@ -192,15 +201,21 @@ class KVStoreLlamaCache:
         except STORE_ERRORS as e:
             self._failed("store_errors", "match", e)
             return
+        part = None
         try:
-            kv = binding.identity.format.parse_context(value.llama_state)  # [L, H, n, D]
+            if binding.identity.partial is not None:  # from the context, at the boundary
+                if int(llm.n_tokens) != n:
+                    raise StateError(f"the context holds {llm.n_tokens} tokens, the state {n}")
+                kv, part = boundary.read_boundary(llm, binding.identity)
+            else:
+                kv = binding.identity.format.parse_context(value.llama_state)  # [L, H, n, D]
             if kv.num_tokens != n:
                 raise StateError(f"the state holds {kv.num_tokens} cells for {n} tokens")
         except StateError as e:
             self._failed("state_errors", "save", e)
             return
         try:
-            stored = store.put(ids, kv.keys, kv.values)
+            stored = store.put(ids, kv.keys, kv.values, state=part)
         except STORE_ERRORS as e:
             self._failed("store_errors", "put", e)
             return
@@ -208,6 +223,87 @@ class KVStoreLlamaCache:
             with self._lock:
                 self._counters.saves += 1
                 self._counters.saved_tokens += n
+
+    def _lookup_boundary(self, llm: Any, binding: _Binding, toks: np.ndarray
+                         ) -> RestoredPrefix:
+        """:meth:`__getitem__` of a hybrid model (:mod:`.boundary`): restore the longest
+        stored boundary of the prompt if the context does not hold a longer prefix of it,
+        empty the context rather than let it be truncated, then evaluate up to the lookup's
+        checkpoints, saving each. The context then holds exactly the prefix returned."""
+        store, ident = binding.store, binding.identity
+        assert store is not None and ident is not None
+        limit = len(toks) - KEEP_UNSERVED
+        n_ctx = int(llm.n_tokens)
+        at = n_ctx if context.held_tokens(llm, toks) == n_ctx <= limit else 0
+        found = run = 0
+        if limit > 0:
+            try:
+                found = store.match(toks[:limit])
+                run = limit - store.residency(toks[:limit])["missing"]
+            except STORE_ERRORS as e:
+                self._failed("store_errors", "match", e)
+        restored = 0
+        if found > at:
+            restored = self._restore_boundary(llm, binding, toks[:found])
+            if restored:
+                at = restored
+            elif int(llm.n_tokens) != n_ctx:  # llama.cpp refused it and emptied the context
+                at = 0
+        if at == 0 and int(llm.n_tokens) > 0:
+            context.clear(llm)  # never truncated: its state exists only where it was taken
+            self._count("cleared_contexts")
+        for point in boundary.checkpoints(start=at, stored_run=run, limit=limit,
+                                          chunk=store.config.chunk_tokens):
+            llm.eval(toks[at:point].tolist())
+            at = point
+            self._checkpoint(llm, binding, toks[:point])
+        if not restored:
+            self._count("misses")
+            if at == 0:
+                raise KeyError("no stored boundary of this prompt")
+        return RestoredPrefix(input_ids=toks[:at].astype(np.intc), n_tokens=at)
+
+    def _restore_boundary(self, llm: Any, binding: _Binding, toks: np.ndarray) -> int:
+        """Restore the stored boundary of exactly ``toks``: how many tokens the context then
+        holds (0 on any failure, counted; the context is then empty)."""
+        assert binding.store is not None and binding.identity is not None
+        try:
+            ok = boundary.restore(llm, binding.store, binding.identity, toks)
+        except KeyError as e:
+            self._failed("raced_misses", "get", e)
+            return 0
+        except STORE_ERRORS as e:
+            self._failed("store_errors", "get", e)
+            return 0
+        except StateError as e:
+            self._failed("state_errors", "restore", e)
+            return 0
+        if not ok:
+            self._failed("refused_restores", "restore",
+                         StateError(f"llama.cpp refused a sequence state of {len(toks)} tokens"))
+            return 0
+        with self._lock:
+            self._counters.hits += 1
+            self._counters.restored_tokens += len(toks)
+        return len(toks)
+
+    def _checkpoint(self, llm: Any, binding: _Binding, toks: np.ndarray) -> None:
+        """Queue the boundary the context holds now (exactly ``toks``) for saving, unless the
+        store holds it already (a full write buffer skips it)."""
+        assert binding.store is not None and binding.identity is not None
+        try:
+            if binding.store.match(toks) == len(toks):
+                return
+            boundary.save_async(llm, binding.store, binding.identity, toks)
+        except CapacityError:
+            return
+        except STORE_ERRORS as e:
+            self._failed("store_errors", "checkpoint", e)
+            return
+        except StateError as e:
+            self._failed("state_errors", "checkpoint", e)
+            return
+        self._count("checkpoints")
 
     def __contains__(self, key: object) -> bool:
         """Whether a lookup of ``key`` by the calling Llama would restore something (no IO

@@ -60,6 +60,18 @@ def held_tokens(llm: Any, tokens: np.ndarray) -> int:
     return int(ne[0]) if len(ne) else n
 
 
+def clear(llm: Any) -> None:
+    """Empty ``llm``'s sequence 0 and its record of evaluated tokens, so llama-cpp-python
+    evaluates the next prompt from its start. Thread-safety: as any call on ``llm``."""
+    import llama_cpp
+
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    if mem is not None:
+        llama_cpp.llama_memory_seq_rm(mem, SEQ_ID, -1, -1)
+    llm.n_tokens = 0
+    llm._requires_eval = True
+
+
 def restore(llm: Any, state: StateBuffer, tokens: np.ndarray) -> bool:
     """Load the sequence state ``state`` (the KV of ``tokens``, positions 0..n-1) into
     ``llm``'s sequence 0 and record the tokens as evaluated. False if llama.cpp refused the
@@ -74,11 +86,7 @@ def restore(llm: Any, state: StateBuffer, tokens: np.ndarray) -> bool:
     if read != data.nbytes:
         # llama.cpp removed sequence 0's cells before reading and clears what it had
         # restored on failure; drop any left, so the context and n_tokens agree
-        mem = llama_cpp.llama_get_memory(llm.ctx)
-        if mem is not None:
-            llama_cpp.llama_memory_seq_rm(mem, SEQ_ID, -1, -1)
-        llm.n_tokens = 0
-        llm._requires_eval = True
+        clear(llm)
         return False
     llm.input_ids[:n] = tokens
     llm.n_tokens = n

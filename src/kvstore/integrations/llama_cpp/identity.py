@@ -10,28 +10,49 @@ seeds every chunk address, so stored KV is only ever served to a llama.cpp that 
 computed those same bytes. Keys are stored rotated, as llama.cpp holds them
 (``keys="rotated"``).
 
+Hybrid models (:data:`HYBRID_ARCHS`: sliding-window attention beside full attention, or
+recurrent layers beside attention) are stored as their full-attention KV plus a boundary state,
+the partial part of llama.cpp's sequence state (:mod:`.partial`), whose structure is learned
+from a state llama.cpp writes in a scratch context of the same model and settings. The
+layout's ``layers`` then lists the full-attention layers, then the sliding or recurrent ones,
+as the state's sections hold them (not in model order: the GGUF's hash in ``model_id`` pins
+which layer is which).
+
 Models and settings whose KV this codec has not been verified against are refused with
 :class:`Unsupported` naming the reason: architectures other than those in
-:data:`SUPPORTED_ARCHS`, sliding-window attention, recurrent and hybrid models, M-RoPE and
-per-layer-embedding models (their cells carry extras), several streams, quantized KV types,
-LoRA adapters, embedding contexts, ``logits_all=True`` (a restored prefix has no prompt
-logits for logprobs), and a flash-attention mode llama.cpp chooses itself.
+:data:`SUPPORTED_ARCHS` and :data:`HYBRID_ARCHS` (among them purely recurrent models and
+models whose every attention layer is sliding: no full-attention KV to key the store by),
+M-RoPE and per-layer-embedding models (their cells carry extras), several streams, quantized
+KV types, LoRA adapters, embedding contexts, ``logits_all=True`` (a restored prefix has no
+prompt logits for logprobs), and a flash-attention mode llama.cpp chooses itself.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
+from kvstore.integrations.llama_cpp.partial import (
+    PartialFormat,
+    RecurrentShape,
+    SlidingShape,
+    learn,
+)
 from kvstore.integrations.llama_cpp.state import KV_TYPES, StateError, StateFormat, type_name
-from kvstore.layout import KVLayout
+from kvstore.layout import KVLayout, LayerKind, StateTensor
 
 # architectures whose memory is llama.cpp's plain KV cache, with the state layout verified
 SUPPORTED_ARCHS = frozenset({"llama"})
+# hybrid architectures whose sequence states are verified here (tests/kvstore/integrations/
+# llama_cpp/test_llama_hybrid.py), by what they keep besides full-attention KV
+HYBRID_ARCHS = {"gemma3": "sliding", "granitehybrid": "recurrent", "qwen3next": "recurrent",
+                "lfm2": "recurrent", "falcon-h1": "recurrent"}
+_STATE_DTYPES = {0: "float32", 1: "float16", 30: "bfloat16"}
 _ROPE_NORM, _ROPE_NEOX = 0, 2
 _FA_DISABLED, _FA_ENABLED = 0, 1
 _HASH_BLOCK = 8 << 20
@@ -70,25 +91,41 @@ class ModelFacts:
     lora: bool
     settings: tuple[tuple[str, str], ...]  # context settings that change the bytes, as text
 
-    def state_format(self) -> StateFormat:
-        """The format of this context's states; :class:`Unsupported` naming the first reason
-        the codec cannot take them."""
-        if self.arch not in SUPPORTED_ARCHS:
-            raise Unsupported(f"architecture {self.arch!r}: its KV state layout is not verified "
-                              f"with this codec (supported: {sorted(SUPPORTED_ARCHS)})")
-        if self.recurrent or self.hybrid:
-            kind = "recurrent" if self.recurrent else "hybrid"
-            raise Unsupported(f"a {kind} model keeps recurrent state, not only KV")
-        if self.n_swa > 0:
-            raise Unsupported(f"sliding-window attention (n_swa={self.n_swa}): its cache holds "
-                              f"a window, not every token")
+    def boundary_kind(self) -> str | None:
+        """What the model keeps besides full-attention KV: None (nothing: a plain KV cache),
+        ``"sliding"`` or ``"recurrent"``; :class:`Unsupported` for an architecture whose state
+        is not verified here."""
+        kind = HYBRID_ARCHS.get(self.arch)
+        if kind is None and self.arch not in SUPPORTED_ARCHS:
+            what = ("a recurrent model (no full-attention layer)" if self.recurrent else
+                    f"architecture {self.arch!r}")
+            raise Unsupported(f"{what}: its KV state layout is not verified with this codec "
+                              f"(supported: {sorted(SUPPORTED_ARCHS | set(HYBRID_ARCHS))})")
+        if kind is None and (self.recurrent or self.hybrid or self.n_swa > 0):
+            raise Unsupported(f"architecture {self.arch!r} with sliding-window or recurrent "
+                              f"layers: its state layout is not verified with this codec")
+        if kind == "sliding" and self.n_swa <= 0:
+            return None  # configured without a window: every layer is full attention
+        if kind == "recurrent" and not self.hybrid:
+            raise Unsupported(f"a {self.arch} model without attention layers keeps recurrent "
+                              f"state only: no full-attention KV to key the store by")
+        return kind
+
+    def state_format(self, *, num_layers: int | None = None,
+                     num_kv_heads: int | None = None) -> StateFormat:
+        """The format of this context's states (of the full-attention layers: with
+        ``num_layers`` and ``num_kv_heads`` learned from a state for a hybrid model);
+        :class:`Unsupported` naming the first reason the codec cannot take them."""
+        hybrid = num_layers is not None
+        if not hybrid:
+            self.boundary_kind()
+            if not self.uniform_heads:
+                raise Unsupported("kv-head counts differ between layers")
         if self.rope_type not in (_ROPE_NORM, _ROPE_NEOX):
             raise Unsupported(f"RoPE type {self.rope_type} (M-RoPE or vision): its cells carry "
                               f"2D positions")
         if self.per_layer_embeddings:
             raise Unsupported("per-layer token embeddings: its cells carry token ids")
-        if not self.uniform_heads:
-            raise Unsupported("kv-head counts differ between layers")
         if self.key_length != self.value_length:
             raise Unsupported(f"K and V head sizes differ ({self.key_length} and "
                               f"{self.value_length})")
@@ -112,18 +149,20 @@ class ModelFacts:
         if self.flash_attn_type not in (_FA_DISABLED, _FA_ENABLED):
             raise Unsupported(f"flash_attn_type={self.flash_attn_type}: llama.cpp chooses the "
                               f"mode itself, and the state layout depends on it")
-        return StateFormat(arch=self.arch, num_layers=self.n_layer,
-                           num_kv_heads=self.n_head_kv, head_dim=self.key_length,
-                           kv_type=self.type_k,
+        return StateFormat(arch=self.arch, num_layers=num_layers or self.n_layer,
+                           num_kv_heads=num_kv_heads or self.n_head_kv,
+                           head_dim=self.key_length, kv_type=self.type_k,
                            v_trans=self.flash_attn_type == _FA_DISABLED)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Identity:
-    """A context's state format and the KVLayout its KV is stored under."""
+    """A context's state format (of its full-attention KV), what a boundary keeps besides it
+    (``partial``, hybrid models; None otherwise) and the KVLayout it is stored under."""
 
     format: StateFormat
     layout: KVLayout
+    partial: PartialFormat | None = None
 
 
 def model_facts(llm: Any) -> ModelFacts:
@@ -181,7 +220,12 @@ def identify(llm: Any) -> Identity:
     import llama_cpp
 
     facts = model_facts(llm)
-    fmt = facts.state_format()
+    kind = facts.boundary_kind()
+    partial = None
+    if kind is None:
+        fmt = facts.state_format()
+    else:
+        fmt, partial = _hybrid_formats(llm, facts, kind)
     meta = dict(llm.metadata)
     theta = _float(meta.get(f"{facts.arch}.rope.freq_base"), 10000.0)
     if float(llm.context_params.rope_freq_base) > 0:  # the context overrides the model's
@@ -198,8 +242,64 @@ def identify(llm: Any) -> Identity:
     layout = KVLayout(num_layers=fmt.num_layers, num_kv_heads=fmt.num_kv_heads,
                       head_dim=fmt.head_dim, dtype=fmt.dtype, rope_theta=theta,
                       model_id=f"gguf-xxh3-128:{gguf_digest(llm.model_path)}",
-                      keys="rotated", engine=engine)
-    return Identity(format=fmt, layout=layout)
+                      keys="rotated", engine=engine,
+                      layers=None if partial is None else _layer_kinds(fmt, partial),
+                      state_bytes=0 if partial is None else partial.max_bytes)
+    return Identity(format=fmt, layout=layout, partial=partial)
+
+
+def _hybrid_formats(llm: Any, facts: ModelFacts, kind: str
+                    ) -> tuple[StateFormat, PartialFormat]:
+    """The full-attention layers' format and the partial format of a hybrid model, from the
+    sequence state of one token llama.cpp writes in a scratch context (:func:`.partial.learn`):
+    its base section says how many full-attention layers there are and their rows."""
+    facts.state_format(num_layers=1, num_kv_heads=1)  # the settings' own checks first
+    whole, partial = learn(llm, kind=kind, window=facts.n_swa)
+    base = whole[: len(whole) - (partial.max_bytes if kind == "recurrent" else
+                                 partial.shape.size(1))]  # type: ignore[union-attr]
+    try:
+        n_stream, cells = struct.unpack_from("<II", base, 8)
+        _, n_layer = struct.unpack_from("<II", base, 16 + 12 * cells)
+        k_type, k_row = struct.unpack_from("<iQ", base, 24 + 12 * cells)
+    except struct.error:
+        raise Unsupported("the sequence state of this model does not parse") from None
+    itemsize = KV_TYPES[facts.type_k][1].itemsize if facts.type_k in KV_TYPES else 0
+    if n_stream != 1 or cells != 1 or n_layer == 0 or not itemsize \
+            or k_row % (facts.key_length * itemsize):
+        raise Unsupported(f"the full-attention section of this model's state is not one this "
+                          f"codec reads ({n_layer} layers, rows of {k_row} bytes)")
+    fmt = facts.state_format(num_layers=n_layer,
+                             num_kv_heads=k_row // (facts.key_length * itemsize))
+    try:
+        fmt.parse_seq(base)  # every full-attention layer alike, as the codec reads them
+    except StateError as e:
+        raise Unsupported(f"the full-attention layers of this model differ: {e}") from None
+    return fmt, partial
+
+
+def _layer_kinds(fmt: StateFormat, partial: PartialFormat) -> tuple[LayerKind, ...]:
+    """The layout's layer kinds of a hybrid: the full-attention layers, then the sliding or
+    recurrent ones as the partial section holds them."""
+    kinds = [LayerKind()] * fmt.num_layers
+    shape = partial.shape
+    if isinstance(shape, SlidingShape):
+        kinds += [LayerKind(kind="sliding", window=shape.window)] * len(shape.k)
+    else:
+        assert isinstance(shape, RecurrentShape)
+        half = len(shape.rows) // 2
+        for r, s in zip(shape.rows[:half], shape.rows[half:], strict=True):
+            state = tuple(_tensor(name, f.type, f.row) for name, f in (("r", r), ("s", s))
+                          if f.row)  # a short convolution has no S
+            kinds.append(LayerKind(kind="recurrent", state=state))
+    return tuple(kinds)
+
+
+def _tensor(name: str, ggml_type: int, nbytes: int) -> StateTensor:
+    dtype = _STATE_DTYPES.get(ggml_type, "uint8")
+    size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 1)
+    if nbytes % size:
+        dtype, size = "uint8", 1
+    return StateTensor(name=name, shape=(nbytes // size,), dtype=dtype)
 
 
 _digests: dict[tuple[int, int, int, int], str] = {}

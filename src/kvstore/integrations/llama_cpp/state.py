@@ -144,6 +144,22 @@ class StateFormat:
             raise StateError(f"sequence state: seq_id is {seq_id}, expected >= 0")
         return self._parse_section(r, seq_id)
 
+    def parse_seq_head(self, data: bytes | bytearray | memoryview | np.ndarray
+                       ) -> tuple[StateKV, int]:
+        """The full-attention KV of a hybrid model's sequence state (its first section, checked
+        as :meth:`parse_seq` checks a whole one) and the offset where that section ends: the
+        partial section (:mod:`.partial`) follows."""
+        r = _Reader(data, "sequence state")
+        magic = r.u32("magic")
+        if magic != SEQ_MAGIC:
+            raise StateError(f"sequence state: magic is {magic:#010x}, expected "
+                             f"{SEQ_MAGIC:#010x}")
+        seq_id = r.i32("seq_id")
+        if seq_id < 0:
+            raise StateError(f"sequence state: seq_id is {seq_id}, expected >= 0")
+        kv = self._parse_section(r, seq_id, to_end=False)
+        return kv, r.pos
+
     def parse_context(self, data: bytes | bytearray | memoryview | np.ndarray) -> StateKV:
         """The KV of a whole-context state (``llama_state_get_data``, the ``llama_state`` of a
         ``LlamaState``): the architecture tag must be this format's, and every cell must hold
@@ -158,14 +174,15 @@ class StateFormat:
                              f"{self.arch!r}")
         return self._parse_section(r, 0)
 
-    def _parse_section(self, r: _Reader, seq_id: int) -> StateKV:
+    def _parse_section(self, r: _Reader, seq_id: int, *, to_end: bool = True) -> StateKV:
         n_stream = r.u32("n_stream")
         if n_stream != 1:
             raise StateError(f"{r.what}: n_stream is {n_stream}; only one stream (a unified "
                              f"KV cache, or one sequence) is supported")
         n = r.u32("cell_count")
         if n == 0:
-            r.end()
+            if to_end:
+                r.end()
             L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
             empty = torch.empty((L, H, 0, D), dtype=_torch_dtype(self.dtype))
             return StateKV(keys=empty, values=empty.clone())
@@ -186,7 +203,8 @@ class StateFormat:
             v_at = self._check_transposed(r, n)
         else:
             v_at = self._check_rows(r, n, "V")
-        r.end()
+        if to_end:
+            r.end()
         keys = self._copy_out(r.buf, k_at, n, transposed=False)
         values = self._copy_out(r.buf, v_at, n, transposed=self.v_trans)
         return StateKV(keys=keys, values=values)
@@ -269,16 +287,21 @@ class StateFormat:
         return torch.from_numpy(out).view(_torch_dtype(self.dtype))
 
     # ---- writing ---------------------------------------------------------------------------
-    def seq_buffer(self, n: int, *, seq_id: int = 0) -> StateBuffer:
+    def seq_buffer(self, n: int, *, seq_id: int = 0, partial: bytes | None = None
+                   ) -> StateBuffer:
         """A sequence state of ``n`` cells (positions 0..n-1 of ``seq_id``) whose headers are
         written and whose K and V are views to fill: ``StateBuffer.keys``/``values`` are
-        [L, H, n, D] tensors over the state's bytes (e.g. ``store.get(..., out=(k, v))``)."""
+        [L, H, n, D] tensors over the state's bytes (e.g. ``store.get(..., out=(k, v))``).
+        ``partial``: a hybrid model's partial section (checked by the caller), appended."""
         _check_count(n)
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 0:
             raise ValueError(f"seq_id must be an int >= 0, got {seq_id!r}")
-        buf = np.empty(self.seq_bytes(n), dtype=np.uint8)
+        tail = b"" if partial is None else partial
+        buf = np.empty(self.seq_bytes(n) + len(tail), dtype=np.uint8)
         struct.pack_into("<Ii", buf, 0, SEQ_MAGIC, seq_id)
-        return self._fill_section(buf, 8, n, seq_id)
+        if tail:
+            buf[self.seq_bytes(n):] = np.frombuffer(tail, dtype=np.uint8)
+        return self._fill_section(buf, 8, n, seq_id, end=self.seq_bytes(n))
 
     def context_buffer(self, n: int) -> StateBuffer:
         """A whole-context state of ``n`` cells (positions 0..n-1 of sequence 0), headers
@@ -291,7 +314,8 @@ class StateFormat:
         buf[: len(tag)] = np.frombuffer(tag, dtype=np.uint8)
         return self._fill_section(buf, len(tag), n, 0)
 
-    def _fill_section(self, buf: np.ndarray, at: int, n: int, seq_id: int) -> StateBuffer:
+    def _fill_section(self, buf: np.ndarray, at: int, n: int, seq_id: int,
+                      end: int | None = None) -> StateBuffer:
         struct.pack_into("<II", buf, at, 1, n)
         at += 8
         if n == 0:
@@ -317,7 +341,7 @@ class StateFormat:
                 struct.pack_into("<iQ", buf, at, self.kv_type, self.row_bytes)
             v_at.append(at + 12)
             at += 12 + n * self.row_bytes
-        assert at == len(buf)
+        assert at == (len(buf) if end is None else end)
         return StateBuffer(data=buf, raw_keys=self._views(buf, k_at, n, transposed=False),
                            raw_values=self._views(buf, v_at, n, transposed=self.v_trans),
                            dtype=self.dtype)

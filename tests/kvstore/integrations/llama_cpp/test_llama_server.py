@@ -38,10 +38,10 @@ def kvstore_command() -> list[str]:
 class Server:
     """A ``kvstore serve`` process on a free port of 127.0.0.1."""
 
-    def __init__(self, store: Path, log: Path) -> None:
+    def __init__(self, store: Path, log: Path, model: str | None = None) -> None:
         self.log = open(log, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            [*kvstore_command(), "serve", "--model", gguf_path(), "--store", str(store),
+            [*kvstore_command(), "serve", "--model", model or gguf_path(), "--store", str(store),
              "--host", "127.0.0.1", "--port", "0", "--n-ctx", "2048",
              "--n-threads", str(THREADS)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)

@@ -242,9 +242,11 @@ def test_whole_context_state_of_another_architecture_is_refused(real_state):
 
 @pytest.mark.parametrize(("change", "reason"), [
     ({"arch": "qwen2"}, "architecture 'qwen2'"),
-    ({"n_swa": 4096}, "sliding-window attention"),
-    ({"recurrent": True}, "recurrent model"),
-    ({"hybrid": True}, "hybrid model"),
+    ({"n_swa": 4096}, "with sliding-window or recurrent layers"),
+    ({"recurrent": True}, "with sliding-window or recurrent layers"),
+    ({"hybrid": True}, "with sliding-window or recurrent layers"),
+    ({"arch": "mamba2", "recurrent": True}, "a recurrent model \\(no full-attention layer\\)"),
+    ({"arch": "granitehybrid"}, "without attention layers keeps recurrent state only"),
     ({"rope_type": 8}, "M-RoPE"),
     ({"per_layer_embeddings": True}, "per-layer token embeddings"),
     ({"uniform_heads": False}, "kv-head counts differ"),
