@@ -4,7 +4,7 @@
 after another and prints one ``RESULT {json}`` line per request. A job::
 
     {"model": DIR, "connector": {...extra config...} | null, "multiprocessing": false,
-     "prefix_caching": false,
+     "prefix_caching": false, "logprobs": false (true: each token's logprob too),
      "requests": [{"ids": [...], "max_tokens": 24, "after_previous": false,
                    "pause_s": 0}, ...]}
 
@@ -47,14 +47,18 @@ def main(path: str) -> None:
         # an engine core in its own process saves on its own; its store's writer needs a moment
         time.sleep(req.get("pause_s", 0))
         sp = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 24),
-                            ignore_eos=req.get("ignore_eos", True))
+                            ignore_eos=req.get("ignore_eos", True),
+                            logprobs=1 if job.get("logprobs") else None)
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
         elapsed = time.perf_counter() - t0
         tokens = list(out.outputs[0].token_ids)
-        print("RESULT " + json.dumps({"prompt_len": len(ids), "tokens": tokens,
-                                      "cached": out.num_cached_tokens, "seconds": elapsed,
-                                      "params": out.kv_transfer_params}), flush=True)
+        result = {"prompt_len": len(ids), "tokens": tokens, "cached": out.num_cached_tokens,
+                  "seconds": elapsed, "params": out.kv_transfer_params}
+        if job.get("logprobs"):  # the chosen token's logprob at each step
+            result["logprobs"] = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs,
+                                                                  strict=True)]
+        print("RESULT " + json.dumps(result), flush=True)
         prev = ids + tokens
         if job.get("connector") is not None and not job.get("multiprocessing"):
             from kvstore.integrations.vllm.offline import flush

@@ -34,7 +34,9 @@ class Pages:
 
     ``layers``: per layer a CPU tensor [num_blocks, num_kv_heads, 2 (K, V),
     block_tokens * head_dim] in the layout's dtype (a view of the engine's cache: vLLM's
-    [num_blocks, H, block_tokens, 2 * head_dim] viewed so, :meth:`of`).
+    [num_blocks, H, block_tokens, 2 * head_dim] viewed so, :meth:`of`). ``layer_block_ids``
+    (optional): each layer's own block ids, as many as ``block_ids``, where layers keep their
+    blocks in separate tables (vLLM's KV-cache groups of a hybrid model).
 
     Thread-safety: the record is immutable; :meth:`scatter` and :meth:`gather` write the
     engine's blocks or the caller's rows, so one thread at a time may write a given block
@@ -44,6 +46,11 @@ class Pages:
     layers: tuple[torch.Tensor, ...]
     block_ids: tuple[int, ...]
     block_tokens: int
+    layer_block_ids: tuple[tuple[int, ...], ...] | None = None
+
+    def ids(self, layer: int) -> tuple[int, ...]:
+        """The block ids of ``layer``."""
+        return self.block_ids if self.layer_block_ids is None else self.layer_block_ids[layer]
 
     @classmethod
     def of(cls, caches: list[torch.Tensor] | tuple[torch.Tensor, ...], block_ids,
@@ -74,6 +81,11 @@ class Pages:
                              f"{len(self.layers)}")
         if not self.block_ids:
             raise ValueError("pages.block_ids is empty")
+        if self.layer_block_ids is not None and (
+                len(self.layer_block_ids) != len(self.layers)
+                or any(len(ids) != len(self.block_ids) for ids in self.layer_block_ids)):
+            raise ValueError("pages.layer_block_ids must give every layer as many block ids "
+                             "as block_ids")
         for layer in range(layout.num_layers):
             self.check_layer(layout, layer)
         return self
@@ -90,17 +102,19 @@ class Pages:
         if t.dim() != 4 or tuple(t.shape[1:]) != (H, 2, B * D) or t.stride(3) != 1:
             raise ValueError(f"pages.layers must be [num_blocks, {H}, 2, {B * D}] with "
                              f"contiguous rows, got {list(t.shape)}")
-        lo, hi = min(self.block_ids), max(self.block_ids)
+        lo, hi = min(self.ids(layer)), max(self.ids(layer))
         if lo < 0 or hi >= t.shape[0]:
             raise ValueError(f"pages.block_ids must be in [0, {t.shape[0]}), got {lo}..{hi}")
 
-    def runs(self, first: int = 0, count: int | None = None) -> list[tuple[int, int, int]]:
-        """Runs of consecutive block ids among blocks ``first .. first + count - 1``: (index
-        in ``block_ids``, first block id, length)."""
-        stop = len(self.block_ids) if count is None else first + count
+    def runs(self, first: int = 0, count: int | None = None, layer: int = 0
+             ) -> list[tuple[int, int, int]]:
+        """Runs of consecutive block ids of ``layer`` among blocks ``first .. first + count -
+        1``: (index in its block ids, first block id, length)."""
+        ids = self.ids(layer)
+        stop = len(ids) if count is None else first + count
         runs: list[tuple[int, int, int]] = []
         for i in range(first, stop):
-            b = self.block_ids[i]
+            b = ids[i]
             if runs and runs[-1][1] + runs[-1][2] == b:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
             else:
@@ -117,7 +131,7 @@ class Pages:
         layer order: for K then V, for each head, each block's region ([block_tokens *
         head_dim] elements each): what a read of those tokens' layer fills in place."""
         t = self._raw[layer]  # [NB, H, 2, B*D]
-        ids = self.block_ids[first:first + count]
+        ids = self.ids(layer)[first:first + count]
         return [t[b, h, kv] for kv in range(2) for h in range(t.shape[1]) for b in ids]
 
     def scatter(self, layer: int, first: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -141,7 +155,7 @@ class Pages:
         H, n, D = k.shape
         t = self._raw[layer]  # [NB, H, 2, B*D]
         pairs = []
-        for i, b, c in self.runs(first, n // B):
+        for i, b, c in self.runs(first, n // B, layer):
             a = (i - first) * B
             for kv, rows in ((0, k), (1, v)):
                 part = rows[:, a:a + c * B]  # [H, c*B, D]

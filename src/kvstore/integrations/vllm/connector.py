@@ -26,10 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvstore.errors import KVStoreError, LayoutMismatch
 from kvstore.integrations import shared
+from kvstore.integrations.vllm import groups as kv_groups
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.identity import vllm_layout
 from kvstore.integrations.vllm.plan import StepPlan, WorkerReport
@@ -40,18 +43,23 @@ from kvstore.integrations.vllm.worker import WorkerSide
 log = logging.getLogger("vllm.kvstore")
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector backed by :func:`kvstore.open`: loads the blocks the store holds
     beyond vLLM's own prefix cache, layer by layer, and saves every new full block
-    asynchronously, and a request's last partial block when it ends. Thread-safety: as vLLM
-    calls it (its scheduler thread, its forward thread)."""
+    asynchronously, and a request's last partial block when it ends. With a hybrid model
+    (vLLM's hybrid KV-cache manager: sliding-window and recurrent groups, :mod:`.groups`) it
+    serves every group: boundaries only, loaded whole and asynchronously. Thread-safety: as
+    vLLM calls it (its scheduler thread, its forward thread)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
-        block_size = vllm_config.cache_config.block_size
-        layout, isa = vllm_layout(vllm_config, model_id=cfg.model_id)
+        groups = None if kv_cache_config is None else kv_groups.of(kv_cache_config)
+        self._hybrid = groups is not None and groups.hybrid
+        block_size = groups.block_size if self._hybrid else vllm_config.cache_config.block_size
+        layout, isa = vllm_layout(vllm_config, model_id=cfg.model_id,
+                                  groups=groups if self._hybrid else None)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # A load that fails (a damaged store, an evicted chunk) is a cache miss: vLLM
             # must recompute those blocks, not fail the request.
@@ -69,10 +77,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(store, block_size=block_size,
                                             namespace=cfg.namespace, save=cfg.save,
-                                            block_ids_of=self._block_ids)
+                                            block_ids_of=self._block_ids, groups=groups)
         else:
             self._worker = WorkerSide(store, block_size=block_size,
-                                      buffer_layers=cfg.buffer_layers)
+                                      buffer_layers=cfg.buffer_layers, groups=groups)
         log.info("kvstore: %s connector on %s (%s; block %d tokens, packing %s)%s",
                  role.name.lower(), cfg.store_dir, layout.engine, block_size, isa,
                  "" if store is not None else ": the store could not be opened, every "
@@ -89,13 +97,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         return False  # a cache: a dropped save is a future miss
 
     # ==== scheduler side =====================================================================
-    def _block_ids(self, req_id: str) -> list[int]:
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per KV-cache group."""
         assert self._kv_cache_manager is not None
-        return self._kv_cache_manager.get_block_ids(req_id)[0]
+        return tuple(self._kv_cache_manager.get_block_ids(req_id))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        return self._scheduler.matched(request, num_computed_tokens), False
+        return self._scheduler.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.allocated(request, num_external_tokens)
@@ -111,7 +120,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.finished(request, block_ids)
+        return self._scheduler.finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request, tuple(block_ids))
 
     # ==== worker side ========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -140,7 +153,15 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.take_sent() or None, None
+        recving, _ = self._worker.take_recving()
+        return self._worker.take_sent() or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Final saves copied, hybrid loads done, and those that failed (vLLM recomputes them
+        whole: with several KV-cache groups, failures are reported per request)."""
+        recving, failed = self._worker.take_recving()
+        return KVConnectorTransferResults(finished_sending=self._worker.take_sent(),
+                                          finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_invalid()

@@ -18,6 +18,7 @@ import os
 import torch
 import xxhash
 
+from kvstore.integrations.vllm.groups import Groups
 from kvstore.integrations.vllm.packing import check_packing
 from kvstore.layout import KVLayout
 
@@ -63,9 +64,12 @@ def attention_isa(vllm_config) -> str:
     return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
 
 
-def vllm_layout(vllm_config, *, model_id: str | None = None) -> tuple[KVLayout, str]:
+def vllm_layout(vllm_config, *, model_id: str | None = None,
+                groups: Groups | None = None) -> tuple[KVLayout, str]:
     """The store layout of ``vllm_config``'s KV cache and its packing. ValueError, naming the
-    setting, for a configuration the connector does not serve (it would store wrong bytes)."""
+    setting, for a configuration the connector does not serve (it would store wrong bytes).
+    ``groups``: a hybrid model's KV-cache groups (:mod:`.groups`): the layout then holds the
+    full-attention layers, every layer's kind and the bound of a boundary state."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -94,8 +98,21 @@ def vllm_layout(vllm_config, *, model_id: str | None = None) -> tuple[KVLayout, 
               f"dtype={dtype}")
     if mc.hf_overrides:
         engine += f" hf_overrides={mc.hf_overrides!r}"
-    layout = KVLayout(num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc),
+    num_layers, kinds, state_bytes = mc.get_num_layers(pc), None, 0
+    if groups is not None and groups.hybrid:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        H, D = mc.get_num_kv_heads(pc), mc.get_head_size()
+        want = 2 * groups.block_size * H * D * torch.tensor([], dtype=mc.dtype).element_size()
+        if any(g.page_bytes != want for g in groups.full):
+            raise ValueError("the KVStoreConnector needs the full-attention layers' pages to "
+                             "hold the model's kv-heads and head size")
+        engine += f" hma={groups.describe()}"
+        num_layers = len(groups.full_layers(extract_layer_index))
+        kinds = groups.layer_kinds(extract_layer_index)
+        state_bytes = groups.max_state_size
+    layout = KVLayout(num_layers=num_layers, num_kv_heads=mc.get_num_kv_heads(pc),
                       head_dim=mc.get_head_size(), dtype=dtype, rope_theta=float(rope),
                       model_id=model_id or model_digest(mc.model, mc.revision),
-                      keys="rotated", engine=engine)
+                      keys="rotated", engine=engine, layers=kinds, state_bytes=state_bytes)
     return layout, isa

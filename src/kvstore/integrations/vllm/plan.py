@@ -16,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvstore.integrations.vllm.hybrid import StatePlan
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoadSpec:
@@ -28,6 +30,11 @@ class LoadSpec:
     start: int  # a multiple of the block size: vLLM computed (or cached) what is before
     block_ids: tuple[int, ...]
     namespace: str | None
+    # A hybrid model (SupportsHMA): each full-attention group's blocks (block_ids are the
+    # first's), and the boundary state's blocks; the load is then whole and asynchronous
+    # (vLLM schedules the request once the worker reports it done or failed).
+    group_block_ids: tuple[tuple[int, ...], ...] | None = None
+    state: StatePlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +53,8 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     namespace: str | None
     final: bool = False
+    group_block_ids: tuple[tuple[int, ...], ...] | None = None  # as LoadSpec's
+    state: StatePlan | None = None  # a hybrid request's end: its boundary state too
 
 
 @dataclass(kw_only=True)

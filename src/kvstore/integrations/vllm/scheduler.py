@@ -14,6 +14,13 @@ block whole (``Store.load_layers`` with pages): vLLM computes from the first tok
 does not hold, so a repeated prompt computes its last token only and a conversation's next
 turn its new message only. A match that ends inside a block is taken only where this
 machine's tiers hold that block (a remote one is counted to its last whole block).
+
+**Hybrid models** (sliding-window or recurrent layers, :mod:`.groups`): the store answers only
+boundaries whose state it holds; a load fills the full-attention blocks and the boundary's
+state blocks (:mod:`.hybrid`) whole, before the request is scheduled (an asynchronous load:
+vLLM waits for the worker to report it done or failed, which it must with several groups);
+and when a request ends, its final save carries the state after its last computed token
+(every request's end is a boundary).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import logging
 from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.groups import Groups
+from kvstore.integrations.vllm.hybrid import full_block_ids, state_plan
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
 from kvstore.store.facade import Store
 
@@ -72,12 +81,14 @@ class SchedulerSide:
     """Thread-safety: vLLM calls it from its scheduler thread only."""
 
     def __init__(self, store: Store | None, *, block_size: int, namespace: str | None,
-                 save: bool, block_ids_of) -> None:
+                 save: bool, block_ids_of, groups: Groups | None = None) -> None:
         self.store = store
         self.block_size = block_size
         self.namespace = namespace
         self.save = save
-        self._block_ids_of = block_ids_of  # req_id -> the request's block ids (group 0)
+        # req_id -> the request's block ids, one list per KV-cache group
+        self._block_ids_of = block_ids_of
+        self.groups = groups if groups is not None and groups.hybrid else None
         self._tracked: dict[str, _Tracked] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (start, tokens) last answered
         self._loads: list[tuple[str, int, int]] = []  # allocated, not planned yet
@@ -88,30 +99,31 @@ class SchedulerSide:
         self._ended: dict[str, dict] = {}
 
     # ---- lookups --------------------------------------------------------------------------
-    def matched(self, request, num_computed: int) -> int:
+    def matched(self, request, num_computed: int) -> tuple[int, bool]:
         """Tokens after ``num_computed`` (block-aligned) that the store can fill, leaving at
         least the last token to compute (ending inside a block only where this machine holds
-        that block). A failing store is a miss."""
+        that block), and whether the load is asynchronous (a hybrid model's). A failing store
+        is a miss."""
         if self.store is None or skip_reason(request) is not None:
-            return 0
+            return 0, False
         B = self.block_size
         tokens = request.all_token_ids
         limit = len(tokens) - 1
         if limit <= num_computed:
-            return 0
+            return 0, False
         ns = request_namespace(self.namespace, request.cache_salt)
         try:
             n = self.store.match(tokens[:limit], namespace=ns)
-            if n % B and n > num_computed and \
+            if n % B and n > num_computed and self.groups is None and \
                     self.store.residency(tokens[:n], namespace=ns)["missing"]:
                 n = n // B * B  # the remote tier's chunks are fetched whole blocks at a time
         except (KVStoreError, OSError) as e:
             log.warning("kvstore: lookup of request %s failed (a miss): %s",
                         request.request_id, e)
-            return 0
+            return 0, False
         ext = max(0, n - num_computed)
         self._lookups[request.request_id] = (num_computed, ext)
-        return ext
+        return ext, ext > 0 and self.groups is not None
 
     def allocated(self, request, num_external: int) -> None:
         """vLLM allocated the request's blocks; ``num_external`` tokens are to be loaded."""
@@ -136,13 +148,11 @@ class SchedulerSide:
         self._ended.clear()  # the previous step's outputs have left
         for rid, start, n in self._loads:
             tracked = self._tracked[rid]
-            blocks = self._block_ids_of(rid)
+            tables = self._block_ids_of(rid)
             toks = tracked.request.all_token_ids
-            spec = LoadSpec(req_id=rid, tokens=tuple(toks[:start + n]), start=start,
-                            block_ids=tuple(blocks[start // B:-(-(start + n) // B)]),
-                            namespace=tracked.namespace)
+            spec = self._load_spec(rid, tracked, tables, toks, start, n)
             plan.loads.append(spec)
-            tracked.deferred = self.save and self._from_remote(spec)
+            tracked.deferred = self.save and self.groups is None and self._from_remote(spec)
         self._loads = []
         if not self.save or self.store is None:
             return plan
@@ -155,6 +165,12 @@ class SchedulerSide:
             # Tokens whose KV exists after this step (draft tokens may be rejected) and
             # whose ids are known (async scheduling appends sampled ids later).
             done = req.num_computed_tokens + n - len(spec_tokens.get(rid, ()))
+            if self.groups is not None and done == req.num_prompt_tokens \
+                    and self._new_boundary(tracked, done):
+                # a hybrid prompt's end: its state exists after this step's forward only
+                plan.saves.append(self._save(rid, tracked, done, self._block_ids_of(rid),
+                                             boundary=True))
+                continue
             upto = min(done, len(req.all_token_ids)) // B * B
             if upto <= tracked.saved:
                 continue
@@ -164,6 +180,20 @@ class SchedulerSide:
             plan.saves.append(self._save(rid, tracked, upto, self._block_ids_of(rid)))
         return plan
 
+    def _load_spec(self, rid: str, tracked: _Tracked, tables, toks, start: int, n: int
+                   ) -> LoadSpec:
+        """The load of tokens [start, start + n) into the request's blocks (``tables``: its
+        block ids per group); a hybrid model's with its boundary state's blocks."""
+        B, end = self.block_size, start + n
+        lo, hi = start // B, -(-end // B)
+        if self.groups is None:
+            return LoadSpec(req_id=rid, tokens=tuple(toks[:end]), start=start,
+                            block_ids=tuple(tables[0][lo:hi]), namespace=tracked.namespace)
+        full = full_block_ids(self.groups, tables, lo, hi)
+        return LoadSpec(req_id=rid, tokens=tuple(toks[:end]), start=start, block_ids=full[0],
+                        namespace=tracked.namespace, group_block_ids=full,
+                        state=state_plan(self.groups, tables, end, keep_below=start))
+
     def _from_remote(self, spec: LoadSpec) -> bool:
         """Whether part of a load comes from the remote tier (not stored on this machine)."""
         try:
@@ -172,17 +202,28 @@ class SchedulerSide:
         except (KVStoreError, OSError):
             return False
 
-    def _save(self, rid: str, tracked: _Tracked, upto: int, blocks, *, final: bool = False
-              ) -> SaveSpec:
-        """Save the request's first ``upto`` tokens; a final save's partial last block
-        filled up with :data:`PAD`."""
+    def _save(self, rid: str, tracked: _Tracked, upto: int, tables, *, final: bool = False,
+              boundary: bool = False) -> SaveSpec:
+        """Save the request's first ``upto`` tokens (``tables``: its block ids per group); a
+        final save's partial last block filled up with :data:`PAD`, or, for a hybrid model
+        (at its end, or a ``boundary``: its prompt's end), kept whole with the boundary state
+        after ``upto`` beside it."""
         B = self.block_size
-        tracked.saved = upto
+        tracked.saved = upto // B * B if boundary and not final else upto
         tracked.deferred = False
         tokens = tuple(tracked.request.all_token_ids[:upto])
+        if self.groups is not None:
+            full = full_block_ids(self.groups, tables, 0, -(-upto // B))
+            state = state_plan(self.groups, tables, upto) if final or boundary else None
+            if state is None:
+                full = tuple(ids[:upto // B] for ids in full)
+            return SaveSpec(req_id=rid, tokens=tokens, block_ids=full[0],
+                            namespace=tracked.namespace, final=final, group_block_ids=full,
+                            state=state)
         if upto % B:
             tokens += (PAD,) * (B - upto % B)
-        return SaveSpec(req_id=rid, tokens=tokens, block_ids=tuple(blocks[:len(tokens) // B]),
+        return SaveSpec(req_id=rid, tokens=tokens,
+                        block_ids=tuple(tables[0][:len(tokens) // B]),
                         namespace=tracked.namespace, final=final)
 
     # ---- outcomes -------------------------------------------------------------------------
@@ -202,12 +243,13 @@ class SchedulerSide:
                 ended["load_failed"] = True
             log.warning("kvstore: the load of request %s failed; vLLM recomputes it", rid)
 
-    def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """The request ended. If KV computed in its last steps was not planned for saving
-        yet (its tail, the last partial block; async scheduling learns sampled ids a step
-        late; a save deferred in the step that loaded from the remote tier), plan a final save
-        and keep its blocks until the worker has copied them (returns True: vLLM frees them
-        when the worker reports the request)."""
+    def finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        """The request ended (``block_ids``: its block ids per group). If KV computed in its
+        last steps was not planned for saving yet (its tail, the last partial block; async
+        scheduling learns sampled ids a step late; a save deferred in the step that loaded
+        from the remote tier; a hybrid model's boundary state, at every end), plan a final
+        save and keep its blocks until the worker has copied them (returns True: vLLM frees
+        them when the worker reports the request)."""
         rid = request.request_id
         self._lookups.pop(rid, None)
         tracked = self._tracked.pop(rid, None)
@@ -218,8 +260,18 @@ class SchedulerSide:
                               "load_failed": tracked.load_failed}}
         self._ended[rid] = params["kvstore"]
         upto = min(request.num_computed_tokens, len(request.all_token_ids))
-        if self.save and self.store is not None and upto > 0 \
-                and (upto > tracked.saved or tracked.deferred):
+        if self.save and self.store is not None and upto > 0 and (
+                upto > tracked.saved or tracked.deferred or self._new_boundary(tracked, upto)):
             self._final.append(self._save(rid, tracked, upto, block_ids, final=True))
             return True, params
         return False, params
+
+    def _new_boundary(self, tracked: _Tracked, upto: int) -> bool:
+        """A hybrid request's end whose boundary the store does not hold yet."""
+        if self.groups is None:
+            return False
+        try:
+            return self.store.match(tracked.request.all_token_ids[:upto],
+                                    namespace=tracked.namespace) < upto
+        except (KVStoreError, OSError):
+            return True

@@ -23,6 +23,12 @@ The store holds vLLM's pages as vLLM packs them (no conversion either way): the 
 A store that fails (a miss since the lookup, a corrupt extent, an IO error, a full disk) is a
 miss: the load's blocks are reported to vLLM, which recomputes them; the error is logged and
 counted, never raised into the engine.
+
+A hybrid model's load (:mod:`.hybrid`) is asynchronous for vLLM: the worker fills the
+full-attention blocks and the boundary state's blocks whole before the forward, then reports
+the request done (or failed: vLLM then recomputes it whole, as it requires with several
+KV-cache groups) through ``get_transfer_results``. A hybrid request's final save copies its
+boundary state out of its blocks beside its full-attention pages.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.groups import Groups
+from kvstore.integrations.vllm.hybrid import StatePages
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats
 from kvstore.pipelines.layer_load import LayerLoad
@@ -69,13 +77,18 @@ class WorkerSide:
     writer threads work behind the store's own handles)."""
 
     def __init__(self, store: Store | None, *, block_size: int,
-                 buffer_layers: int | None) -> None:
+                 buffer_layers: int | None, groups: Groups | None = None) -> None:
         self.store = store
         self.block_size = block_size
         self.buffer_layers = buffer_layers
+        self.groups = groups if groups is not None and groups.hybrid else None
         self.stats = KVStoreConnectorStats()
         self._caches: tuple[torch.Tensor, ...] = ()  # per layer [NB, H, 2, B*D]
         self._index: dict[str, int] = {}  # layer name -> layer
+        self._group_of: tuple[int, ...] = ()  # layer -> its full-attention group (hybrid)
+        self._state_pages: StatePages | None = None
+        self._recving: set[str] = set()  # hybrid loads done this step (failed ones too)
+        self._failed_recving: set[str] = set()
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
         self._invalid: set[int] = set()  # block ids whose load failed this step
@@ -89,6 +102,12 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
+        if self.groups is not None:
+            names = self.groups.full_layers(extract_layer_index)
+            full = self.groups.full
+            self._group_of = tuple(next(i for i, g in enumerate(full) if n in g.layers)
+                                   for n in names)
+            self._state_pages = StatePages(self.groups, kv_caches)
         shapes = {tuple(kv_caches[n].shape) for n in names}
         if len(shapes) != 1:
             raise ValueError(f"the KVStoreConnector needs one KV cache shape for every layer, "
@@ -99,8 +118,13 @@ class WorkerSide:
         self._caches = Pages.of([kv_caches[n] for n in names], (), self.block_size).layers
         self._index = {n: i for i, n in enumerate(names)}
 
-    def _pages(self, block_ids: tuple[int, ...]) -> Pages:
-        return Pages(layers=self._caches, block_ids=block_ids, block_tokens=self.block_size)
+    def _pages(self, block_ids: tuple[int, ...],
+               group_block_ids: tuple[tuple[int, ...], ...] | None = None) -> Pages:
+        per_layer = None
+        if group_block_ids is not None and len(group_block_ids) > 1:
+            per_layer = tuple(group_block_ids[g] for g in self._group_of)
+        return Pages(layers=self._caches, block_ids=block_ids, block_tokens=self.block_size,
+                     layer_block_ids=per_layer)
 
     # ---- one step -------------------------------------------------------------------------
     def begin(self, plan: StepPlan) -> None:
@@ -118,7 +142,40 @@ class WorkerSide:
                 self._fail_load(spec, KeyError("no store"))
             return
         for spec in plan.loads:
-            self._start_load(spec)
+            if spec.state is not None:
+                self._load_whole(spec)
+            else:
+                self._start_load(spec)
+
+    def _load_whole(self, spec: LoadSpec) -> None:
+        """A hybrid model's load, whole, now: the boundary state into its blocks, then the
+        full-attention blocks (the last one whole); reported done or failed to vLLM."""
+        assert spec.state is not None and self._state_pages is not None
+        tokens = list(spec.tokens)
+        t0 = time.perf_counter()
+        self._recving.add(spec.req_id)
+        try:
+            where = self.store.residency(tokens, namespace=spec.namespace)
+            if spec.start:
+                front = self.store.residency(tokens[:spec.start], namespace=spec.namespace)
+                where = {k: where[k] - front[k] for k in where}
+            self._state_pages.scatter(spec.state, self.store.state(
+                tokens, namespace=spec.namespace))
+            pages = self._pages(spec.block_ids, spec.group_block_ids)
+            with self.store.load_layers(tokens, namespace=spec.namespace, start=spec.start,
+                                        pages=pages) as load:
+                for layer in range(len(self._caches)):
+                    load.wait(layer)
+        except STORE_ERRORS as e:
+            self._failed_recving.add(spec.req_id)
+            self._fail_load(spec, e)
+            return
+        finally:
+            self.stats.add("load_seconds", time.perf_counter() - t0)
+        self._report.loaded[spec.req_id] = {"dram": where["dram"], "disk": where["disk"],
+                                            "remote": where["missing"]}
+        self.stats.add("loads")
+        self.stats.add("loaded_tokens", spec.num_tokens)
 
     def _start_load(self, spec: LoadSpec) -> None:
         tokens = list(spec.tokens)
@@ -160,26 +217,29 @@ class WorkerSide:
         """The load's blocks hold no (or unverified) KV: vLLM recomputes them."""
         log.warning("kvstore: loading %d tokens of request %s failed, vLLM recomputes them: "
                     "%s: %s", spec.num_tokens, spec.req_id, type(error).__name__, error)
-        self._invalid.update(spec.block_ids)
+        if spec.state is None:  # a hybrid load is reported failed as a request instead
+            self._invalid.update(spec.block_ids)
         self._report.failed.add(spec.req_id)
         self.stats.add("load_failures")
 
     def _open_save(self, spec: SaveSpec) -> None:
         try:
             handle = self.store.begin_save(list(spec.tokens), namespace=spec.namespace,
-                                           wait=False)
+                                           wait=False, state=spec.state is not None)
         except STORE_ERRORS as e:
             log.info("kvstore: not saving request %s now: %s", spec.req_id, e)
             self.stats.add("saves_refused")
             self._sent_if_final(spec)
             return
-        if handle.base >= len(spec.tokens):  # every chunk is stored already
+        if handle.base >= len(spec.tokens) and spec.state is None:  # all stored already
             handle.abort()
             self.stats.add("saves_already_stored")
             self._sent_if_final(spec)
             return
         first = handle.base // self.block_size
-        self._saves.append(_Save(spec, handle, self._pages(spec.block_ids[first:])))
+        groups = None if spec.group_block_ids is None else \
+            tuple(ids[first:] for ids in spec.group_block_ids)
+        self._saves.append(_Save(spec, handle, self._pages(spec.block_ids[first:], groups)))
 
     def _sent_if_final(self, spec: SaveSpec) -> None:
         if spec.final:
@@ -207,8 +267,11 @@ class WorkerSide:
                 self._fail_load(load.spec, e)
 
     def save_layer(self, name: str) -> None:
-        """After layer ``name`` attended: copy its new blocks into each save's write buffer."""
-        layer = self._index[name]
+        """After layer ``name`` attended: copy its new blocks into each save's write buffer
+        (a hybrid model's sliding layers: their blocks go with the boundary state)."""
+        layer = self._index.get(name)
+        if layer is None:
+            return
         for save in self._saves:
             self._copy_layer(save, layer)
 
@@ -232,7 +295,11 @@ class WorkerSide:
                 if layer not in save.given:
                     self._copy_layer(save, layer)
             new = len(save.spec.tokens) - save.handle.base
-            future = save.handle.finish()
+            if save.spec.state is not None:
+                assert self._state_pages is not None
+                future = save.handle.finish(state=self._state_pages.gather(save.spec.state))
+            else:
+                future = save.handle.finish()
             future.add_done_callback(lambda f, rid=save.spec.req_id: self._written(rid, f))
             self.stats.add("saves")
             self.stats.add("saved_tokens", new)
@@ -260,6 +327,12 @@ class WorkerSide:
 
     def take_sent(self) -> set[str]:
         out, self._sent = self._sent, set()
+        return out
+
+    def take_recving(self) -> tuple[set[str], set[str]]:
+        """The hybrid loads done since the last call, and those of them that failed."""
+        out = (self._recving, self._failed_recving)
+        self._recving, self._failed_recving = set(), set()
         return out
 
     def take_stats(self) -> KVStoreConnectorStats | None:

@@ -40,21 +40,21 @@ def store(tmp_path):
 
 def side(store, blocks: dict[str, list[int]], save: bool = True) -> SchedulerSide:
     return SchedulerSide(store, block_size=B, namespace=None, save=save,
-                         block_ids_of=lambda rid: blocks[rid])
+                         block_ids_of=lambda rid: (blocks[rid],))
 
 
 def test_lookup_answers_what_is_stored_beyond_the_local_hit_never_the_last_token(store):
     ids = list(range(100, 111))  # 11 tokens
     store.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
     s = side(store, {})
-    assert s.matched(request("a", ids), 0) == 8
-    assert s.matched(request("b", ids), 4) == 4  # vLLM's prefix cache holds the first block
-    assert s.matched(request("c", ids), 8) == 0
-    assert s.matched(request("d", ids[:9]), 0) == 8  # 9 tokens: the last is computed
-    assert s.matched(request("e", ids[:8]), 0) == 7  # fully stored: all but the last token
-    assert s.matched(request("f", [7] + ids[1:]), 0) == 0
+    assert s.matched(request("a", ids), 0)[0] == 8
+    assert s.matched(request("b", ids), 4)[0] == 4  # vLLM's prefix cache holds the first block
+    assert s.matched(request("c", ids), 8)[0] == 0
+    assert s.matched(request("d", ids[:9]), 0)[0] == 8  # 9 tokens: the last is computed
+    assert s.matched(request("e", ids[:8]), 0)[0] == 7  # fully stored: all but the last token
+    assert s.matched(request("f", [7] + ids[1:]), 0)[0] == 0
     salted = request("g", ids, cache_salt="tenant-1")
-    assert s.matched(salted, 0) == 0  # a salted request sees its own namespace only
+    assert s.matched(salted, 0)[0] == 0  # a salted request sees its own namespace only
     assert request_namespace(None, "tenant-1") != request_namespace("tenant-1", None)
 
 
@@ -64,7 +64,7 @@ def test_requests_whose_kv_is_not_their_tokens_are_skipped(store):
     lora = request("l", ids, lora_request=LoRARequest("adapter", 1, "/nonexistent"))
     assert skip_reason(lora) == "a LoRA adapter"
     s = side(store, {"l": [0, 1, 2]})
-    assert s.matched(lora, 0) == 0
+    assert s.matched(lora, 0)[0] == 0
     s.allocated(lora, 0)
     lora.num_computed_tokens = 0
     assert s.plan({"l": 11}, {}).saves == []  # never saved either
@@ -76,7 +76,7 @@ def test_a_step_plans_the_allocated_load_and_the_saves_of_grown_requests(store):
     blocks = {"a": [7, 3, 9]}
     s = side(store, blocks)
     req = request("a", ids)
-    assert s.matched(req, 4) == 4
+    assert s.matched(req, 4)[0] == 4
     s.allocated(req, 4)
     req.num_computed_tokens = 8  # vLLM counts the local and external hits as computed
     plan = s.plan({"a": 3}, {})
@@ -98,7 +98,7 @@ def test_a_step_plans_the_allocated_load_and_the_saves_of_grown_requests(store):
     req.append_output_token_ids([557, 558, 559])
     assert s.plan({"a": 4}, {"a": [1, 2, 3]}).saves == []
     blocks["a"].append(8)
-    delay, params = s.finished(req, blocks["a"])
+    delay, params = s.finished(req, (blocks["a"],))
     assert params == {"kvstore": {"loaded_tokens": 0, "loaded_from": {}, "load_failed": False}}
     # 13 computed: the tail (token 13, in the fourth block) is saved as the request ends
     assert delay
@@ -114,20 +114,20 @@ def test_a_tail_saved_as_its_request_ends_serves_the_next_prompt_to_its_last_tok
     ids = list(range(100, 111))  # 11 tokens: two whole blocks and 3 in the third
     s = side(store, {"a": [7, 3, 9], "b": [1, 2, 5, 6]})
     req = request("a", ids)
-    assert s.matched(req, 0) == 0
+    assert s.matched(req, 0)[0] == 0
     s.allocated(req, 0)
     (save,) = s.plan({"a": 11}, {}).saves
     assert save.tokens == tuple(ids[:8])
     req.num_computed_tokens = 11
     req.append_output_token_ids(555)
-    delay, _ = s.finished(req, [7, 3, 9])
+    delay, _ = s.finished(req, ([7, 3, 9],))
     assert delay
     (final,) = s.plan({}, {}).saves
     assert final.tokens == tuple(ids) + (PAD,) and final.block_ids == (7, 3, 9)
     store.put(list(final.tokens), *causal_kv(LAYOUT, list(final.tokens)))  # as the worker does
     again = request("b", ids + [555, 600])
-    assert s.matched(again, 0) == 11  # the tail's tokens, not its PAD
-    assert s.matched(request("c", ids), 0) == 10  # the same prompt: all but its last token
+    assert s.matched(again, 0)[0] == 11  # the tail's tokens, not its PAD
+    assert s.matched(request("c", ids), 0)[0] == 10  # the same prompt: all but its last token
     s.allocated(again, 11)
     again.num_computed_tokens = 11
     (load,) = s.plan({"b": 2}, {}).loads
@@ -142,14 +142,14 @@ def test_a_request_that_ends_in_its_loading_step_still_reports_its_load(store):
     s = side(store, {"a": [7, 3, 9], "b": [1, 2, 5]})
     req, other = request("a", ids), request("b", list(range(300, 311)))
     for r, hit in ((req, 8), (other, 0)):
-        assert s.matched(r, 0) == hit
+        assert s.matched(r, 0)[0] == hit
         s.allocated(r, hit)
     req.num_computed_tokens = 8
     other.num_computed_tokens = 0
     (load,) = s.plan({"a": 3, "b": 11}, {}).loads
     req.num_computed_tokens = other.num_computed_tokens = 11
-    _, params = s.finished(req, [7, 3, 9])
-    _, failed = s.finished(other, [1, 2, 5])
+    _, params = s.finished(req, ([7, 3, 9],))
+    _, failed = s.finished(other, ([1, 2, 5],))
     s.reported(WorkerReport(loaded={"a": {"dram": 0, "disk": 8, "remote": 0}}, failed={"b"}))
     assert params["kvstore"] == {"loaded_tokens": 8, "load_failed": False,
                                  "loaded_from": {"dram": 0, "disk": 8, "remote": 0}}
@@ -166,7 +166,7 @@ def test_blocks_computed_before_their_ids_arrived_get_a_final_save(store):
     ids = list(range(200, 207))  # 7 prompt tokens
     s = side(store, {"a": [5, 6]})
     req = request("a", ids)
-    assert s.matched(req, 0) == 0
+    assert s.matched(req, 0)[0] == 0
     s.allocated(req, 0)
     req.num_computed_tokens = 0
     (save,) = s.plan({"a": 7}, {}).saves
@@ -175,7 +175,7 @@ def test_blocks_computed_before_their_ids_arrived_get_a_final_save(store):
     assert s.plan({"a": 1}, {}).saves == []  # token 8's id is not known yet
     req.append_output_token_ids([300, 301])
     req.num_computed_tokens = 8
-    delay, _ = s.finished(req, [5, 6])
+    delay, _ = s.finished(req, ([5, 6],))
     assert delay
     (final,) = s.plan({}, {}).saves
     assert final.final and final.tokens == tuple(ids + [300]) and final.block_ids == (5, 6)
@@ -202,7 +202,7 @@ def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, r
     with kvstore.open(tmp_path / "here", **opts) as here:
         s = side(here, {"a": [7, 3, 9], "b": [1, 2, 5]})
         req = request("a", ids)
-        assert s.matched(req, 0) == 8
+        assert s.matched(req, 0)[0] == 8
         s.allocated(req, 8)
         req.num_computed_tokens = 8
         plan = s.plan({"a": 3}, {})
@@ -210,7 +210,7 @@ def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, r
         req.num_computed_tokens = 11
         assert s.plan({"a": 1}, {}).saves == []  # no new whole block: still deferred
         req.append_output_token_ids(555)
-        delay, _ = s.finished(req, [7, 3, 9])
+        delay, _ = s.finished(req, ([7, 3, 9],))
         assert delay
         (final,) = s.plan({}, {}).saves
         assert final.final and final.tokens == tuple(ids) + (PAD,)
@@ -218,7 +218,7 @@ def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, r
         # a load served locally saves in its own step as before
         here.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
         local = request("b", ids)
-        assert s.matched(local, 0) == 8
+        assert s.matched(local, 0)[0] == 8
         s.allocated(local, 8)
         local.num_computed_tokens = 8
         (save,) = s.plan({"b": 3}, {}).saves
@@ -230,4 +230,4 @@ def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, r
         other.flush(remote=True)
     with kvstore.open(tmp_path / "third", **opts) as third:
         assert third.match(ids) == 10
-        assert side(third, {}).matched(request("c", ids), 0) == 8
+        assert side(third, {}).matched(request("c", ids), 0)[0] == 8
