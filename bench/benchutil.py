@@ -71,3 +71,17 @@ def machine_info(**extra: object) -> dict[str, object]:
             "cpus": os.cpu_count(), "mem_bytes": mem, "torch": torch.__version__,
             "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
             "loadavg": os.getloadavg(), **extra}
+
+
+def disk_usage(root) -> dict[str, int]:
+    """Bytes allocated on disk (st_blocks) and apparent bytes of every file under ``root``."""
+    from pathlib import Path
+
+    alloc = apparent = files = 0
+    for p in Path(root).rglob("*"):
+        if p.is_file():
+            st = p.stat()
+            alloc += st.st_blocks * 512
+            apparent += st.st_size
+            files += 1
+    return {"allocated_bytes": alloc, "apparent_bytes": apparent, "files": files}

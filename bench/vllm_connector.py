@@ -41,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchutil import drop_file_cache, machine_info  # noqa: E402
+from benchutil import disk_usage, drop_file_cache, machine_info  # noqa: E402
 
 STORE_SIZES = {"dram_bytes": 1 << 30, "disk_bytes": 8 << 30}
 WARMUP = [1, 9690, 198, 2683, 30, 2]  # a few tokens, no whole block: nothing is stored
@@ -112,18 +112,6 @@ def drop_page_cache(root: Path) -> None:
     for p in root.rglob("*"):
         if p.is_file():
             drop_file_cache(str(p))
-
-
-def disk_usage(root: Path) -> dict[str, int]:
-    """Bytes allocated on disk (st_blocks) and apparent bytes of every file under ``root``."""
-    alloc = apparent = files = 0
-    for p in root.rglob("*"):
-        if p.is_file():
-            st = p.stat()
-            alloc += st.st_blocks * 512
-            apparent += st.st_size
-            files += 1
-    return {"allocated_bytes": alloc, "apparent_bytes": apparent, "files": files}
 
 
 # ---- prompts -------------------------------------------------------------------------------

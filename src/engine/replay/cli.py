@@ -53,6 +53,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="--engine vllm: vLLM's own prefix cache in both methods (on: each "
                         "engine keeps what it computed across turns; off: every turn finds "
                         "its server's engine as after a restart, only the store survives)")
+    s.add_argument("--model", default="smollm2",
+                   help="--engine vllm: the model, smollm2 (default) or a hybrid of its "
+                        "shape with random weights (gemma3: sliding windows; qwen3_next, "
+                        "lfm2, granitemoehybrid, falcon_h1: recurrent layers)")
     s.add_argument("--preset", choices=sorted(PRESETS), default="llama-13b",
                    help="simulated mode's cost model")
     s.add_argument("--dram", type=_size, default=None, help="DRAM capacity, e.g. 128GB")
@@ -117,7 +121,8 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
                         store_dir=args.store, data_path=args.data, scale=scale,
                         disk_read_bps=getattr(args, "disk_read_bps", None),
                         engine=getattr(args, "engine", "kvstore"),
-                        engine_cache=getattr(args, "engine_cache", "on") == "on")
+                        engine_cache=getattr(args, "engine_cache", "on") == "on",
+                        model=getattr(args, "model", "smollm2"))
 
 
 def _check_vllm_args(args: argparse.Namespace) -> None:

@@ -49,6 +49,9 @@ class ReplayConfig:
     disk_read_bps: float | None = None  # real mode: a slow disk (Store.throttle_disk_reads)
     engine: str = "kvstore"  # real mode: "vllm" serves the turns with vLLM (engine.replay.vllm)
     engine_cache: bool = True  # --engine vllm: vLLM's own prefix cache on in both methods
+    # --engine vllm: "smollm2", or a hybrid of SmolLM2's shape with random weights
+    # (engine.hybrid_models, size small: sliding-window or recurrent layers)
+    model: str = "smollm2"
 
     def __post_init__(self) -> None:
         if self.scale is not None and self.mode == "real" and self.scale.shared \
@@ -75,6 +78,9 @@ class ReplayConfig:
                 if m.kind == "of" or m.load != "split":
                     raise ValueError(f"--engine vllm compares re and as[:policy]; got "
                                      f"{m.label}")
+            _check_model(self.model, self.engine_cache)
+        elif self.model != "smollm2":
+            raise ValueError("--model chooses vLLM's model: it needs --engine vllm")
         if not self.methods:
             raise ValueError("methods must name at least one method")
         preset(self.preset)  # validates the name
@@ -215,15 +221,38 @@ def _run_vllm(trace: Trace, method: Method, cfg: ReplayConfig, tick, scale: Scal
                     alternation=alternation)
 
 
+# hybrid models vLLM's CPU build serves, and what they need of it: (dtype, whether vLLM's own
+# prefix cache may be on: Mamba2's CPU prefill keeps no checkpoints, and LFM2's is not exact)
+VLLM_HYBRIDS = {"gemma3": ("float32", True), "qwen3_next": ("bfloat16", True),
+                "lfm2": ("float32", False), "granitemoehybrid": ("float32", False),
+                "falcon_h1": ("float32", False)}
+
+
+def _check_model(model: str, engine_cache: bool) -> None:
+    if model != "smollm2" and model not in VLLM_HYBRIDS:
+        raise ValueError(f"--model must be smollm2 or one of {sorted(VLLM_HYBRIDS)}, got "
+                         f"{model!r}")
+    if model in VLLM_HYBRIDS and engine_cache and not VLLM_HYBRIDS[model][1]:
+        raise ValueError(f"--model {model} needs --engine-cache off: vLLM's own prefix cache "
+                         f"is not exact (or not available) for it on the CPU build")
+
+
 def _vllm_setup(trace: Trace, method: Method, cfg: ReplayConfig, scale: ScaleOut | None):
     from engine.hf_export import hf_model_dir
     from engine.replay.vllm import VllmSetup
 
     name = f"vllm-{method.label}" + ("" if scale is None else f"-x{scale.servers}")
-    return VllmSetup(model_dir=hf_model_dir(), window=trace.context_window,
+    model_dir, dtype = hf_model_dir(), "float32"
+    if cfg.model != "smollm2":
+        from engine import hybrid_models
+
+        model_dir, dtype = hybrid_models.model_dir(cfg.model, "small"), VLLM_HYBRIDS[
+            cfg.model][0]
+    return VllmSetup(model_dir=model_dir, window=trace.context_window,
                      store_dir=os.path.join(cfg.store_dir, name) if method.caches else None,
                      policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes,
-                     prefix_caching=cfg.engine_cache)
+                     prefix_caching=cfg.engine_cache, dtype=dtype,
+                     hybrid=cfg.model != "smollm2")
 
 
 def _vllm_side_by_side_fits(trace: Trace, runs, cfg: ReplayConfig) -> bool:
@@ -335,7 +364,8 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
         "turns": trace.num_turns,
         "cut_turns": trace.cut_turns,
         **({"engine": "vllm", "servers": cfg.scale.servers if cfg.scale else 1,
-            "side_by_side": side_by_side, "engine_cache": cfg.engine_cache}
+            "side_by_side": side_by_side, "engine_cache": cfg.engine_cache,
+            "model": cfg.model}
            if cfg.engine == "vllm" else {}),
         "methods": results,
         "vs_re": compare_to_re(results),

@@ -69,11 +69,16 @@ class VllmSetup:
     dram_bytes: int | None = None
     disk_bytes: int | None = None
     prefix_caching: bool = True  # vLLM's own prefix cache (off: every turn as after a restart)
+    dtype: str = "float32"
+    hybrid: bool = False  # a hybrid model of SmolLM2's shape (engine.hybrid_models, small)
 
     @property
     def kv_cache_bytes(self) -> int:
         token_bytes = 30 * 2 * 3 * 64 * 4  # SmolLM2 in fp32: layers x (K, V) x heads x dims
-        return ENGINE_KV_CONTEXTS * (self.window + 2 * BLOCK) * token_bytes
+        # a hybrid's recurrent pages and larger blocks (vLLM grows them to fit a page): room
+        # for their rounding
+        blocks = 2 * BLOCK if not self.hybrid else 8 * BLOCK
+        return ENGINE_KV_CONTEXTS * (self.window + blocks) * token_bytes
 
 
 def _build_llm(setup: VllmSetup):
@@ -88,7 +93,7 @@ def _build_llm(setup: VllmSetup):
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
-    return LLM(model=setup.model_dir, dtype="float32", max_model_len=setup.window,
+    return LLM(model=setup.model_dir, dtype=setup.dtype, max_model_len=setup.window,
                enforce_eager=True, kv_cache_memory_bytes=setup.kv_cache_bytes, seed=0,
                enable_prefix_caching=setup.prefix_caching, **kw)
 

@@ -373,3 +373,44 @@ def test_delete_removes_a_boundary_state(tmp_path):
         assert store.match(toks) == 5 and store.delete(toks) is False
         assert store.delete(toks[:5]) is True
         assert store.match(toks) == 0 and store.contexts() == []
+
+
+def test_pages_of_layers_in_separate_block_tables(tmp_path):
+    """vLLM's hybrid KV-cache manager gives each group of layers its own block table: a save
+    reads, and a load fills, each layer's own blocks."""
+    B = CHUNK
+    L, H, D = HYBRID.num_layers, HYBRID.num_kv_heads, HYBRID.head_dim
+    caches = [torch.randn(8, H, B, 2 * D).half() for _ in range(L)]
+    ids = ((3, 1), (6, 2))  # layer 0's blocks, layer 1's
+    pages = kvstore.Pages.of(caches, ids[0], B)
+    pages = kvstore.Pages(layers=pages.layers, block_ids=ids[0], block_tokens=B,
+                          layer_block_ids=ids)
+    toks = [5, 6, 7, 8, 9, 10, 11, 12]
+    with open_hybrid(tmp_path / "s") as store:
+        with store.begin_save(toks[:4]) as save:
+            for layer in range(L):
+                save.layer_pages(layer, kvstore.Pages(
+                    layers=pages.layers, block_ids=ids[0][:1], block_tokens=B,
+                    layer_block_ids=(ids[0][:1], ids[1][:1])))
+        store.flush()
+        with store.begin_save(toks, state=True) as save:
+            assert save.base == 4
+            for layer in range(L):
+                save.layer_pages(layer, kvstore.Pages(
+                    layers=pages.layers, block_ids=ids[0][1:], block_tokens=B,
+                    layer_block_ids=(ids[0][1:], ids[1][1:])))
+            save.finish(state=b"q" * 10).result()
+        target = [torch.zeros_like(c) for c in caches]
+        out = (0, 4), (5, 7)
+        fill = kvstore.Pages(layers=kvstore.Pages.of(target, out[0], B).layers,
+                             block_ids=out[0], block_tokens=B, layer_block_ids=out)
+        with store.load_layers(toks, pages=fill) as load:
+            for layer in range(L):
+                load.wait(layer)
+        for layer in range(L):
+            for src, dst in zip(ids[layer], out[layer], strict=True):
+                assert torch.equal(target[layer][dst], caches[layer][src])
+        with pytest.raises(ValueError, match="layer_block_ids"):
+            store.load_layers(toks, pages=kvstore.Pages(
+                layers=fill.layers, block_ids=out[0], block_tokens=B,
+                layer_block_ids=(out[0],)))

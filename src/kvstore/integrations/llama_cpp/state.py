@@ -134,14 +134,7 @@ class StateFormat:
         """The KV of a sequence state (``llama_state_seq_get_data``): checked field by field
         (StateError naming the first that differs). Its cells must hold positions 0..n-1 in
         order, each in the state's sequence alone."""
-        r = _Reader(data, "sequence state")
-        magic = r.u32("magic")
-        if magic != SEQ_MAGIC:
-            raise StateError(f"sequence state: magic is {magic:#010x}, expected "
-                             f"{SEQ_MAGIC:#010x}")
-        seq_id = r.i32("seq_id")
-        if seq_id < 0:
-            raise StateError(f"sequence state: seq_id is {seq_id}, expected >= 0")
+        r, seq_id = _seq_reader(data)
         return self._parse_section(r, seq_id)
 
     def parse_seq_head(self, data: bytes | bytearray | memoryview | np.ndarray
@@ -149,14 +142,7 @@ class StateFormat:
         """The full-attention KV of a hybrid model's sequence state (its first section, checked
         as :meth:`parse_seq` checks a whole one) and the offset where that section ends: the
         partial section (:mod:`.partial`) follows."""
-        r = _Reader(data, "sequence state")
-        magic = r.u32("magic")
-        if magic != SEQ_MAGIC:
-            raise StateError(f"sequence state: magic is {magic:#010x}, expected "
-                             f"{SEQ_MAGIC:#010x}")
-        seq_id = r.i32("seq_id")
-        if seq_id < 0:
-            raise StateError(f"sequence state: seq_id is {seq_id}, expected >= 0")
+        r, seq_id = _seq_reader(data)
         kv = self._parse_section(r, seq_id, to_end=False)
         return kv, r.pos
 
@@ -461,6 +447,18 @@ class _Reader:
         if self.pos != len(self.buf):
             raise StateError(f"{self.what}: {len(self.buf) - self.pos} bytes after the end of "
                              f"the KV section (offset {self.pos})")
+
+
+def _seq_reader(data: bytes | bytearray | memoryview | np.ndarray) -> tuple[_Reader, int]:
+    """A reader past a sequence state's header (magic and sequence id, checked), and the id."""
+    r = _Reader(data, "sequence state")
+    magic = r.u32("magic")
+    if magic != SEQ_MAGIC:
+        raise StateError(f"sequence state: magic is {magic:#010x}, expected {SEQ_MAGIC:#010x}")
+    seq_id = r.i32("seq_id")
+    if seq_id < 0:
+        raise StateError(f"sequence state: seq_id is {seq_id}, expected >= 0")
+    return r, seq_id
 
 
 def _check_count(n: object) -> None:

@@ -152,6 +152,9 @@ def of(kv_cache_config) -> Groups:
         if type(spec) is FullAttentionSpec:
             out.append(Group(kind="full", page_bytes=int(spec.page_size_bytes), **base))
         elif type(spec) is SlidingWindowSpec:
+            if spec.extra_retained_tokens:
+                raise ValueError("the KVStoreConnector does not serve speculative decoding "
+                                 "with sliding windows (extra retained tokens)")
             out.append(Group(kind="sliding", page_bytes=int(spec.page_size_bytes),
                              window=int(spec.sliding_window), **base))
         elif type(spec) is MambaSpec:

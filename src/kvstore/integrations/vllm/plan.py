@@ -54,7 +54,8 @@ class SaveSpec:
     namespace: str | None
     final: bool = False
     group_block_ids: tuple[tuple[int, ...], ...] | None = None  # as LoadSpec's
-    state: StatePlan | None = None  # a hybrid request's end: its boundary state too
+    state: StatePlan | None = None  # a hybrid prompt's end: its boundary state too
+    replaces: tuple[tuple[int, ...], ...] = ()  # boundaries deleted once this one is stored
 
 
 @dataclass(kw_only=True)

@@ -18,9 +18,13 @@ machine's tiers hold that block (a remote one is counted to its last whole block
 **Hybrid models** (sliding-window or recurrent layers, :mod:`.groups`): the store answers only
 boundaries whose state it holds; a load fills the full-attention blocks and the boundary's
 state blocks (:mod:`.hybrid`) whole, before the request is scheduled (an asynchronous load:
-vLLM waits for the worker to report it done or failed, which it must with several groups);
-and when a request ends, its final save carries the state after its last computed token
-(every request's end is a boundary).
+vLLM waits for the worker to report it done or failed, which it must with several groups).
+A request leaves one boundary, its prompt's end, saved after the step whose forward computed
+the prompt's last token (its windows and states hold that position then only), which replaces
+the boundary the request was loaded from: a conversation keeps its latest state, as the store
+keeps a conversation's latest context (a boundary is as large as the windows and states of
+every layer, and a conversation's next turn extends its latest prompt whatever its answer
+re-tokenizes to). Blocks after the prompt (decode) are not saved: no boundary follows them.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class _Tracked:
     # fetched back out of vLLM's blocks would sit in that step's forward): the request's next
     # save, at a block boundary or when it ends, covers it.
     deferred: bool = False
+    loaded_from: int = 0  # a hybrid request: the stored boundary it was loaded from
 
 
 class SchedulerSide:
@@ -135,6 +140,7 @@ class SchedulerSide:
         start, _ = self._lookups.pop(rid, (0, 0))
         if num_external <= 0 or tracked is None:
             return
+        tracked.loaded_from = start + num_external
         self._loads.append((rid, start, num_external))
 
     # ---- planning -------------------------------------------------------------------------
@@ -165,12 +171,12 @@ class SchedulerSide:
             # Tokens whose KV exists after this step (draft tokens may be rejected) and
             # whose ids are known (async scheduling appends sampled ids later).
             done = req.num_computed_tokens + n - len(spec_tokens.get(rid, ()))
-            if self.groups is not None and done == req.num_prompt_tokens \
-                    and self._new_boundary(tracked, done):
-                # a hybrid prompt's end: its state exists after this step's forward only
-                plan.saves.append(self._save(rid, tracked, done, self._block_ids_of(rid),
-                                             boundary=True))
-                continue
+            if self.groups is not None and done >= req.num_prompt_tokens:
+                if done == req.num_prompt_tokens and self._new_boundary(tracked, done):
+                    # a hybrid prompt's end: its state exists after this step's forward only
+                    plan.saves.append(self._save(rid, tracked, done, self._block_ids_of(rid),
+                                                 boundary=True))
+                continue  # decode: no boundary would follow what is saved
             upto = min(done, len(req.all_token_ids)) // B * B
             if upto <= tracked.saved:
                 continue
@@ -214,12 +220,14 @@ class SchedulerSide:
         tokens = tuple(tracked.request.all_token_ids[:upto])
         if self.groups is not None:
             full = full_block_ids(self.groups, tables, 0, -(-upto // B))
-            state = state_plan(self.groups, tables, upto) if final or boundary else None
+            state = state_plan(self.groups, tables, upto) if boundary else None
             if state is None:
                 full = tuple(ids[:upto // B] for ids in full)
+            old = tracked.loaded_from
+            replaces = (tuple(tracked.request.all_token_ids[:old]),) if boundary and old else ()
             return SaveSpec(req_id=rid, tokens=tokens, block_ids=full[0],
                             namespace=tracked.namespace, final=final, group_block_ids=full,
-                            state=state)
+                            state=state, replaces=replaces)
         if upto % B:
             tokens += (PAD,) * (B - upto % B)
         return SaveSpec(req_id=rid, tokens=tokens,
@@ -247,9 +255,9 @@ class SchedulerSide:
         """The request ended (``block_ids``: its block ids per group). If KV computed in its
         last steps was not planned for saving yet (its tail, the last partial block; async
         scheduling learns sampled ids a step late; a save deferred in the step that loaded
-        from the remote tier; a hybrid model's boundary state, at every end), plan a final
-        save and keep its blocks until the worker has copied them (returns True: vLLM frees
-        them when the worker reports the request)."""
+        from the remote tier), plan a final save and keep its blocks until the worker has
+        copied them (returns True: vLLM frees them when the worker reports the request). A
+        hybrid request saved its boundary at its prompt's end: nothing follows."""
         rid = request.request_id
         self._lookups.pop(rid, None)
         tracked = self._tracked.pop(rid, None)
@@ -260,16 +268,14 @@ class SchedulerSide:
                               "load_failed": tracked.load_failed}}
         self._ended[rid] = params["kvstore"]
         upto = min(request.num_computed_tokens, len(request.all_token_ids))
-        if self.save and self.store is not None and upto > 0 and (
-                upto > tracked.saved or tracked.deferred or self._new_boundary(tracked, upto)):
+        if self.save and self.store is not None and upto > 0 and self.groups is None \
+                and (upto > tracked.saved or tracked.deferred):
             self._final.append(self._save(rid, tracked, upto, block_ids, final=True))
             return True, params
         return False, params
 
     def _new_boundary(self, tracked: _Tracked, upto: int) -> bool:
-        """A hybrid request's end whose boundary the store does not hold yet."""
-        if self.groups is None:
-            return False
+        """Whether the store does not hold the boundary after ``upto`` tokens yet."""
         try:
             return self.store.match(tracked.request.all_token_ids[:upto],
                                     namespace=tracked.namespace) < upto

@@ -68,7 +68,8 @@ class _Load:
 class _Save:
     spec: SaveSpec
     handle: SaveHandle
-    pages: Pages  # the blocks holding tokens the store does not have
+    pages: Pages | None  # the blocks holding tokens the store does not have (None: none,
+    # a hybrid boundary whose every block the store holds: only its state is new)
     given: set[int] = field(default_factory=set)  # layers copied into the write buffer
 
 
@@ -237,6 +238,13 @@ class WorkerSide:
             self._sent_if_final(spec)
             return
         first = handle.base // self.block_size
+        if first >= len(spec.block_ids):  # a boundary on a stored block's end: only its state
+            L, H = len(self._caches), self._caches[0].shape[1]
+            empty = torch.empty((L, H, 0, self.store.layout.head_dim),
+                                dtype=self.store.layout.torch_dtype)
+            handle.layers(empty, empty)
+            self._saves.append(_Save(spec, handle, None))
+            return
         groups = None if spec.group_block_ids is None else \
             tuple(ids[first:] for ids in spec.group_block_ids)
         self._saves.append(_Save(spec, handle, self._pages(spec.block_ids[first:], groups)))
@@ -276,7 +284,8 @@ class WorkerSide:
             self._copy_layer(save, layer)
 
     def _copy_layer(self, save: _Save, layer: int) -> None:
-        save.handle.layer_pages(layer, save.pages)  # the tokens from its base on
+        if save.pages is not None:
+            save.handle.layer_pages(layer, save.pages)  # the tokens from its base on
         save.given.add(layer)
 
     def end(self) -> None:
@@ -300,21 +309,29 @@ class WorkerSide:
                 future = save.handle.finish(state=self._state_pages.gather(save.spec.state))
             else:
                 future = save.handle.finish()
-            future.add_done_callback(lambda f, rid=save.spec.req_id: self._written(rid, f))
+            future.add_done_callback(lambda f, spec=save.spec: self._written(spec, f))
             self.stats.add("saves")
             self.stats.add("saved_tokens", new)
             self._sent_if_final(save.spec)
         self._saves = []
 
-    def _written(self, req_id: str, future) -> None:
-        """On the store's writer thread: a save is durable, refused or failed."""
+    def _written(self, spec: SaveSpec, future) -> None:
+        """On the store's writer thread: a save is durable, refused or failed. A stored
+        boundary deletes the ones it replaces (a conversation's earlier state)."""
         error = future.exception()
         if error is not None:
             log.warning("kvstore: saving request %s failed (its KV will be recomputed when "
-                        "needed): %s: %s", req_id, type(error).__name__, error)
+                        "needed): %s: %s", spec.req_id, type(error).__name__, error)
             self._written_saves.append("save_failures")
         elif future.result() is False:
             self._written_saves.append("saves_refused")
+        else:
+            for tokens in spec.replaces:
+                try:
+                    self.store.delete(list(tokens), namespace=spec.namespace)
+                except STORE_ERRORS as e:
+                    log.info("kvstore: the boundary request %s replaces stays: %s",
+                             spec.req_id, e)
 
     # ---- what vLLM collects after a step --------------------------------------------------
     def take_invalid(self) -> set[int]:

@@ -1,0 +1,314 @@
+"""Hybrid models (sliding-window and recurrent layers) on the store, against recompute and
+against vLLM's ExampleConnector, in one run: SmolLM2-135M-shaped models with random weights
+(engine.hybrid_models, size ``small``: 30 layers, hidden 576), so a prefill costs what a
+real small model's does.
+
+* ``ttft``: time to first token of a ``--tokens`` prompt (real text) plus a ``--new``-token
+  message, reusing the prompt's stored boundary, against recompute. Every measurement is a
+  fresh process (a restart): ``recompute`` (no cache), ``save`` (the process that stores the
+  prompt), ``load`` (a fresh process: the new message on the stored prompt). Per engine
+  (``llama``: llama.cpp through KVStoreLlamaCache, the GGUF; ``vllm``: vLLM with the
+  KVStoreConnector, the HF directory) and model. Ratios are between medians of one run.
+* ``bytes``: bytes on disk after ``--conversations`` multi-turn conversations on the
+  sliding-window model (Gemma 3: 25 sliding layers of window 512, 5 full) through vLLM with
+  this connector against vLLM's ExampleConnector (which stores every token of every layer of
+  every request). Each conversation has ``--turns`` turns: its previous prompt, the answer
+  generated (``--answer`` tokens) and a new message of real text.
+* ``turns``: the replay's real-mode workload (``make demo``'s ShareGPT conversations) through
+  llama.cpp, each turn's context emptied first (as after a restart): time to first token of
+  turns >= 2 with KVStoreLlamaCache against without (``kvstore replay --mode real --engine
+  vllm --model NAME`` is the same for vLLM).
+
+    python bench/hybrid_reuse.py ttft --engine llama vllm --out bench/results/hybrid_ttft.json
+    python bench/hybrid_reuse.py bytes --out bench/results/hybrid_bytes.json
+    python bench/hybrid_reuse.py turns --out bench/results/hybrid_turns_llama.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from benchutil import disk_usage, machine_info  # noqa: E402
+
+DTYPES = {"qwen3_next": "bfloat16"}  # vLLM's CPU gated delta net needs bf16
+PREFIX_CACHE_OFF = {"granitemoehybrid", "lfm2"}  # vLLM CPU: Mamba2 checkpoints; LFM2 exactness
+
+
+def stats(samples: list[float]) -> dict[str, object]:
+    a = np.asarray(samples, dtype=np.float64)
+    return {"samples_s": [float(x) for x in a], "p50_s": float(np.percentile(a, 50)),
+            "p90_s": float(np.percentile(a, 90)), "min_s": float(a.min()),
+            "max_s": float(a.max())}
+
+
+def text_ids(n: int, skip: int = 0) -> list[int]:
+    """``n`` token ids of the project's docs (SmolLM2's tokenizer: every hybrid here uses it)."""
+    import tokenizers
+
+    from engine.hf_export import hf_model_dir
+
+    tok = tokenizers.Tokenizer.from_file(os.path.join(hf_model_dir(), "tokenizer.json"))
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md")))
+    ids = tok.encode(text).ids
+    assert len(ids) >= skip + n, "not enough text"
+    return [1] + ids[skip:skip + n - 1]
+
+
+# ---- one measurement, in its own process --------------------------------------------------
+def child_main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    (_llama_child if job["engine"] == "llama" else _vllm_child)(job)
+
+
+def _llama_child(job: dict) -> None:
+    from llama_cpp import Llama
+
+    from kvstore.integrations.llama_cpp import KVStoreLlamaCache
+
+    llm = Llama(job["model"], n_ctx=job["n_ctx"], n_threads=2, n_threads_batch=2,
+                verbose=False, seed=0, logits_all=False)
+    llm.create_completion([1, 2, 3, 4], max_tokens=1, temperature=0.0)  # one-time costs
+    llm.reset()
+    cache = None
+    if job.get("store"):
+        cache = KVStoreLlamaCache(job["store"])
+        llm.set_cache(cache)
+    for step in job["steps"]:
+        llm.reset()
+        # time to the first token of a streamed completion (its first chunk); the completion
+        # is then finished, so the cache gets its save, made after the last token
+        t0 = time.perf_counter()
+        chunks = llm.create_completion(step["ids"], max_tokens=1, temperature=0.0, stream=True)
+        first = next(chunks)
+        dt = time.perf_counter() - t0
+        for _ in chunks:
+            pass
+        s = {} if cache is None else cache.stats()
+        print("RESULT " + json.dumps({"label": step["label"], "seconds": dt,
+                                      "text": first["choices"][0]["text"],
+                                      "restored": s.get("restored_tokens", 0)}), flush=True)
+    if cache is not None:
+        cache.store.flush()
+        cache.close()
+
+
+def _vllm_child(job: dict) -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if job.get("store"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config={"store_dir": job["store"]})
+    elif job.get("example"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": job["example"]})
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["n_ctx"],
+              enforce_eager=True, kv_cache_memory_bytes=512 << 20, seed=0,
+              enable_prefix_caching=job["prefix_caching"], **kw)
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])],
+                 SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    from kvstore.integrations.vllm.offline import flush
+
+    prev: list[int] = []
+    for step in job["steps"]:
+        ids = prev + step["ids"] if step.get("after_previous") else step["ids"]
+        sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 1),
+                            ignore_eos=True)
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        dt = time.perf_counter() - t0
+        prev = ids + list(out.outputs[0].token_ids)
+        print("RESULT " + json.dumps({"label": step["label"], "seconds": dt,
+                                      "first": out.outputs[0].token_ids[:1],
+                                      "restored": out.num_cached_tokens}), flush=True)
+        if job.get("store"):
+            flush(llm)
+
+
+def run_child(job: dict, work: Path) -> list[dict]:
+    path = work / f"job-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    r = subprocess.run([sys.executable, __file__, "_child", str(path)], env=env,
+                       capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"child failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return [json.loads(line[7:]) for line in r.stdout.splitlines()
+            if line.startswith("RESULT ")]
+
+
+def engine_job(engine: str, model: str, n_ctx: int) -> dict:
+    from engine import hybrid_models
+
+    if engine == "llama":
+        return {"engine": "llama", "model": hybrid_models.gguf_path(model, "small"),
+                "n_ctx": n_ctx}
+    return {"engine": "vllm", "model": hybrid_models.model_dir(model, "small"),
+            "dtype": DTYPES.get(model, "float32"), "n_ctx": n_ctx,
+            "prefix_caching": model not in PREFIX_CACHE_OFF}
+
+
+# ---- ttft ----------------------------------------------------------------------------------
+def bench_ttft(args, work: Path) -> dict:
+    prompt = text_ids(args.tokens)
+    message = text_ids(args.new, skip=args.tokens + 100)[1:]
+    out: dict[str, dict] = {}
+    for engine in args.engine:
+        for model in args.model:
+            base = engine_job(engine, model, args.tokens + args.new + 64)
+            samples: dict[str, list[float]] = {"recompute": [], "save": [], "load": []}
+            restored, same = [], True
+            for rep in range(args.reps):
+                store = str(work / f"{engine}-{model}-{rep}")
+                re = run_child({**base, "steps": [{"ids": prompt + message,
+                                                   "label": "recompute"}]}, work)[0]
+                sv = run_child({**base, "store": store,
+                                "steps": [{"ids": prompt, "label": "save"}]}, work)[0]
+                ld = run_child({**base, "store": store,
+                                "steps": [{"ids": prompt + message, "label": "load"}]},
+                               work)[0]
+                for r in (re, sv, ld):
+                    samples[r["label"]].append(r["seconds"])
+                restored.append(ld["restored"])
+                key = "text" if engine == "llama" else "first"
+                same = same and re[key] == ld[key]
+            summary = {k: stats(v) for k, v in samples.items()}
+            ratio = summary["load"]["p50_s"] / summary["recompute"]["p50_s"]
+            out[f"{engine}/{model}"] = {"summary": summary, "ratio_load_to_recompute": ratio,
+                                        "restored_tokens": restored,
+                                        "same_first_token": same}
+            print(f"{engine:6s} {model:18s} recompute {summary['recompute']['p50_s']:.3f} s, "
+                  f"load {summary['load']['p50_s']:.3f} s: {ratio:.3f} (restored "
+                  f"{restored}, same first token: {same})", flush=True)
+    return {"tokens": args.tokens, "new": args.new, "reps": args.reps, "results": out}
+
+
+# ---- bytes ---------------------------------------------------------------------------------
+def bench_bytes(args, work: Path) -> dict:
+    base = engine_job("vllm", "gemma3", 4096)
+    base["prefix_caching"] = False
+    steps = []
+    text = text_ids(args.conversations * (args.first + args.turns * args.message) + 10)
+    at = 1
+    for c in range(args.conversations):
+        first = [1] + text[at:at + args.first]
+        at += args.first
+        steps.append({"ids": first, "label": f"c{c}t0", "max_tokens": args.answer})
+        for t in range(1, args.turns):
+            steps.append({"ids": text[at:at + args.message], "label": f"c{c}t{t}",
+                          "after_previous": True, "max_tokens": args.answer})
+            at += args.message
+    run_child({**base, "example": str(work / "example"), "steps": steps}, work)
+    got = run_child({**base, "store": str(work / "store"), "steps": steps}, work)
+    ex, ours = disk_usage(work / "example"), disk_usage(work / "store" / "segments")
+    ratio = ours["allocated_bytes"] / ex["allocated_bytes"]
+    print(f"bytes: kvstore {ours['allocated_bytes'] / 1e6:.1f} MB, ExampleConnector "
+          f"{ex['allocated_bytes'] / 1e6:.1f} MB: {ratio:.3f}; tokens restored per request "
+          f"{[r['restored'] for r in got][:12]}...", flush=True)
+    return {"conversations": args.conversations, "turns": args.turns, "example": ex,
+            "kvstore_segments": ours, "ratio_allocated": ratio,
+            "restored_tokens": [r["restored"] for r in got]}
+
+
+# ---- turns (llama.cpp, ShareGPT) ---------------------------------------------------------
+def bench_turns(args, work: Path) -> dict:
+    """The replay's real-mode workload (``make demo``'s: ShareGPT conversations of 5-10 turns,
+    messages of at most 512 tokens) through llama.cpp: each turn's prompt (the history and
+    the user's message) with its context emptied first (as after a restart), then the recorded
+    reply teacher-forced (``create_completion`` over the prompt and the reply, untimed), as the
+    replay's real mode serves a turn."""
+    from engine.model import load_model
+    from engine.replay.run import ReplayConfig, load_table
+    from engine.replay.workload import WorkloadConfig, build_trace
+
+    model = load_model()  # SmolLM2's tokenizer and ChatML: the hybrids use them too
+    wl = WorkloadConfig(conversations=args.conversations, min_turns=5, max_turns=10,
+                        max_message_tokens=512, seed=args.seed)
+    cfg = ReplayConfig(mode="real", workload=wl)
+    trace = build_trace(load_table(model, cfg, None), wl, context_window=args.n_ctx - 64,
+                        with_ids=True)
+    steps = []
+    for conv in trace.conversations:
+        history: list[int] = []
+        for ti, turn in enumerate(conv.turns):
+            prompt = history + list(turn.user_ids)
+            if len(prompt) + len(turn.reply_ids) > args.n_ctx - 64:
+                break
+            steps.append({"ids": prompt, "label": f"c{conv.index}t{ti}"})
+            history = prompt + list(turn.reply_ids)
+            steps.append({"ids": history, "label": f"c{conv.index}t{ti}reply"})
+    out: dict[str, dict] = {}
+    for name in args.model:
+        base = engine_job("llama", name, args.n_ctx)
+        per = {m: run_child({**base, **extra, "steps": steps}, work)
+               for m, extra in (("RE", {}), ("AS", {"store": str(work / f"turns-{name}")}))}
+        re, as_ = ({r["label"]: r["seconds"] for r in per[m] if not r["label"].endswith("reply")}
+                   for m in ("RE", "AS"))
+        later = [k for k in re if not k.endswith("t0")]
+        mean_re = float(np.mean([re[k] for k in later]))
+        mean_as = float(np.mean([as_[k] for k in later]))
+        out[name] = {"turns_ge_2": len(later), "mean_ttft_re_s": mean_re,
+                     "mean_ttft_as_s": mean_as, "change": mean_as / mean_re - 1,
+                     "p50_change": float(np.median([as_[k] / re[k] - 1 for k in later])),
+                     "re": re, "as": as_}
+        print(f"turns {name}: {len(later)} turns >= 2, TTFT RE {mean_re:.3f} s, AS "
+              f"{mean_as:.3f} s: {100 * (mean_as / mean_re - 1):+.1f}%", flush=True)
+    return {"conversations": len(trace.conversations), "results": out}
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "_child":
+        child_main(sys.argv[2])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["ttft", "bytes", "turns"])
+    p.add_argument("--engine", nargs="+", choices=["llama", "vllm"], default=["llama", "vllm"])
+    p.add_argument("--model", nargs="+", default=["gemma3", "qwen3_next", "lfm2",
+                                                  "granitemoehybrid"])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--new", type=int, default=32, help="ttft: tokens of the new message")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=20)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--first", type=int, default=600, help="bytes: the first prompt's tokens")
+    p.add_argument("--message", type=int, default=120, help="bytes: each later message")
+    p.add_argument("--answer", type=int, default=16, help="bytes: tokens generated a turn")
+    p.add_argument("--n-ctx", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=ROOT / ".cache") as d:
+        work = Path(d)
+        t0 = time.time()
+        load0 = os.getloadavg()
+        res = {"ttft": bench_ttft, "bytes": bench_bytes, "turns": bench_turns}[args.what](
+            args, work)
+    res.update({"what": args.what, "command": " ".join(sys.argv), "wall_s": time.time() - t0,
+                "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+                "machine": machine_info()})
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
