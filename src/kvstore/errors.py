@@ -54,3 +54,9 @@ class HybridLayers(KVStoreError, ValueError):
     per-head indexes, the runtime's sessions) was asked of a layout with sliding-window or
     recurrent layers (``KVLayout(layers=...)``), whose state exists only at stored
     boundaries."""
+
+
+class StoreForked(KVStoreError):
+    """A store opened in one process was used in a child it forked (``os.fork``, the default
+    start method of ``multiprocessing`` on Linux): its threads, locks and catalog do not cross
+    a fork. Open the store again in the child."""

@@ -364,6 +364,19 @@ class KVLayout:
             fields["layers"] = tuple(LayerKind.from_dict(k) for k in kinds)
         return cls(**fields)  # type: ignore[arg-type]
 
+    def differences(self, other: KVLayout) -> str:
+        """One line naming the fields in which ``other`` differs from this layout, each with
+        both values (long ones shortened): for an error a person reads."""
+        mine, theirs = self.to_dict(), other.to_dict()
+
+        def show(v: object) -> str:
+            text = repr(v)
+            return text if len(text) <= 60 else text[:57] + "..."
+
+        parts = [f"{k} {show(mine.get(k))} vs {show(theirs.get(k))}"
+                 for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        return "; ".join(parts) or "nothing"
+
     @cached_property
     def fingerprint(self) -> bytes:
         """16-byte xxh3_128 digest of the canonical JSON of the layout."""

@@ -11,9 +11,11 @@ log reaches reloads everything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +43,27 @@ _KINDS = {b"C": "chunks", b"X": "contexts", b"I": "indexes"}
 # POSIX locks this process's environment holds on it (a joiner's check opens one).
 _OPEN: set[tuple[int, int]] = set()
 _OPEN_LOCK = threading.Lock()
+
+
+_LIVE: weakref.WeakSet[Catalog] = weakref.WeakSet()  # catalogs open in this process
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has opened nothing itself: it may open any store. Its copies of the
+    parent's LMDB environments are closed (LMDB: an environment must not be used across a
+    fork; py-lmdb would refuse the child an environment its parent has open): that releases
+    only the child's mapping and descriptors, never the parent's locks (fcntl locks are not
+    inherited; flock and OFD locks stay with the parent's descriptors)."""
+    global _OPEN, _OPEN_LOCK
+    _OPEN, _OPEN_LOCK = set(), threading.Lock()
+    for cat in list(_LIVE):
+        env, cat._env = getattr(cat, "_env", None), None
+        if env is not None:
+            with contextlib.suppress(lmdb.Error):
+                env.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _KIND_OF = {v: k for k, v in _KINDS.items()}
 
 
@@ -341,6 +364,7 @@ class Catalog:
                     raise StoreLocked(f"the store catalog {self.path!r} is already open in "
                                       f"this process") from None
                 raise FormatError(f"cannot open catalog at {self.path!r}: {e}") from None
+            _LIVE.add(self)
         except BaseException:
             self._forget()
             self.dir.close()

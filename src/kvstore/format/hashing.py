@@ -25,7 +25,11 @@ def chain_seed(layout_fingerprint: bytes, namespace: str | None) -> bytes:
     """The hash that precedes the first chunk of every context in ``namespace``."""
     if namespace is not None and not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
-    ns = b"\x00" if namespace is None else b"\x01" + namespace.encode("utf-8")
+    try:
+        ns = b"\x00" if namespace is None else b"\x01" + namespace.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"namespace must be text UTF-8 can encode, got {namespace!r} "
+                         f"({e.reason} at index {e.start})") from None
     return xxhash.xxh3_128_digest(b"kvstore/chain/v1\x00" + layout_fingerprint + ns)
 
 

@@ -33,6 +33,15 @@ _open: dict[str, _Entry] = {}
 _next_id = 0
 
 
+def _after_fork_in_child() -> None:
+    """A forked child shares no store of its parent's (each refuses its calls there)."""
+    global _lock, _open
+    _lock, _open = threading.Lock(), {}
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Lease:
     """A share of a store opened by :func:`acquire`. ``store`` is usable until :meth:`close`
     (idempotent; the last lease of a directory closes its store). A context manager.

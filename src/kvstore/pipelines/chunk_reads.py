@@ -194,7 +194,9 @@ def read_layers(core: Core, rec: ChunkRecord, first: int, count: int, bufs: list
 
 
 def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles) -> None:
-    """Drop every context holding a corrupt chunk (durably), so no process claims it again.
+    """Drop a corrupt chunk and every context holding it (durably, for every process), so no
+    process claims it again; a save or put that held it as its stored prefix fails at its
+    commit, and the next put of those tokens stores the chunk again (with a new extent).
     The chunk is never served by this process again either way. A segment file missing
     under a live store (:class:`StoreTampered`) is no chunk's corruption: nothing is
     dropped for it."""
@@ -216,6 +218,8 @@ def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles
                 victims = sorted(core.tree.holders.get(rec.key))
                 keep = {k for r in txn.reservations() for k in r.held}
                 _, dirs = core.mirror.drop_contexts(txn, victims, keep)
+                # held by a save or put: not kept alive; a put stores it again (a new extent)
+                core.mirror.drop_chunk(txn, rec.key)
                 core.counters.dropped_contexts += len(victims)
             else:  # stored again meanwhile: the new extent is not the corrupt one
                 dirs = []

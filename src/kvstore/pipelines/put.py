@@ -290,7 +290,9 @@ class Writer:
                 raise CorruptData(f"chunk address collision at {key.hex()}")
         if specs[0][2] * c < base:
             raise KVStoreError(f"the stored prefix of this context (first {base} tokens, whose "
-                               f"KV was not kept for saving) is no longer stored")
+                               f"KV was not kept for saving) is no longer stored (a chunk of it "
+                               f"failed its checksum, or it was deleted); nothing was stored, "
+                               f"and the next put of these tokens stores them again")
         chain = [r.key for r in reused] + [k for k, _, _ in specs]
         if len(chain) > core.geo.total_slots:  # the reused prefix stays on disk too
             raise CapacityError(

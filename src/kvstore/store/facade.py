@@ -14,6 +14,9 @@ write buffer and the writer thread; :mod:`kvstore.index.lifecycle` the per-head 
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
 from concurrent.futures import Future
 
 import numpy as np
@@ -47,6 +50,20 @@ from kvstore.tiers.remote.tier import RemoteTier
 from kvstore.view import boundaries
 from kvstore.view.catch_up import writing
 from kvstore.view.prefix_tree import Piece, served
+
+_LIVE: weakref.WeakSet[Store] = weakref.WeakSet()  # the stores this process has open
+_LIVE_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork``: a child's stores refuse every call (:class:`StoreForked`)."""
+    global _LIVE_LOCK
+    _LIVE_LOCK = threading.Lock()
+    for store in list(_LIVE):
+        store._core.forget_after_fork(os.getppid())
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Store:
@@ -83,6 +100,8 @@ class Store:
             capacity_bytes=core.config.write_buffer_bytes,
             write=self._write_saved, release=self._release_held, helpers=core.helpers)
         self._remote: RemoteLink | None = None
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def _attach_remote(self, tier: RemoteTier) -> None:
         """Called once by :func:`kvstore.open` with a connected remote tier."""
@@ -317,13 +336,19 @@ class Store:
             self._remote.prefill_rate = tokens_per_s
 
     # ------------------------------------------------------------------ reading
-    def match(self, tokens: object, *, namespace: str | None = None) -> int:
+    def match(self, tokens: object, *, namespace: str | None = None,
+              exact: bool = False) -> int:
         """How many leading tokens of ``tokens`` the store can serve (from any tier, as
         committed by any process). Thread-safe. Without a remote tier it never waits for IO;
         with one, tokens after the local prefix cost one pipelined round trip to Redis (and
         count only if fetching them pays, see :meth:`set_prefill_rate`); a remote failure
-        is a shorter match, never an error."""
+        is a shorter match, never an error. ``exact=True``: only what chunks and remote
+        values stored without a lossy codec serve (KV bit-identical to what was put: for an
+        engine that must give the answers it would compute, whatever codecs other processes
+        of the store chose)."""
         toks = as_tokens(tokens)
+        if not isinstance(exact, bool):
+            raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
         core = self._core
         if self.layout.boundary_state:
             found = self._boundary(toks, namespace)
@@ -331,8 +356,12 @@ class Store:
         else:
             pieces = self._resolve(toks, namespace)
             n = served(pieces)
-            if self._remote is not None and n < len(toks):
-                n = self._remote.match(toks, namespace, pieces)
+            lossy = [p.start for p in pieces
+                     if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY] if exact else []
+            if lossy:
+                n = min(lossy)
+            elif self._remote is not None and n < len(toks):
+                n = self._remote.match(toks, namespace, pieces, exact=exact)
         with core.mutex:
             core.counters.match_calls += 1
             core.counters.matched_tokens += n
@@ -657,6 +686,9 @@ class Store:
         get an error). No thread of the store outlives close(). Thread-safe.
         """
         core = self._core
+        if core.forked_from is not None:  # a child's copy: the parent owns all of it
+            core.closed = True
+            return
         with core.mutex:
             if core.closed:
                 return

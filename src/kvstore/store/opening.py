@@ -12,7 +12,9 @@ on the settings they share (``disk_bytes``, ``chunk_tokens``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import shutil
 import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -47,6 +49,26 @@ from kvstore.view.recovery import apply as apply_recovery
 from kvstore.view.recovery import plan as recovery_plan
 
 BUFFER_POOL_BYTES = 512 << 20  # idle host memory kept for get() results and save buffers
+
+log = logging.getLogger("kvstore")
+
+
+def _warn_beyond_device(path: str, config: StoreConfig) -> None:
+    """Log a warning when the disk budget is more than the device can give the store (its
+    free space and what the store's segment files take already): puts fail with
+    CapacityError once the device is full, long before the budget is."""
+    segs = os.path.join(path, SEGMENTS)
+    try:
+        free = shutil.disk_usage(path).free
+        used = 0 if os.path.islink(segs) else sum(
+            e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(segs)
+            if e.is_file(follow_symlinks=False))
+    except OSError:
+        return
+    if config.disk_bytes > free + used:
+        log.warning("kvstore: disk_bytes=%d for %s is more than its device can give it (%d "
+                    "bytes free, %d in the store's segments): puts fail with CapacityError "
+                    "when the device is full", config.disk_bytes, path, free, used)
 
 
 def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
@@ -90,7 +112,7 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if layout is not None and not isinstance(layout, KVLayout):
         raise TypeError(f"layout must be a kvstore.KVLayout, got {type(layout).__name__}")
     given = {k: v for k, v in {
@@ -129,6 +151,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
         root.close()
         raise
     lock.settle()
+    if not readonly:
+        _warn_beyond_device(path, config)
     if remote_cfg is not None:
         try:
             codec = config.tier_codecs.remote_for(remote_cfg.codec)
@@ -240,7 +264,8 @@ def _settle_format(root: Dir, catalog: Catalog, layout: KVLayout | None, asked: 
     except (TypeError, ValueError, KeyError) as e:
         raise FormatError(f"store metadata at {path!r} is invalid: {e}") from None
     if layout is not None and layout != stored:
-        raise LayoutMismatch(f"store at {path!r} was created for {stored}, not {layout}")
+        raise LayoutMismatch(f"store at {path!r} holds KV of another model or engine setup "
+                             f"(stored vs asked: {stored.differences(layout)})")
     if "chunk_tokens" in given and asked.chunk_tokens != stored_cfg.chunk_tokens:
         raise LayoutMismatch(f"store at {path!r} uses chunk_tokens={stored_cfg.chunk_tokens}, "
                              f"not {asked.chunk_tokens}")

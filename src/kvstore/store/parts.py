@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from kvstore.errors import KVStoreError, StoreClosed, StoreTampered
+from kvstore.errors import KVStoreError, StoreClosed, StoreForked, StoreTampered
 from kvstore.format.catalog import Catalog
 from kvstore.format.directory import Dir
 from kvstore.format.records import ChunkRecord
@@ -52,6 +52,15 @@ class Core:
     closing: bool = False  # no new loads, saves or prefetches
     failed: BaseException | None = None  # no more writes: a commit failed ambiguously, or
     # the store was tampered with under this process (StoreTampered)
+    forked_from: int | None = None  # the parent's pid, in a child forked after the open
+
+    def forget_after_fork(self, parent: int) -> None:
+        """In a child forked after this store's open (``os.register_at_fork``): every call
+        raises :class:`StoreForked` from here on. The metadata lock is new (another thread
+        of the parent may have held it at the fork); nothing the parent owns (its locks,
+        descriptors, catalog) is touched."""
+        self.mutex = threading.Lock()
+        self.forked_from = parent
 
     def raw_bytes(self, n_tokens: int) -> int:
         """Bytes of the raw (decoded) extent of ``n_tokens``: K and V of every layer."""
@@ -81,6 +90,11 @@ class Core:
         return self.config.tier_codecs.cached_bytes(self.layout, rec)
 
     def check_open(self) -> None:
+        if self.forked_from is not None:
+            raise StoreForked(f"store {self.path!r} was opened in process {self.forked_from}, "
+                              f"which this process forked from: a store's threads, locks and "
+                              f"catalog do not cross a fork; open it again here "
+                              f"(kvstore.open({self.path!r}))")
         if self.closed:
             raise StoreClosed(f"store {self.path!r} is closed")
 

@@ -214,6 +214,20 @@ class Mirror:
                 self._forget_chunk(c)
         return len(freed), with_indexes
 
+    def drop_chunk(self, txn: WriteTxn, key: bytes) -> None:
+        """Delete the chunk ``key`` and the chunks after it (no prompt reaches those without
+        it) in ``txn`` and from the view now, held or not: corrupt bytes. A save or put that
+        holds one fails at its commit; the next put of those tokens stores them again."""
+        todo = [key] if key in self.tree.chunks else []
+        while todo:
+            k = todo.pop()
+            kids = self.tree.kids.get(k)
+            if kids:
+                todo.extend(kids.keys)
+            self.decisions += 1
+            txn.delete_chunk(k)
+            self._forget_chunk(k)
+
     def collect_orphans(self, txn: WriteTxn, candidates: Iterable[bytes],
                         keep: frozenset[bytes] | set[bytes]) -> int:
         """Delete chunks among ``candidates`` that no context, hold or ``keep`` needs."""

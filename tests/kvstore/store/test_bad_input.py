@@ -113,7 +113,7 @@ def test_layout_mismatch_on_reopen(tmp_path):
         put_causal(s, list(range(5)))
     other = kvstore.KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16",
                              rope_theta=10000.0, model_id="another-model")
-    with pytest.raises(kvstore.LayoutMismatch, match="was created for"):
+    with pytest.raises(kvstore.LayoutMismatch, match="holds KV of another model"):
         kvstore.open(path, layout=other)
     with pytest.raises(kvstore.LayoutMismatch, match="chunk_tokens=4"):
         kvstore.open(path, chunk_tokens=8)

@@ -108,7 +108,7 @@ class KVStoreLlamaCache:
                                  "Store was given as store")
             self._path: str | None = None
         elif isinstance(store, str | os.PathLike):
-            self._path = os.fspath(store)
+            self._path = os.path.expanduser(os.fspath(store))
             if not self._path:
                 raise ValueError("store must be a store directory path or an open "
                                  "kvstore.Store, got an empty path")
@@ -146,7 +146,7 @@ class KVStoreLlamaCache:
         n = 0
         if limit > held:
             try:
-                n = min(binding.store.match(toks), limit)
+                n = min(binding.store.match(toks, exact=True), limit)
             except STORE_ERRORS as e:
                 self._failed("store_errors", "match", e)
         if n <= held:
@@ -316,7 +316,7 @@ class KVStoreLlamaCache:
         limit = len(toks) - KEEP_UNSERVED
         held = context.held_tokens(llm, toks)
         try:
-            return min(binding.store.match(toks), limit) > held
+            return min(binding.store.match(toks, exact=True), limit) > held
         except STORE_ERRORS as e:
             self._failed("store_errors", "match", e)
             return False

@@ -13,6 +13,7 @@ but prompt logprobs).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -77,7 +78,52 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     def kvstore_stats() -> JSONResponse:
         return JSONResponse(cache.stats())
 
+    app.middleware("http")(checked_body)
     return app, cache
+
+
+def _request_models() -> dict[str, Any]:
+    from llama_cpp.server.types import (
+        CreateChatCompletionRequest,
+        CreateCompletionRequest,
+        CreateEmbeddingRequest,
+    )
+
+    return {"/v1/chat/completions": CreateChatCompletionRequest,
+            "/v1/completions": CreateCompletionRequest,
+            "/v1/embeddings": CreateEmbeddingRequest}
+
+
+async def checked_body(request: Any, call_next: Any) -> Any:
+    """Answer a POST whose body is not JSON with 400, and one whose JSON is not the route's
+    request with 422, each naming the problem in OpenAI's error shape (llama-cpp-python's
+    own route handler answers both with 500: its error handler parses the body again)."""
+    from fastapi.responses import JSONResponse
+    from pydantic import ValidationError
+
+    model = _request_models().get(request.url.path) if request.method == "POST" else None
+    if model is None:
+        return await call_next(request)
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        return _error(JSONResponse, 400, f"the request body is not JSON: {e}")
+    if not isinstance(data, dict):
+        return _error(JSONResponse, 422, f"the request body must be a JSON object, got "
+                                         f"{type(data).__name__}")
+    try:
+        model(**data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        return _error(JSONResponse, 422, f"{where}: {first.get('msg')}", param=where)
+    return await call_next(request)
+
+
+def _error(response: Any, status: int, message: str, param: str | None = None) -> Any:
+    return response({"error": {"message": message, "type": "invalid_request_error",
+                               "param": param, "code": None}}, status_code=status)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from kvstore.codecs.layer_codec import is_lossy
 from kvstore.eviction.policies import make_policy
 from kvstore.store.config import check_codecs, check_size
 from kvstore.tiers.remote.config import RemoteConfig
@@ -41,6 +42,11 @@ class ConnectorConfig:
       directory's config and weight files).
     * ``buffer_layers``: the layer-wise load's read buffer (default: no bound).
     * ``save``: whether to save new blocks (default True; False only reads the store).
+    * ``lossy_ok``: accept KV through a lossy codec (default False: a lossy codec in
+      ``codecs`` is refused, and chunks another process stored lossily are not served, since
+      KV that is not the KV vLLM computes changes answers). With True, the connector logs it
+      at startup and every request's ``kv_transfer_params["kvstore"]["lossy_tokens"]`` says
+      how many of the tokens it loaded came from lossy chunks.
     """
 
     store_dir: str
@@ -57,6 +63,7 @@ class ConnectorConfig:
     model_id: str | None = None
     buffer_layers: int | None = None
     save: bool = True
+    lossy_ok: bool = False
     extra: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
@@ -74,7 +81,7 @@ class ConnectorConfig:
         if not isinstance(store_dir, str | os.PathLike) or not os.fspath(store_dir):
             raise ValueError("kv_connector_extra_config['store_dir'] must name the store "
                              f"directory, got {store_dir!r}")
-        kw: dict[str, object] = {"store_dir": os.fspath(store_dir)}
+        kw: dict[str, object] = {"store_dir": os.path.expanduser(os.fspath(store_dir))}
         for name in SIZE_KEYS:
             kw[name] = check_size(f"kv_connector_extra_config[{name!r}]", extra.get(name))
         if (policy := extra.get("policy")) is not None:
@@ -108,10 +115,18 @@ class ConnectorConfig:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be a non-empty "
                                  f"str, got {v!r}")
             kw[name] = v
-        save = extra.get("save", True)
-        if not isinstance(save, bool):
-            raise TypeError(f"kv_connector_extra_config['save'] must be a bool, got {save!r}")
-        kw["save"] = save
+        for name, default in (("save", True), ("lossy_ok", False)):
+            v = extra.get(name, default)
+            if not isinstance(v, bool):
+                raise TypeError(f"kv_connector_extra_config[{name!r}] must be a bool, got "
+                                f"{v!r}")
+            kw[name] = v
+        lossy = sorted(t for t, c in (kw.get("codecs") or {}).items() if is_lossy(c))
+        if lossy and not kw["lossy_ok"]:
+            raise ValueError(
+                f"kv_connector_extra_config['codecs'] names the lossy codec "
+                f"{kw['codecs'][lossy[0]]!r} for {lossy[0]!r}: KV served through it is not the "
+                f"KV vLLM computes, and answers change; set 'lossy_ok': true to accept that")
         return cls(**kw, extra=MappingProxyType(dict(extra)))
 
     def open_options(self, *, block_size: int) -> dict[str, object]:

@@ -67,17 +67,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._lease = _open_store(cfg, layout, block_size)
         store = None if self._lease is None else self._lease.store
         if store is not None and store.config.chunk_tokens % block_size:
-            chunk = store.config.chunk_tokens
+            log.error("kvstore: store_dir %s has chunk_tokens=%d, not a multiple of vLLM's "
+                      "block size %d (the connector moves whole blocks), so the connector "
+                      "serves nothing", cfg.store_dir, store.config.chunk_tokens, block_size)
             self._lease.close()
-            raise ValueError(f"the KVStoreConnector moves whole vLLM blocks: the store's "
-                             f"chunk_tokens ({chunk}) must be a multiple of the block size "
-                             f"({block_size})")
+            self._lease, store = None, None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(store, block_size=block_size,
                                             namespace=cfg.namespace, save=cfg.save,
-                                            block_ids_of=self._block_ids, groups=groups)
+                                            block_ids_of=self._block_ids, groups=groups,
+                                            lossy_ok=cfg.lossy_ok)
+            if cfg.lossy_ok:
+                log.warning("kvstore: lossy_ok: KV stored through a lossy codec (%s) is served: "
+                            "answers may differ from vLLM's own; each request's "
+                            "kv_transfer_params['kvstore']['lossy_tokens'] counts it",
+                            dict(cfg.codecs or {}) or "by other processes of the store")
         else:
             self._worker = WorkerSide(store, block_size=block_size,
                                       buffer_layers=cfg.buffer_layers, groups=groups)
@@ -187,14 +193,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 def _open_store(cfg: ConnectorConfig, layout, block_size: int) -> shared.Lease | None:
-    """A lease on the store, or None if it cannot be opened (logged): the connector then
-    serves nothing. A store of another layout is a configuration error and raises."""
+    """A lease on the store, or None if it cannot be opened (one line logged, naming
+    ``store_dir`` and why): the connector then serves nothing, as llama.cpp's cache does; a
+    cache problem never takes the server down."""
     try:
         return shared.acquire(cfg.store_dir, layout=layout,
                               **cfg.open_options(block_size=block_size))
-    except LayoutMismatch:
-        raise
+    except LayoutMismatch as e:
+        log.error("kvstore: store_dir %s holds KV of another model or engine setup, so the "
+                  "connector serves nothing (use another store_dir for this one): %s",
+                  cfg.store_dir, str(e).split("(stored vs asked: ", 1)[-1].rstrip(")"))
+        return None
     except (KVStoreError, OSError) as e:
-        log.error("kvstore: cannot open the store %s (the connector serves nothing): %s: %s",
+        log.error("kvstore: cannot open store_dir %s, so the connector serves nothing: %s: %s",
                   cfg.store_dir, type(e).__name__, e)
         return None

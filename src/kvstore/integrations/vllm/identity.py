@@ -64,6 +64,24 @@ def attention_isa(vllm_config) -> str:
     return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
 
 
+def _settings(mc) -> str:
+    """What else of vLLM's model configuration changes the KV a model computes from token
+    ids, as the layout's ``engine`` names it (each only where it is not vLLM's default, so a
+    default configuration keeps its fingerprint): the weights' quantization, the model
+    implementation and class overrides, and ``hf_overrides`` (RoPE and other config
+    overrides)."""
+    out = ""
+    if getattr(mc, "quantization", None):
+        out += f" quantization={mc.quantization}"
+    if str(getattr(mc, "model_impl", "auto")) not in ("auto", "ModelImpl.AUTO"):
+        out += f" model_impl={mc.model_impl}"
+    if getattr(mc, "model_class_overrides", None):
+        out += f" model_class_overrides={mc.model_class_overrides!r}"
+    if mc.hf_overrides:
+        out += f" hf_overrides={mc.hf_overrides!r}"
+    return out
+
+
 def vllm_layout(vllm_config, *, model_id: str | None = None,
                 groups: Groups | None = None) -> tuple[KVLayout, str]:
     """The store layout of ``vllm_config``'s KV cache and its packing. ValueError, naming the
@@ -95,9 +113,7 @@ def vllm_layout(vllm_config, *, model_id: str | None = None,
     rope = getattr(mc.hf_config, "rope_theta", None) or \
         (getattr(mc.hf_config, "rope_parameters", None) or {}).get("rope_theta") or 10000.0
     engine = (f"vllm {vllm.__version__} cpu isa={isa} pages={cc.block_size} "
-              f"dtype={dtype}")
-    if mc.hf_overrides:
-        engine += f" hf_overrides={mc.hf_overrides!r}"
+              f"dtype={dtype}") + _settings(mc)
     num_layers, kinds, state_bytes = mc.get_num_layers(pc), None, 0
     if groups is not None and groups.hybrid:
         from vllm.model_executor.models.utils import extract_layer_index

@@ -80,17 +80,20 @@ class _Tracked:
     # save, at a block boundary or when it ends, covers it.
     deferred: bool = False
     loaded_from: int = 0  # a hybrid request: the stored boundary it was loaded from
+    lossy_tokens: int = 0  # of the tokens loaded, those lossy chunks served (lossy_ok)
 
 
 class SchedulerSide:
     """Thread-safety: vLLM calls it from its scheduler thread only."""
 
     def __init__(self, store: Store | None, *, block_size: int, namespace: str | None,
-                 save: bool, block_ids_of, groups: Groups | None = None) -> None:
+                 save: bool, block_ids_of, groups: Groups | None = None,
+                 lossy_ok: bool = False) -> None:
         self.store = store
         self.block_size = block_size
         self.namespace = namespace
         self.save = save
+        self.lossy_ok = lossy_ok  # else only chunks stored without a lossy codec are served
         # req_id -> the request's block ids, one list per KV-cache group
         self._block_ids_of = block_ids_of
         self.groups = groups if groups is not None and groups.hybrid else None
@@ -118,7 +121,7 @@ class SchedulerSide:
             return 0, False
         ns = request_namespace(self.namespace, request.cache_salt)
         try:
-            n = self.store.match(tokens[:limit], namespace=ns)
+            n = self.store.match(tokens[:limit], namespace=ns, exact=not self.lossy_ok)
             if n % B and n > num_computed and self.groups is None and \
                     self.store.residency(tokens[:n], namespace=ns)["missing"]:
                 n = n // B * B  # the remote tier's chunks are fetched whole blocks at a time
@@ -141,7 +144,19 @@ class SchedulerSide:
         if num_external <= 0 or tracked is None:
             return
         tracked.loaded_from = start + num_external
+        if self.lossy_ok:
+            tracked.lossy_tokens = self._lossy(tracked, start, start + num_external)
         self._loads.append((rid, start, num_external))
+
+    def _lossy(self, tracked: _Tracked, start: int, end: int) -> int:
+        """Tokens among [start, end) of the request that lossy chunks serve."""
+        toks = tracked.request.all_token_ids
+        try:
+            front = self.store.lossy_tokens(toks[:start], namespace=tracked.namespace) \
+                if start else 0
+            return self.store.lossy_tokens(toks[:end], namespace=tracked.namespace) - front
+        except (KVStoreError, OSError):
+            return 0
 
     # ---- planning -------------------------------------------------------------------------
     def plan(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]
@@ -266,6 +281,8 @@ class SchedulerSide:
         tiers = tracked.loaded or {}
         params = {"kvstore": {"loaded_tokens": sum(tiers.values()), "loaded_from": dict(tiers),
                               "load_failed": tracked.load_failed}}
+        if self.lossy_ok:  # how much of what was loaded is not the KV vLLM computes
+            params["kvstore"]["lossy_tokens"] = tracked.lossy_tokens if tiers else 0
         self._ended[rid] = params["kvstore"]
         upto = min(request.num_computed_tokens, len(request.all_token_ids))
         if self.save and self.store is not None and upto > 0 and self.groups is None \

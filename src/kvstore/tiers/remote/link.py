@@ -170,9 +170,12 @@ class RemoteLink:
             return core.tree.resolve(toks, namespace)
 
     # ------------------------------------------------------------------ match
-    def match(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece]) -> int:
+    def match(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece], *,
+              exact: bool = False) -> int:
         """How many leading tokens the local tiers and the remote tier together serve, of
-        which the remote part only if fetching it pays."""
+        which the remote part only if fetching it pays (``exact``: up to the first value a
+        lossy codec encoded, and not into a partial chunk, whose codec the match does not
+        read)."""
         local = served(pieces)
         if local == len(toks):
             return local
@@ -180,9 +183,9 @@ class RemoteLink:
         if base + sum(len(ch.tokens) for ch in rest) <= local:
             return local
         with self.tier.deadline():
-            return self._match_remote(local, base, rest)
+            return self._match_remote(local, base, rest, exact)
 
-    def _match_remote(self, local: int, base: int, rest: list[_Chunk]) -> int:
+    def _match_remote(self, local: int, base: int, rest: list[_Chunk], exact: bool) -> int:
         headers, kids = self.tier.headers_and_kids([(ch.key, ch.tokens) for ch in rest],
                                                    [(ch.parent, ch.tokens) for ch in rest])
         self._count("matches")
@@ -190,8 +193,10 @@ class RemoteLink:
         end, nbytes = base, 0
         found: list[tuple[bytes, rv.Header]] = []
         for ch, h, ks in zip(rest, headers, kids, strict=True):
+            if exact and h is not None and h.lossy:
+                break
             if h is None:  # a stored partial chunk may still share a prefix with the rest
-                kid = best_kid(ks, ch.tokens)
+                kid = None if exact else best_kid(ks, ch.tokens)
                 if kid is not None and end + kid[2] > local:
                     end += kid[2]
                     nbytes += len(kid[1]) * self.core.layout.token_bytes

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -121,3 +122,32 @@ def test_serve_refuses_a_missing_model_by_name(tmp_path):
     assert r.returncode == 2
     assert "--model: no such GGUF file" in r.stderr
     assert not (tmp_path / "store").exists()
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_malformed_bodies_are_answered_400_and_422_naming_the_problem(tmp_path):
+    server = Server(tmp_path / "store", tmp_path / "server.log")
+    try:
+        chat = f"{server.url}/v1/chat/completions"
+        code, body = _post(chat, b'{"messages": [')
+        assert code == 400 and "not JSON" in body["error"]["message"]
+        code, body = _post(chat, b"[1, 2]")
+        assert code == 422 and "JSON object" in body["error"]["message"]
+        code, body = _post(chat, json.dumps({"messages": "hello"}).encode())
+        assert code == 422 and body["error"]["param"].startswith("messages")
+        code, body = _post(f"{server.url}/v1/completions",
+                           json.dumps({"prompt": "Hi", "max_tokens": "many"}).encode())
+        assert code == 422 and body["error"]["param"] == "max_tokens"
+        # the server still answers a good request, from the same process
+        assert server.chat([{"role": "user", "content": "Hello"}])
+    finally:
+        assert server.stop() in (0, -signal.SIGTERM)

@@ -266,18 +266,21 @@ def test_models_the_codec_does_not_understand_are_refused(plain, change, reason)
 def test_identity_names_what_changes_the_bytes(plain):
     fa = make_llama(n_ctx=256, flash_attn=True)
     f32 = make_llama(n_ctx=256, type_k=0, type_v=0)
+    scaled = make_llama(n_ctx=256, rope_freq_scale=0.5)  # a RoPE override
     try:
         base, same = identify(plain).layout, identify(plain).layout
         assert base == same and base.keys == "rotated"
         assert base.model_id.startswith("gguf-xxh3-128:")
         assert "flash_attn=off" in base.engine and "kv=f16" in base.engine
         assert "llama-cpp-python 0.3.36" in base.engine
-        others = [identify(fa).layout, identify(f32).layout]
+        others = [identify(fa).layout, identify(f32).layout, identify(scaled).layout]
         assert "flash_attn=on" in others[0].engine and others[1].dtype == "float32"
-        assert len({base.fingerprint, *(o.fingerprint for o in others)}) == 3
+        assert "rope_freq_scale=0.5" in others[2].engine
+        assert len({base.fingerprint, *(o.fingerprint for o in others)}) == 4
     finally:
         fa.close()
         f32.close()
+        scaled.close()
 
 
 def test_a_state_llama_cpp_refuses_leaves_the_context_empty(plain):

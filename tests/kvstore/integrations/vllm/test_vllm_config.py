@@ -3,6 +3,8 @@ layout derived from vLLM's own configuration (what makes the bytes is in the fin
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -39,6 +41,8 @@ def test_extra_config_is_checked_by_name(tmp_path):
             ConnectorConfig.from_extra_config(extra)
     with pytest.raises(TypeError, match="mapping"):
         ConnectorConfig.from_extra_config(None)
+    home = ConnectorConfig.from_extra_config({"store_dir": "~/kv"})  # no literal "~" dir
+    assert home.store_dir == os.path.join(os.path.expanduser("~"), "kv")
 
 
 def _config(**kw):
@@ -57,6 +61,22 @@ def test_layout_of_a_vllm_config():
     assert bf16.fingerprint != layout.fingerprint
     assert isa16 == ("amx" if torch.cpu._is_amx_tile_supported() else "vec")
     assert vllm_layout(_config(), model_id="mine")[0].model_id == "mine"
+
+
+def test_every_setting_that_changes_the_bytes_is_in_the_fingerprint():
+    """bf16 against bf16 with fp8 weights, with vLLM's transformers model implementation, with
+    a RoPE override (hf_overrides): four fingerprints (before, one: a store filled by one
+    would have been served to the others). Only the configurations are built: fp8 does not
+    run on this CPU build."""
+    base = vllm_layout(_config(dtype="bfloat16"))[0]
+    others = [vllm_layout(_config(dtype="bfloat16", **kw))[0] for kw in (
+        {"quantization": "fp8"}, {"model_impl": "transformers"},
+        {"hf_overrides": {"rope_theta": 50000.0}})]
+    prints = {layout.fingerprint for layout in [base, *others]}
+    assert len(prints) == 4
+    assert "quantization=fp8" in others[0].engine and "model_impl=transformers" in \
+        others[1].engine and "rope_theta" in others[2].engine
+    assert base.engine == "vllm 0.32.0 cpu isa=" + base.engine.split("isa=")[1]  # unchanged
 
 
 def test_quantized_kv_cache_is_refused():

@@ -272,3 +272,25 @@ def test_default_three_process_engine_reuses_and_saves(tmp_path, model_dir, prom
     # saved by the worker process, matched by the scheduler process
     assert r3["cached"] == reused_limit(len(prompts["q1"]))
     assert r3["tokens"] == r2["tokens"] == reference["q1"]["tokens"]
+
+
+def test_a_store_of_another_model_leaves_the_engine_serving(tmp_path, model_dir, prompts,
+                                                            reference):
+    """A directory another engine filled (here: another model's layout) is a cache problem,
+    not a server problem: the engine starts, answers as without the connector, and one log
+    line names ``store_dir`` and what it holds; the directory is left as it was."""
+    from tests.support.kvgen import SMALL, put_causal
+
+    store = tmp_path / "theirs"
+    with kvstore.open(store, layout=SMALL, chunk_tokens=4) as s:
+        put_causal(s, list(range(1, 9)))
+    (r,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
+                      connector=connector(store))
+    assert r["tokens"] == reference["short"]["tokens"] and r["cached"] == 0
+    lines = [ln for ln in r["log"].splitlines() if "holds KV of another model" in ln]
+    # one line from each of the connector's two roles (scheduler and worker), both the same
+    assert len(lines) == 2 and len({ln.split("kvstore: ", 1)[1] for ln in lines}) == 1
+    assert str(store) in lines[0] and "serves nothing" in lines[0]
+    assert "model_id 'test-small' vs " in lines[0]
+    with kvstore.open(store) as s:
+        assert s.layout == SMALL and s.match(list(range(1, 9))) == 8

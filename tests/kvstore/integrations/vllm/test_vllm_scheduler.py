@@ -231,3 +231,36 @@ def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, r
     with kvstore.open(tmp_path / "third", **opts) as third:
         assert third.match(ids) == 10
         assert side(third, {}).matched(request("c", ids), 0)[0] == 8
+
+
+def test_lossy_kv_is_served_only_when_asked_for_by_name(tmp_path):
+    """A store whose chunks another process stored through int8: without ``lossy_ok`` the
+    connector does not serve them (they are not the KV vLLM computes); with it, it does and
+    each request says how many of its loaded tokens were lossy. A lossy codec in the
+    connector's own config is refused at startup unless ``lossy_ok`` names it."""
+    from kvstore.integrations.vllm.config import ConnectorConfig
+
+    ids = list(range(100, 111))
+    path = tmp_path / "s"
+    with kvstore.open(path, layout=LAYOUT, chunk_tokens=B, codecs={"disk": "int8"},
+                      dram_bytes=0) as lossy:
+        lossy.put(ids[:8], *causal_kv(LAYOUT, ids[:8]))
+    with kvstore.open(path, dram_bytes=0) as s:
+        s.put(ids[:4] + [7, 7, 7, 7], *causal_kv(LAYOUT, ids[:4] + [7, 7, 7, 7]))  # raw
+        assert s.match(ids) == 8 and s.match(ids, exact=True) == 0
+        strict = side(s, {"a": [1, 2, 3]})
+        assert strict.matched(request("a", ids), 0)[0] == 0
+        ok = SchedulerSide(s, block_size=B, namespace=None, save=True, lossy_ok=True,
+                           block_ids_of=lambda rid: ([1, 2, 3],))
+        req = request("b", ids)
+        assert ok.matched(req, 0)[0] == 8
+        ok.allocated(req, 8)
+        ok.plan({"b": 3}, {})
+        ok.reported(WorkerReport(loaded={"b": {"dram": 0, "disk": 8, "remote": 0}}))
+        _, params = ok.finished(req, ([1, 2, 3],))
+        assert params["kvstore"]["lossy_tokens"] == 8
+    with pytest.raises(ValueError, match="lossy_ok"):
+        ConnectorConfig.from_extra_config({"store_dir": "x", "codecs": {"disk": "int8"}})
+    cfg = ConnectorConfig.from_extra_config({"store_dir": "x", "codecs": {"disk": "int8"},
+                                             "lossy_ok": True})
+    assert cfg.lossy_ok and cfg.codecs["disk"] == "int8"

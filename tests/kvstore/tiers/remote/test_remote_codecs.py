@@ -171,6 +171,7 @@ def test_a_remote_codec_serves_its_values_and_reports_lossy(open_small, redis_se
     lossy = name in layer_codec.LOSSY
     ek, ev = through(name, t)
     assert b.match(t) == len(t)
+    assert b.match(t, exact=True) == (0 if lossy else len(t))  # what lossless values serve
     k, v = b.get(t)
     assert torch.equal(k, ek) and torch.equal(v, ev)
     if not lossy:
