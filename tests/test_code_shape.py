@@ -53,3 +53,70 @@ def test_modules_and_functions_stay_small():
                 if n > FUNCTION_LINES:
                     over.append(f"{rel}:{node.lineno} {node.name}: {n} lines of code")
     assert not over, "split by what each part owns:\n" + "\n".join(over)
+
+
+def package_imports(src: Path = SRC) -> dict[str, set[str]]:
+    """Which of kvstore's packages (and top-level modules) each one imports, counting every
+    import: at module level, under ``TYPE_CHECKING`` and inside functions."""
+    root = src / "kvstore"
+    units = {p.stem for p in root.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"}
+    units.discard("__init__")
+    edges: dict[str, set[str]] = {u: set() for u in units}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(src).with_suffix("").parts
+        if len(rel) < 3 and rel[-1] == "__init__":
+            continue  # the package kvstore itself: its __init__ re-exports, above everything
+        unit = rel[1]
+        names = list(rel[:-1])  # the package a relative import starts from
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level:
+                    mod = ".".join(names[: len(names) - node.level + 1] + ([mod] if mod else []))
+                targets = [f"{mod}.{a.name}" for a in node.names]
+            for t in targets:
+                parts = t.split(".")
+                if parts[0] == "kvstore" and len(parts) > 1 and parts[1] in units \
+                        and parts[1] != unit:
+                    edges[unit].add(parts[1])
+                elif t == "kvstore" or (parts[0] == "kvstore" and len(parts) > 1
+                                        and parts[1] not in units):
+                    edges[unit].add("kvstore")  # the package's public names: above everything
+    return edges
+
+
+def test_layers_only_point_down():
+    """No cycle among the store's packages: each imports only those below it (see
+    docs/store.md, "Where things live"), and none imports the package ``kvstore`` itself."""
+    edges = package_imports()
+    assert not {u for u, e in edges.items() if "kvstore" in e and u != "integrations"}, \
+        "import from the module that defines a name, not from the package kvstore"
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(u: str) -> None:
+        state[u] = 1
+        path.append(u)
+        for v in sorted(edges.get(u, ())):
+            assert state.get(v) != 1, "import cycle: " + " -> ".join(path[path.index(v):] + [v])
+            if v not in state:
+                visit(v)
+        path.pop()
+        state[u] = 2
+
+    for u in sorted(edges):
+        if u not in state:
+            visit(u)
+
+
+def test_the_import_graph_sees_imports_inside_functions(tmp_path):
+    pkg = tmp_path / "kvstore"
+    bodies = {"a": "from kvstore.b import x\n", "b": "def f():\n    import kvstore.a\n"}
+    for name, body in bodies.items():
+        (pkg / name).mkdir(parents=True)
+        (pkg / name / "__init__.py").write_text(body)
+    assert package_imports(tmp_path) == {"a": {"b"}, "b": {"a"}}

@@ -34,14 +34,14 @@ __all__ = [
     "HybridLayers",
 ]
 
+from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.eviction.jobs import Job  # noqa: E402
+from kvstore.format.disk_throttle import ReadThrottle  # noqa: E402
 from kvstore.pipelines.layer_load import LayerLoad  # noqa: E402
 from kvstore.pipelines.pages import Pages  # noqa: E402
 from kvstore.pipelines.saving import SaveHandle  # noqa: E402
-from kvstore.store.config import StoreConfig  # noqa: E402
 from kvstore.store.facade import Store  # noqa: E402
 from kvstore.store.opening import open_store  # noqa: E402
-from kvstore.tiers.disk_throttle import ReadThrottle  # noqa: E402
 from kvstore.tiers.remote import RemoteAuthError, RemoteConfig, RemoteSetupError  # noqa: E402
 
 open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sqlite3.connect)

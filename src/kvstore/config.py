@@ -16,12 +16,12 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kvstore.codecs import per_tier
-from kvstore.codecs.per_tier import TIERS, TierCodecs, check_codecs
 from kvstore.eviction.policies import make_policy
 from kvstore.format.records import MAX_SLOT
 from kvstore.format.segments import SegmentGeometry
 from kvstore.layout import KVLayout
+from kvstore.tiers import codecs as tier_codecs
+from kvstore.tiers.codecs import TIERS, TierCodecs, check_codecs
 
 DEFAULT_DRAM_BYTES = 1 << 30  # 1 GiB
 DEFAULT_DISK_BYTES = 16 << 30  # 16 GiB
@@ -72,7 +72,7 @@ class StoreConfig:
             object.__setattr__(self, name, int(v))
         make_policy(self.policy)
         object.__setattr__(self, "codecs", check_codecs(self.codecs))
-        per_tier.check_slot_codec(self.slot_codec)
+        tier_codecs.check_slot_codec(self.slot_codec)
 
     def __hash__(self) -> int:
         return hash(tuple((f.name, getattr(self, f.name)) for f in fields(self)
@@ -80,7 +80,7 @@ class StoreConfig:
 
     @cached_property
     def tier_codecs(self) -> TierCodecs:
-        """The codec of each tier and of the disk slots (:mod:`kvstore.codecs.per_tier`)."""
+        """The codec of each tier and of the disk slots (:mod:`kvstore.tiers.codecs`)."""
         return TierCodecs(disk=self.codecs["disk"], dram=self.codecs["dram"],
                           remote=self.codecs["remote"], slot=self.slot_codec)
 
@@ -114,7 +114,7 @@ class StoreConfig:
         a disk codec whose full chunks would not fit them; and a lossy codec for a layout
         with boundary states (their rows are an engine's bytes, not KV values)."""
         if layout.boundary_state:
-            lossy = sorted(t for t in TIERS if per_tier.is_lossy(self.codecs[t]))
+            lossy = sorted(t for t in TIERS if tier_codecs.is_lossy(self.codecs[t]))
             if lossy:
                 raise ValueError(
                     f"codecs[{lossy[0]!r}]={self.codecs[lossy[0]]!r} is lossy; a layout with "

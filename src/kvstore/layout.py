@@ -48,6 +48,17 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "bfloat16": (torch.bfloat16, np.dtype(np.uint16)),  # numpy has no bf16: viewed as raw u16
     "float32": (torch.float32, np.dtype(np.float32)),
 }
+KV_DTYPES = tuple(_DTYPES)  # the KV dtypes, in the order the native kernels number them
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of KV dtype ``name`` (one of :data:`KV_DTYPES`)."""
+    return _DTYPES[name][0]
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The KV dtype name of torch ``dtype``; None for a dtype KV is not stored in."""
+    return next((n for n, (t, _) in _DTYPES.items() if t == dtype), None)
 
 
 LAYER_KINDS = ("full", "sliding", "recurrent")

@@ -53,7 +53,7 @@ from kvstore.eviction.policies import (
     ReturnTracker,
     make_policy,
 )
-from kvstore.eviction.victims import choose_victims
+from kvstore.residency.victims import choose_victims
 
 _RUNNING = Queued(position=-1, in_window=True)
 UNKNOWN = object()  # put(next_use=UNKNOWN): not known yet (finish() will give it)

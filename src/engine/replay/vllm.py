@@ -279,7 +279,7 @@ def engine_bytes(setup: VllmSetup) -> int:
     with the connector, its store's DRAM tier and write buffer (each process has its own)."""
     n = ENGINE_BASE_BYTES + setup.kv_cache_bytes
     if setup.store_dir is not None:
-        from kvstore.store.config import DEFAULT_DRAM_BYTES, DEFAULT_WRITE_BUFFER_BYTES
+        from kvstore.config import DEFAULT_DRAM_BYTES, DEFAULT_WRITE_BUFFER_BYTES
 
         n += DEFAULT_WRITE_BUFFER_BYTES + (DEFAULT_DRAM_BYTES if setup.dram_bytes is None
                                            else setup.dram_bytes)

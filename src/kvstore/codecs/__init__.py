@@ -1,2 +1,3 @@
-"""KV codecs: the codecs themselves, their native decoders, and the rule that picks a tier's codec.
+"""KV codecs: the codecs themselves and their native decoders (which codec a tier uses is
+:mod:`kvstore.tiers.codecs`).
 """

@@ -45,11 +45,11 @@ import zstandard
 from kvstore.codecs import native_decoders
 from kvstore.codecs.names import LOSSY, NAMES, check_name, codec_id, codec_name  # noqa: F401
 from kvstore.errors import CorruptData
+from kvstore.layout import torch_dtype
 
 ZSTD_LEVEL = 1
 INT4_GROUP = 32
 _FP8_MAX = 448.0
-_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _INT_VIEW = {2: np.int16, 4: np.int32}
 _local = threading.local()
 # every e4m3 byte's value (NaN at 0x7F and 0xFF): a table lookup decodes ~50x faster than
@@ -68,7 +68,7 @@ class LayerShape:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=_TORCH[self.dtype]).element_size()
+        return torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
 
     @property
     def raw_bytes(self) -> int:
@@ -108,7 +108,7 @@ def _floats(layer: object, shape: LayerShape) -> tuple[torch.Tensor, torch.Tenso
     if buf.nbytes != shape.raw_bytes:
         raise ValueError(f"layer must hold {shape.raw_bytes} bytes for {shape}, got {buf.nbytes}")
     ints = buf.view(_INT_VIEW[shape.itemsize])
-    x = torch.from_numpy(ints.copy()).view(_TORCH[shape.dtype]).float()
+    x = torch.from_numpy(ints.copy()).view(torch_dtype(shape.dtype)).float()
     x = x.reshape(2, shape.num_kv_heads, shape.n_tokens, shape.head_dim)
     if not bool(torch.isfinite(x).all()):
         raise ValueError("a lossy codec cannot encode non-finite KV values")
@@ -127,7 +127,7 @@ def _store(k: torch.Tensor, v: torch.Tensor, shape: LayerShape, out: np.ndarray 
            ) -> np.ndarray:
     """Float32 K and V rounded to the layout dtype, as raw bytes (into ``out``)."""
     res = _out(shape, out)
-    dst = torch.from_numpy(res.view(_INT_VIEW[shape.itemsize])).view(_TORCH[shape.dtype])
+    dst = torch.from_numpy(res.view(_INT_VIEW[shape.itemsize])).view(torch_dtype(shape.dtype))
     dst = dst.view(2, shape.num_kv_heads, shape.n_tokens, shape.head_dim)
     dst[0].copy_(k)
     dst[1].copy_(v)

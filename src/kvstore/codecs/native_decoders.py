@@ -23,6 +23,7 @@ import numpy as np
 
 from kvstore import native_lib
 from kvstore.errors import CorruptData
+from kvstore.layout import KV_DTYPES
 
 
 class LayerShape(Protocol):
@@ -40,7 +41,7 @@ class LayerShape(Protocol):
 _ABI_VERSION = 5
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
-_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
+_DTYPES = {name: i for i, name in enumerate(KV_DTYPES)}  # the kernels' dtype numbers
 _CODECS = {"int8": 2, "fp8": 3, "int4": 4}  # the ids kvcodec.c knows
 
 

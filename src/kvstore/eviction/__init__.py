@@ -1,3 +1,3 @@
-"""What leaves a tier and when: priority functions, the one victim chooser, what the reuse policy
-learns, the scheduler's look-ahead.
+"""What leaves a tier and when: priority functions and their heap, and the queue of background
+jobs (evictions, prefetches) the scheduler's look-ahead feeds.
 """

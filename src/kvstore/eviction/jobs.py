@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.format.hashing import as_tokens
-from kvstore.pipelines.background import OnDemandThread
+from kvstore.threads.background import OnDemandThread
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,3 +1,3 @@
-"""Everything on disk: catalog records, chunk extents, segment files, hashing, the directory's
-confinement, locks and the writers' registry, index files.
+"""Everything on disk: catalog records, chunk extents, segment files and their IO throttle, hashing,
+the directory's confinement, locks and the writers' registry.
 """

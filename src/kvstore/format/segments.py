@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, CorruptData, StoreTampered
 from kvstore.format.directory import Dir
-from kvstore.tiers.disk_throttle import TokenBucket
+from kvstore.format.disk_throttle import TokenBucket
 
 PAGE = 4096
 SEGMENTS = "segments"

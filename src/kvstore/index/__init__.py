@@ -8,9 +8,9 @@ prefix filter (only tokens ``< limit``). Indexes keep no key vectors: they read 
 KV through a :class:`~kvstore.index.keys.HeadKeys` (:mod:`kvstore.index.keys`).
 """
 
-from kvstore.format.index_files import load_index, save_index
 from kvstore.index.build import build_index
 from kvstore.index.context_dir import ContextIndexes
+from kvstore.index.files import load_index, save_index
 from kvstore.index.flat import FlatIndex
 from kvstore.index.graph import GraphIndex
 from kvstore.index.keys import ArrayKeys, HeadKeys, KeySource

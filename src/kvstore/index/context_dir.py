@@ -1,6 +1,6 @@
 """The indexes of one stored context: one per (layer, kv-head), kept as a directory of files.
 
-A context's directory holds ``L{layer}H{head}.kvidx`` (:mod:`kvstore.format.index_files`, each
+A context's directory holds ``L{layer}H{head}.kvidx`` (:mod:`kvstore.index.files`, each
 checksummed and validated on load) and ``manifest.json`` (the spec, the token count and the
 shape, under its own xxh3). It is written under a temporary name, every file fsynced, then
 renamed into place, so a reader sees all of it or none. Every file is reached through the
@@ -25,8 +25,8 @@ import xxhash
 
 from kvstore.errors import CorruptData
 from kvstore.format.directory import Dir, UnsafePath
-from kvstore.format.index_files import decode_index, encode_index
 from kvstore.index.build import build_index
+from kvstore.index.files import decode_index, encode_index
 from kvstore.index.keys import ArrayKeys, KeySource
 from kvstore.index.spec import IndexSpec
 from kvstore.layout import KVLayout

@@ -13,7 +13,7 @@ poorly on unnormalized keys). Only its layer 0 is kept, as CSR links, plus entry
   each query scores them exactly, so the maximum is found when it is one of them.
 
 Nothing of hnswlib is kept or loaded: the file holds ``deg``/``idx``/``entries``/``side``
-arrays, checked on load (:mod:`kvstore.format.index_files`). The vectors are read from the KV
+arrays, checked on load (:mod:`kvstore.index.files`). The vectors are read from the KV
 through the :class:`~kvstore.index.keys.HeadKeys` the index is bound to.
 
 Search: top-k is a best-first beam search over layer 0 from all entry points with a result

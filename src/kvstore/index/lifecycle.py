@@ -35,9 +35,9 @@ from kvstore.index.context_dir import (
 )
 from kvstore.index.spec import IndexSpec
 from kvstore.layout import KVLayout
+from kvstore.residency.catch_up import writing
+from kvstore.residency.core import Core
 from kvstore.rope import cos_sin
-from kvstore.store.parts import Core
-from kvstore.view.catch_up import writing
 from kvstore.view.prefix_tree import served
 
 

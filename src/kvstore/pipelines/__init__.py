@@ -1,3 +1,3 @@
-"""The store's data paths: put, get, layer-wise loads, row reads, asynchronous saving, and the
-threads that run them.
+"""The store's data paths: put, get, layer-wise loads, row reads, asynchronous saving, the
+scheduler's look-ahead prefetches, and the remote tier's reads and write-through.
 """

@@ -22,8 +22,8 @@ from kvstore.errors import CorruptData, StoreTampered
 from kvstore.format import chunk_extent
 from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
-from kvstore.store.parts import Core
-from kvstore.view.catch_up import writing
+from kvstore.residency.catch_up import writing
+from kvstore.residency.core import Core
 
 
 class Raced(Exception):

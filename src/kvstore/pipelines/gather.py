@@ -22,7 +22,7 @@ import numpy as np
 from kvstore import native_lib
 from kvstore.format import chunk_extent
 from kvstore.layout import KVLayout
-from kvstore.pipelines.fork_join import PARALLEL_COPY_BYTES, Helpers, copy_all
+from kvstore.threads.fork_join import PARALLEL_COPY_BYTES, Helpers, copy_all
 
 _ABI_VERSION = 2
 STREAM_BYTES = 8 << 20  # larger outputs are written with non-temporal stores (x86-64)

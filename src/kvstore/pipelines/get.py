@@ -31,7 +31,7 @@ from kvstore.index.lifecycle import IndexFiles
 from kvstore.pipelines.chunk_reads import Raced, quarantine, raw_extent, read_verified
 from kvstore.pipelines.device_copy import DeviceCopy
 from kvstore.pipelines.miss_reads import Miss, MissRead, copy_out, decode_out
-from kvstore.store.parts import Core
+from kvstore.residency.core import Core
 from kvstore.tiers.dram import Entry
 from kvstore.view.prefix_tree import Piece, served
 

@@ -20,7 +20,7 @@ from kvstore.pipelines.device_copy import strided_copies
 from kvstore.pipelines.get import count_lossy, resolve_all
 from kvstore.pipelines.layer_load import LayerLoad, Loader, layer_groups
 from kvstore.pipelines.pages import Pages
-from kvstore.store.parts import Core
+from kvstore.residency.core import Core
 from kvstore.tiers.dram import Entry
 from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.view.prefix_tree import Piece

@@ -19,11 +19,11 @@ from kvstore.eviction.policies import (
     Queued,
     ReuseProbability,
 )
-from kvstore.eviction.reuse_learning import PutLearner
 from kvstore.format.records import ContextRecord
 from kvstore.index.lifecycle import IndexFiles
 from kvstore.pipelines.chunk_reads import Raced, fill_copy, quarantine
-from kvstore.store.parts import Core
+from kvstore.residency.core import Core
+from kvstore.residency.reuse_learning import PutLearner
 from kvstore.view.prefix_tree import Piece
 
 
@@ -45,7 +45,7 @@ class Hints:
         self._context_pos: dict[bytes, int] = {}
         self.prefetcher = Prefetcher(self._step)  # its thread runs only while there is work
         # A learning policy (``reuse``) learns from this process's puts
-        # (kvstore.eviction.reuse_learning).
+        # (kvstore.residency.reuse_learning).
         self.learner = PutLearner(policy, core.tree) \
             if isinstance(policy, ReuseProbability) else None
 

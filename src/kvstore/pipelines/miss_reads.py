@@ -30,9 +30,9 @@ from kvstore.format import chunk_extent
 from kvstore.index.lifecycle import IndexFiles
 from kvstore.pipelines.chunk_reads import SCRATCH, quarantine, raced_or, read_raw, verify_stored
 from kvstore.pipelines.device_copy import DeviceCopy
-from kvstore.pipelines.fork_join import Helpers
 from kvstore.pipelines.gather import gather
-from kvstore.store.parts import Core
+from kvstore.residency.core import Core
+from kvstore.threads.fork_join import Helpers
 from kvstore.tiers.dram import Entry
 from kvstore.view.prefix_tree import Piece
 

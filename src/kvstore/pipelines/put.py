@@ -38,14 +38,14 @@ from kvstore.errors import (
     StoreTampered,
 )
 from kvstore.eviction.policies import EvictionPolicy, Priority, Queued
-from kvstore.eviction.victims import SlotsFreed, choose_victims
 from kvstore.format import chunk_extent
 from kvstore.format.catalog import WriteTxn
 from kvstore.format.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
 from kvstore.index.lifecycle import IndexFiles
-from kvstore.store.parts import Core
+from kvstore.residency.catch_up import writing
+from kvstore.residency.core import Core
+from kvstore.residency.victims import SlotsFreed, choose_victims
 from kvstore.tiers.dram import Entry
-from kvstore.view.catch_up import writing
 from kvstore.view.prefix_tree import served
 
 
@@ -393,7 +393,7 @@ class Writer:
     def _choose_victims(self, short: int, held: set[bytes], mine: Priority | None,
                         superseded: set[bytes]) -> list[bytes] | None:
         """The contexts to evict so that ``short`` more slots become free, by the one rule
-        (:func:`kvstore.eviction.victims.choose_victims`, which the replay's simulator uses
+        (:func:`kvstore.residency.victims.choose_victims`, which the replay's simulator uses
         too), a chunk freed once every context holding it is a victim, unless a put holds it
         or a read pins its slot. The ``superseded`` contexts (the put's own earlier turns,
         which its commit drops anyway) are victims before the walk, with no admission check:

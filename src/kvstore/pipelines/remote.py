@@ -35,18 +35,18 @@ import numpy as np
 import torch
 
 from kvstore.codecs import layer_codec
-from kvstore.codecs.per_tier import remote_value_codec
 from kvstore.errors import StoreClosed
 from kvstore.eviction.jobs import Job
 from kvstore.format import chunk_extent
 from kvstore.format.hashing import chunk_hash, common_prefix_len
 from kvstore.format.records import ChunkRecord
-from kvstore.pipelines.background import Worker
-from kvstore.pipelines.fork_join import copy_all
 from kvstore.pipelines.gather import gather
 from kvstore.pipelines.layer_load import LayerLoad, layer_groups
 from kvstore.pipelines.pages import Pages
-from kvstore.store.parts import Core
+from kvstore.residency.core import Core
+from kvstore.threads.background import Worker
+from kvstore.threads.fork_join import copy_all
+from kvstore.tiers.codecs import remote_value_codec
 from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.tiers.remote import value as rv
 from kvstore.tiers.remote.deadline import call_deadline

@@ -27,7 +27,7 @@ import torch
 from kvstore.format import chunk_extent
 from kvstore.pipelines.chunk_reads import copy_layer, fill_copy, read_layer, reading
 from kvstore.pipelines.get import resolve_all
-from kvstore.store.parts import Core
+from kvstore.residency.core import Core
 
 DURING = "this row read"
 

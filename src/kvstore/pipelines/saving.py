@@ -34,9 +34,9 @@ from kvstore.format import boundary_state
 from kvstore.format.chunk_extent import empty_kv, raw
 from kvstore.format.hashing import as_tokens
 from kvstore.layout import KVLayout
-from kvstore.pipelines.background import OnDemandThread
-from kvstore.pipelines.fork_join import Helpers, copy_all
 from kvstore.pipelines.pages import Pages
+from kvstore.threads.background import OnDemandThread
+from kvstore.threads.fork_join import Helpers, copy_all
 from kvstore.tiers.output_pool import OutputPool
 
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from kvstore.format.catalog import Catalog, ReadTxn, WriteTxn
 from kvstore.format.records import ChunkRecord, IndexEntry
-from kvstore.store.counters import Counters
+from kvstore.residency.counters import Counters
 from kvstore.tiers.dram import DramTier
 from kvstore.view.disk_slots import SlotAllocator
 from kvstore.view.prefix_tree import ContextTree

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError, StoreClosed, StoreForked, StoreTampered
 from kvstore.format.catalog import Catalog
 from kvstore.format.directory import Dir
@@ -19,12 +20,11 @@ from kvstore.format.records import ChunkRecord
 from kvstore.format.segments import SegmentFiles, SegmentGeometry
 from kvstore.format.writer_registry import Owner
 from kvstore.layout import KVLayout
-from kvstore.pipelines.fork_join import Helpers
-from kvstore.store.config import StoreConfig
-from kvstore.store.counters import Counters
+from kvstore.residency.catch_up import Mirror
+from kvstore.residency.counters import Counters
+from kvstore.threads.fork_join import Helpers
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.output_pool import OutputPool
-from kvstore.view.catch_up import Mirror
 from kvstore.view.disk_slots import SlotAllocator
 from kvstore.view.prefix_tree import ContextTree
 
@@ -68,7 +68,7 @@ class Core:
 
     def staged_bytes(self, n_tokens: int) -> int:
         """Bytes a DRAM copy of a new chunk of ``n_tokens`` takes when a put stages it
-        (:meth:`kvstore.codecs.per_tier.TierCodecs.staged_bytes`)."""
+        (:meth:`kvstore.tiers.codecs.TierCodecs.staged_bytes`)."""
         return self.config.tier_codecs.staged_bytes(self.layout, n_tokens)
 
     def pin_dram_for_cuda(self) -> None:
@@ -84,7 +84,7 @@ class Core:
         return self.config.tier_codecs.coded_copy(rec.codec)
 
     def cached_bytes(self, rec: ChunkRecord) -> int:
-        """Bytes a DRAM copy of ``rec`` takes (:meth:`kvstore.codecs.per_tier.TierCodecs.
+        """Bytes a DRAM copy of ``rec`` takes (:meth:`kvstore.tiers.codecs.TierCodecs.
         cached_bytes`). (The DRAM tier refuses a copy larger than its slots: a claim of a
         hostile catalog is never read into one.)"""
         return self.config.tier_codecs.cached_bytes(self.layout, rec)

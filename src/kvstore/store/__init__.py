@@ -1,3 +1,2 @@
-"""The open store: the public facade, opening a directory, its typed config, the parts its
-pipelines share, and its statistics.
+"""The open store: the public facade, opening a directory, argument checks and its statistics.
 """

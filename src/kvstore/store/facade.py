@@ -1,15 +1,13 @@
 """The store: the public methods of an open store directory, its lifecycle and its lock.
 
-The work lives in parts (see ``docs/store.md``): the catalog (:mod:`kvstore.format.catalog`) is the
-truth every process shares; :mod:`kvstore.view.catch_up` keeps this process's view of it (the prefix
-tree, :mod:`kvstore.view.prefix_tree`, and the free slots, :mod:`kvstore.view.disk_slots`) current;
-puts run the
-pipeline of :mod:`kvstore.pipelines.put`, gets that of :mod:`kvstore.pipelines.get`, layer-wise
-loads that of
-:mod:`kvstore.pipelines.layer_reads`;
-:mod:`kvstore.eviction.lookahead` holds the scheduler's queue and the prefetcher;
-:mod:`kvstore.pipelines.saving` the
-write buffer and the writer thread; :mod:`kvstore.index.lifecycle` the per-head indexes.
+The work lives in parts (see ``docs/store.md``): the catalog (:mod:`kvstore.format.catalog`)
+is the truth every process shares; :mod:`kvstore.residency.catch_up` keeps this process's view
+of it (the prefix tree, :mod:`kvstore.view.prefix_tree`, and the free slots,
+:mod:`kvstore.view.disk_slots`) current; puts run the pipeline of :mod:`kvstore.pipelines.put`,
+gets that of :mod:`kvstore.pipelines.get`, layer-wise loads that of
+:mod:`kvstore.pipelines.layer_reads`; :mod:`kvstore.pipelines.lookahead` holds the scheduler's
+queue and the prefetcher; :mod:`kvstore.pipelines.saving` the write buffer and the writer
+thread; :mod:`kvstore.index.lifecycle` the per-head indexes.
 """
 
 from __future__ import annotations
@@ -25,9 +23,9 @@ import torch
 from kvstore.codecs import layer_codec
 from kvstore.errors import StoreClosed
 from kvstore.eviction.jobs import as_jobs
-from kvstore.eviction.lookahead import Hints
 from kvstore.eviction.policies import EvictionPolicy
 from kvstore.format import boundary_state, chunk_extent
+from kvstore.format.disk_throttle import ReadThrottle, TokenBucket
 from kvstore.format.hashing import as_tokens
 from kvstore.format.open_lock import DirLock
 from kvstore.format.records import ChunkRecord, ContextRecord
@@ -37,18 +35,18 @@ from kvstore.index.spec import IndexSpec
 from kvstore.pipelines.get import Reader
 from kvstore.pipelines.layer_load import LayerLoad
 from kvstore.pipelines.layer_reads import Loads
+from kvstore.pipelines.lookahead import Hints
 from kvstore.pipelines.pages import Pages, to_block_end
 from kvstore.pipelines.put import Writer
+from kvstore.pipelines.remote import RemoteLink
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
+from kvstore.residency.catch_up import writing
+from kvstore.residency.core import Core
 from kvstore.store.argument_checks import check_device, check_kv, check_out
-from kvstore.store.parts import Core
 from kvstore.store.stats_report import assemble_stats
-from kvstore.tiers.disk_throttle import ReadThrottle, TokenBucket
-from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.tier import RemoteTier
 from kvstore.view import boundaries
-from kvstore.view.catch_up import writing
 from kvstore.view.prefix_tree import Piece, served
 
 _LIVE: weakref.WeakSet[Store] = weakref.WeakSet()  # the stores this process has open
@@ -656,7 +654,7 @@ class Store:
 
     def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
         """Make this process's disk tier slow, for tests and benchmarks: every segment read
-        from now on is held to ``throttle.bytes_per_s`` (:mod:`kvstore.tiers.disk_throttle`; the
+        from now on is held to ``throttle.bytes_per_s`` (:mod:`kvstore.format.disk_throttle`; the
         bytes
         are still read from the file and verified). None removes the limit. Not persisted.
         Thread-safe (reads in flight keep the bucket they started with)."""

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from kvstore.codecs import layer_codec
+from kvstore.config import StoreConfig
 from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
 from kvstore.eviction.policies import make_policy
 from kvstore.format.catalog import CATALOG, DATA_FILE, FORMAT_VERSION, Catalog
@@ -30,18 +31,17 @@ from kvstore.format.segments import SEGMENTS, SegmentFiles, SegmentGeometry
 from kvstore.format.writer_registry import PROCS, Owner, collect_dead
 from kvstore.index.lifecycle import INDEXES, IndexFiles
 from kvstore.layout import KVLayout
-from kvstore.pipelines.fork_join import Helpers
 from kvstore.pipelines.put import reclaim_dead
 from kvstore.pipelines.saving import physical_memory
-from kvstore.store.config import StoreConfig
-from kvstore.store.counters import Counters
+from kvstore.residency.catch_up import Mirror, gc_paused
+from kvstore.residency.core import Core
+from kvstore.residency.counters import Counters
 from kvstore.store.facade import Store
-from kvstore.store.parts import Core
+from kvstore.threads.fork_join import Helpers
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.output_pool import OutputPool
 from kvstore.tiers.remote.config import RemoteConfig
 from kvstore.tiers.remote.tier import RemoteTier
-from kvstore.view.catch_up import Mirror, gc_paused
 from kvstore.view.disk_slots import SlotAllocator
 from kvstore.view.prefix_tree import ContextTree
 from kvstore.view.recovery import RecoveryPlan

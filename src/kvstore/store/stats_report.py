@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvstore.codecs import layer_codec
-from kvstore.eviction.lookahead import Hints
 from kvstore.index.lifecycle import ContextIndexStore
+from kvstore.pipelines.lookahead import Hints
+from kvstore.pipelines.remote import RemoteLink
 from kvstore.pipelines.saving import Saver
-from kvstore.store.parts import Core
+from kvstore.residency.core import Core
 from kvstore.tiers.exec_buffers import HbmTier
-from kvstore.tiers.remote.link import RemoteLink
 
 
 def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Hints, saver: Saver,

@@ -1,0 +1,3 @@
+"""The threads the pipelines run on: helpers that split one call's work (fork/join) and
+background workers fed through queues.
+"""

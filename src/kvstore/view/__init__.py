@@ -1,3 +1,3 @@
-"""This process's view of what is stored: the prefix tree, the free disk slots, catching up with
-the catalog, and recovery at open.
+"""This process's view of what is stored: the prefix tree, the free disk slots, boundary states,
+and recovery at open.
 """

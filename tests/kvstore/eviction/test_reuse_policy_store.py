@@ -1,5 +1,5 @@
 """``policy="reuse"`` in the real kvstore.Store learns from its puts
-(kvstore.eviction.reuse_learning): a put that extends an earlier context is that conversation
+(kvstore.residency.reuse_learning): a put that extends an earlier context is that conversation
 returning. Compared with a ReturnModel fed
 the same sequence by hand (the oracle), then with hand-computed eviction numbers."""
 

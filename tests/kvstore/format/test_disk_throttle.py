@@ -1,4 +1,4 @@
-"""The slow-disk knob: a token bucket on segment reads (kvstore.tiers.disk_throttle)."""
+"""The slow-disk knob: a token bucket on segment reads (kvstore.format.disk_throttle)."""
 
 import time
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvstore
-from kvstore.tiers.disk_throttle import ReadThrottle, TokenBucket
+from kvstore.format.disk_throttle import ReadThrottle, TokenBucket
 from tests.support.kvgen import causal_kv, put_causal
 
 LAYOUT = kvstore.KVLayout(num_layers=6, num_kv_heads=2, head_dim=8, model_id="thr")

@@ -175,8 +175,8 @@ def test_consistent_but_malformed_index_files_are_corrupt(data, tmp_path):
     import xxhash
 
     from kvstore import CorruptData
-    from kvstore.format.index_files import _PRE
     from kvstore.index import load_index, save_index
+    from kvstore.index.files import _PRE
 
     keys, _, _ = data
     path = tmp_path / "pq.kvi"

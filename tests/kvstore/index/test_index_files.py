@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore.format.index_files import _PRE, ALIGN, MAGIC, encode_index
 from kvstore.index import IndexSpec, build_index
+from kvstore.index.files import _PRE, ALIGN, MAGIC, encode_index
 
 N, D = 400, 16
 
@@ -168,7 +168,7 @@ _CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np
     from kvstore import CorruptData
-    from kvstore.format.index_files import decode_index
+    from kvstore.index.files import decode_index
     d = sys.argv[1]
     keys = np.load(d + "/keys.npy")
     out = {}

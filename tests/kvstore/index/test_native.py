@@ -346,7 +346,7 @@ def test_graph_index_dipr_is_the_same_either_way(graph, monkeypatch):
     assert all(np.array_equal(a, b) for a, b in zip(runs[1], runs[3], strict=True))
     # the adjacency lists and the CSR form agree, and the file's arrays give the same index
     assert all(np.array_equal(a, g.idx[g.ptr[u]:g.ptr[u + 1]]) for u, a in enumerate(g.adj))
-    from kvstore.format.index_files import decode_index, encode_index
+    from kvstore.index.files import decode_index, encode_index
     h = decode_index(encode_index(g), "test").bind(g.keys)
     assert np.array_equal(h.ptr, g.ptr) and np.array_equal(h.idx, g.idx)
     assert np.array_equal(h.dipr(qs[0], 6.0), runs[0][0])

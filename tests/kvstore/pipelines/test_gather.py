@@ -12,7 +12,7 @@ from kvstore.errors import StoreClosed
 from kvstore.format import chunk_extent
 from kvstore.layout import KVLayout
 from kvstore.pipelines import gather
-from kvstore.pipelines.fork_join import Helpers
+from kvstore.threads.fork_join import Helpers
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, model_id="copy-test")
 # Without the library these skip; tests/kvstore/test_extensions.py fails then.

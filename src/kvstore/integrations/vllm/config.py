@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvstore.codecs.layer_codec import is_lossy
+from kvstore.config import check_codecs, check_size
 from kvstore.eviction.policies import make_policy
-from kvstore.store.config import check_codecs, check_size
 from kvstore.tiers.remote.config import RemoteConfig
 
 SIZE_KEYS = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")

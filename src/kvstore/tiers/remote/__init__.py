@@ -5,8 +5,8 @@
 (``RemoteConfig``), :mod:`~kvstore.tiers.remote.tier` (connections, pipelined calls, verification),
 :mod:`~kvstore.tiers.remote.breaker` (per-node circuit breakers),
 :mod:`~kvstore.tiers.remote.estimate`
-(link estimates, fetch-only-when-it-pays), :mod:`~kvstore.pipelines.background` (the write-through
-worker), :mod:`~kvstore.tiers.remote.link` (what the store calls).
+(link estimates, fetch-only-when-it-pays); the store reaches it through
+:mod:`~kvstore.pipelines.remote` (reads, and the write-through worker).
 """
 
 from kvstore.tiers.remote.config import RemoteConfig
