@@ -1,5 +1,5 @@
 """Offloaded sparse decode: the context's KV stays in the store; each step reads only the rows
-it attends (issue 15, item 5).
+it attends.
 
 An :class:`OffloadedSession` is driven by :meth:`Model.step <engine.model.Model.step>` like
 :class:`engine.session.Session` and computes the same sparse attention (sink + recent window +

@@ -1,5 +1,5 @@
-"""The measured optimizer (issue 15, item 6): per layer, the index kind, the query type and k
-or beta, chosen from budgets and a recall/cost profile measured at build time.
+"""The measured optimizer: per layer, the index kind, the query type and k or beta, chosen
+from budgets and a recall/cost profile measured at build time.
 
 :func:`measure_profile` runs every candidate (index kind x top-k with each k, or DIPR with
 beta) on probe queries against the exact scores of one context, the way an

@@ -55,8 +55,8 @@ def test_huge_histories_finish_and_fit(history, needed, window, sink):
 
 
 def test_edge_cases():
-    # The example: history of sink + 1 tokens, overflowing by one. The one token after
-    # the sink goes (the replay kept 4 and Truncation.kept(5) kept 5 before they were unified).
+    # A history of sink + 1 tokens, overflowing by one. The one token after the sink goes (the
+    # replay kept 4 and Truncation.kept(5) kept 5 before they were unified).
     t = Truncation(sink=4)
     assert t.kept(5, needed=10, window=14).tolist() == [0, 1, 2, 3]
     # A drop ratio that rounds to zero drops one token per step, never zero.

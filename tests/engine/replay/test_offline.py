@@ -1,5 +1,6 @@
-"""The offline bound (engine.replay.offline) against an event-by-event brute force, the three
-tiny traces of issue 16, and the simulator's ``belady`` on them.
+"""The offline bound (engine.replay.offline) against an event-by-event brute force, three tiny
+traces (a stale pinned context, admission, size) where the old placement rules lose a hit, and
+the simulator's ``belady`` on them.
 
 The brute force knows nothing of intervals: at every save it tries every choice (refuse the save,
 or admit it after evicting any subset of what is stored) and at every read counts a hit if the
@@ -101,7 +102,7 @@ def test_feasible_checks_every_save():
     assert not feasible([a, b], 9)
 
 
-# ------------------------------------------------------------------ the issue's tiny traces
+# ------------------------------------------------ tiny traces: a stale pin, admission, size
 def drive(policy, capacity, script):
     """Replay a timed script through a SimStore (1 byte per token); returns (hits, log).
     Steps: ("save", t, key, tokens, next_use), ("run", t, key): the job starts and reads,
@@ -150,7 +151,7 @@ def test_issue_traces(trace, opt):
 
 def test_issue_traces_old_rules_lose_hits():
     """The scheduler's rules (pinned running contexts, every save admitted, no size check)
-    lose a hit on each trace, as the issue measured for the old belady."""
+    lose a hit on each trace, as the old belady (which had the same rules) did."""
     for (cap, script), opt in ((TRACE_PIN, 3), (TRACE_ADMISSION, 2), (TRACE_SIZE, 2)):
         hits, _ = drive("scheduler", cap, script)
         assert hits == opt - 1

@@ -1,7 +1,8 @@
-"""Admission and size-aware eviction of ``policy="reuse"`` in the real kvstore.Store (issue 16's
-two tiny traces, adapted to what an online policy can know): hand-computed numbers, checked
-against a ReturnModel / ReuseProbability fed the same history (the oracle), and LRU as the
-control that shows the rule matters."""
+"""Admission and size-aware eviction of ``policy="reuse"`` in the real kvstore.Store (two tiny
+traces, one where admitting every save loses a hit and one where eviction that ignores size
+does, adapted to what an online policy can know): hand-computed numbers, checked against a
+ReturnModel / ReuseProbability fed the same history (the oracle), and LRU as the control that
+shows the rule matters."""
 
 import pytest
 
@@ -53,8 +54,9 @@ def oracle(now: float) -> ReuseProbability:
 
 
 def test_a_save_ranked_below_every_victim_is_refused(open_small):
-    """Issue 16, "Every save is admitted", 4 disk slots: A and B (8 tokens, two turns each,
-    saved 30 s after their first) fill the disk; single-turn C (8 tokens) is saved at 36 s.
+    """A save ranked below every victim it would need is refused. 4 disk slots: A and B (8
+    tokens, two turns each, saved 30 s after their first) fill the disk; single-turn C (8
+    tokens) is saved at 36 s.
     Pooled rate 6/15; q(1) = (2 + 0.4) / 12 = 0.2, q(2) = (4 + 0.4) / 5 = 0.88; gaps 30, 30,
     40, 50, 60, 70 (mean 280/6 s). C: p = 0.2, wait 280/6 s: benefit 0.2 / (8 * (280/6 + 1)).
     A (idle 6 s): p = 0.88, wait 280/6 - 6: benefit 0.88 / (8 * (280/6 - 5)), higher; so is
@@ -110,9 +112,10 @@ def test_a_refused_save_still_teaches_and_counts_from_its_time(open_small):
 
 
 def test_eviction_frees_no_more_than_the_save_needs(open_small):
-    """Issue 16, "Eviction ignores size", 6 disk slots: single-turn X (8 tokens, 2 slots,
-    saved at 0 s) and two-turn Y (16 tokens, 4 slots, saved at 31 s) fill the disk; W (16
-    tokens), which a waiting job needs (certain: admitted), is saved at 35 s and needs 4 slots.
+    """Eviction frees no more than the save needs (size-aware). 6 disk slots: single-turn X (8
+    tokens, 2 slots, saved at 0 s) and two-turn Y (16 tokens, 4 slots, saved at 31 s) fill the
+    disk; W (16 tokens), which a waiting job needs (certain: admitted), is saved at 35 s and
+    needs 4 slots.
     Pooled rate 5/14; q(1) = (1 + 5/14) / 11, q(2) = (4 + 5/14) / 5; gaps 30, 40, 50, 60, 70.
     X (idle 35 s): S = 4/5, wait 55 - 35 = 20 s; Y (idle 4 s): p = q(2), wait 50 - 4 = 46 s.
     Per byte X ranks below Y, so the walk takes X then Y (6 slots); Y alone frees 4: X is put

@@ -6,9 +6,9 @@ Each is detected, never amplified: the writers either go on (and keep acknowledg
 stop with :class:`kvstore.StoreTampered`; an opener that would commit through a lock file the
 others do not share is refused; no process reads bytes other than those put; the store
 verifies clean, and a reopen drops nothing (no corrupt chunk, no dropped context) and serves
-every context it holds exactly. On the code before this (issue 26): deleting ``procs/*`` made
-a survivor reclaim a live writer's reservation and overwrite committed chunks ("disk slot N is
-claimed by 2 chunks", wrong bytes); deleting ``lock.mdb`` let a third opener commit through a
+every context it holds exactly. Code without these checks failed each way: deleting ``procs/*``
+made a survivor reclaim a live writer's reservation and overwrite committed chunks ("disk slot N
+is claimed by 2 chunks", wrong bytes); deleting ``lock.mdb`` let a third opener commit through a
 fresh lock file beside the two writers (``MDB_BAD_DBI``, writers dead); a renamed segment file
 took every later put (acknowledged) into a file no reopen finds.
 """

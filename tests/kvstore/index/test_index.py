@@ -233,8 +233,8 @@ def sink_context(n=3000, d=64, seed=7):
 
 @pytest.mark.parametrize("kind", ["pq", "graph"])
 def test_the_maximum_is_found_when_it_is_a_small_norm_sink(kind):
-    """Issue 15 item 4: top-k returns the highest-scoring key, sink included, and DIPR on its
-    own finds the keys within beta of it and nothing below."""
+    """Top-k returns the highest-scoring key, sink included, and DIPR on its own finds the keys
+    within beta of it and nothing below."""
     keys, qs = sink_context()
     flat = FlatIndex.build(keys)
     assert np.mean([flat.topk(q, 1)[0] == 0 for q in qs]) >= 0.9  # the sink is the max

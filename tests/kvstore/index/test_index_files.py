@@ -1,8 +1,8 @@
-"""Index files are untrusted input (issue 13 item 5): crafted or mutated files with recomputed
-checksums (bad ids, bad counts, truncated arrays, wrong dtypes, an old-format file embedding an
-hnswlib blob, a hostile header) load as a typed error, never a crash. The loading runs in a
-subprocess, so a signal death (a segfault in native code) fails the test instead of killing
-pytest. Files that stay valid after a mutation must still search without crashing."""
+"""Index files are untrusted input: crafted or mutated files with recomputed checksums (bad ids,
+bad counts, truncated arrays, wrong dtypes, an old-format file embedding an hnswlib blob, a
+hostile header) load as a typed error, never a crash. The loading runs in a subprocess, so a
+signal death (a segfault in native code) fails the test instead of killing pytest. Files that
+stay valid after a mutation must still search without crashing."""
 
 from __future__ import annotations
 

@@ -158,7 +158,7 @@ def test_exclusive_open_keeps_other_processes_out(tmp_path, first_exclusive):
         assert s.match(list(range(5))) == 5
 
 
-# -- issue 13: every bad argument a typed error, every reservation released on every path ---
+# -- every bad argument a typed error, every reservation released on every path -------------
 
 def test_more_bad_arguments_are_typed_errors(filled, tmp_path):
     toks = list(range(10))

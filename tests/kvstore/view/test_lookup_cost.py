@@ -1,8 +1,8 @@
 """Lookups cost the prompt's length, not the number of stored contexts: the prefix tree's token
 comparisons (``ContextTree.compared``) for ``match``/``get`` resolution and for what a put
 supersedes are counted at 1k and 64k stored contexts of distinct first chunks, and must be
-the same (no timing asserts). Before (issue 26) a prompt whose first chunk is not stored was
-compared with every child of the tree's root: 64k comparisons at 64k contexts.
+the same (no timing asserts). A prompt whose first chunk is not stored must not be compared
+with every child of the tree's root (that would be 64k comparisons at 64k contexts).
 
 The answers are checked against a brute-force oracle (the longest common prefix with any
 stored context), and one store end to end shows ``match``, ``get`` and ``put`` use it.
@@ -52,7 +52,7 @@ def _queries(contexts: list[np.ndarray], seed: int) -> list[np.ndarray]:
     for _ in range(20):
         base = contexts[int(rng.integers(len(contexts)))]
         kind = int(rng.integers(4))
-        if kind == 0:  # first chunk not stored (the issue's case)
+        if kind == 0:  # first chunk not stored (the case a root scan would make costly)
             q = rng.integers(0, 1 << 20, C + 4, dtype=np.uint32)
         elif kind == 1:  # a stored context and more
             q = np.concatenate([base, rng.integers(0, 4, 5, dtype=np.uint32)])

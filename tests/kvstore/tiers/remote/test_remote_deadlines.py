@@ -7,7 +7,7 @@ loopback proxy whose mode switches while the store's connections are open).
   connection, garbage. It never raises because of the remote (a get of remote-only tokens is
   the ``KeyError`` of any miss), never serves other bytes than were put, the breaker opens
   after ``breaker_failures`` slow or failed round trips and closes once the server behaves.
-  Before (issue 26): the timeout was per socket read, so a trickle held each call for minutes.
+  (A timeout per socket read instead would let a trickle hold each call for minutes.)
 * Values padded with junk, and a zstd bomb (a ~3 KB payload declaring and inflating to 100 MB,
   checksums recomputed so every header check passes), are misses and keep the process's peak
   resident memory within 32 MB of where it was (before: the whole padded values were fetched,
