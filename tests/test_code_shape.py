@@ -120,3 +120,25 @@ def test_the_import_graph_sees_imports_inside_functions(tmp_path):
         (pkg / name).mkdir(parents=True)
         (pkg / name / "__init__.py").write_text(body)
     assert package_imports(tmp_path) == {"a": {"b"}, "b": {"a"}}
+
+
+RESIDENCY_PARTS = {"mutex", "tree", "slots", "dram", "mirror", "counters"}
+
+
+def test_only_the_residency_takes_its_lock_or_reaches_its_parts():
+    """What is resident (the prefix tree, slots, DRAM index, mirror, counters) and the lock
+    over it are reached only inside ``kvstore.residency``; the pipelines, the store and the
+    indexes go through :class:`kvstore.residency.core.Core`'s methods."""
+    reaches = []
+    for path in sorted((SRC / "kvstore").rglob("*.py")):
+        rel = path.relative_to(SRC)
+        if rel.parts[1] == "residency":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in RESIDENCY_PARTS:
+                owner = node.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else \
+                    owner.id if isinstance(owner, ast.Name) else ""
+                if name.lstrip("_") == "core":
+                    reaches.append(f"{rel}:{node.lineno} {name}.{node.attr}")
+    assert not reaches, "through Core's methods:\n" + "\n".join(reaches)

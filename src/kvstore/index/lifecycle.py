@@ -35,18 +35,12 @@ from kvstore.index.context_dir import (
 )
 from kvstore.index.spec import IndexSpec
 from kvstore.layout import KVLayout
-from kvstore.residency.catch_up import writing
 from kvstore.residency.core import Core
 from kvstore.rope import cos_sin
-from kvstore.view.prefix_tree import served
 
 
 class _KeysUnavailable(Exception):
     """A context's keys could not be read to rebuild one of its index files."""
-
-
-class _Gone(Exception):
-    """The context left the store while its indexes were built."""
 
 
 class StoredKeys:
@@ -257,34 +251,19 @@ class ContextIndexStore:
         old: list[tuple[bytes, IndexEntry]] = []
         try:
             publish(parent, tmp, entry.dirname(ctx.key))  # a name nothing references yet
-            with writing(core.catalog, core.mirror, core.mutex) as txn:
-                with core.mutex:
-                    core.check_writable()
-                    core.mirror.catch_up(txn)
-                    if core.tree.exact_context(toks, namespace) is None:
-                        raise _Gone  # evicted (or superseded) while the indexes were built
-                    prev = txn.index_entry(ctx.key)
-                    txn.put_index(ctx.key, entry)
-            if prev is not None:
+            published, prev = core.publish_index(toks, namespace, ctx.key, entry)
+            if not published:  # evicted (or superseded) while the indexes were built
+                old.append((ctx.key, entry))  # published, never referenced
+            elif prev is not None:
                 old.append((ctx.key, prev))
-            with core.mutex:
-                core.counters.indexes_built += 1
-                core.mirror.catch_up()
-            return True
-        except _Gone:
-            old.append((ctx.key, entry))  # published, never referenced
-            return False
+            return published
         finally:
             parent.rmtree(tmp)  # absent once published
             self.files.remove(old)
 
     def _stored(self, toks: np.ndarray, namespace: str | None) -> ContextRecord | None:
         """The stored context of exactly ``toks`` now (writable store), or None."""
-        core = self.core
-        with core.mutex:
-            core.check_writable()
-            core.mirror.catch_up()
-            return core.tree.exact_context(toks, namespace)
+        return self.core.exact_context(toks, namespace, writable=True)
 
     def build(self, toks: np.ndarray, namespace: str | None, spec: IndexSpec) -> bool:
         if self._stored(toks, namespace) is None:
@@ -297,24 +276,10 @@ class ContextIndexStore:
 
     def read(self, toks: np.ndarray, namespace: str | None) -> ContextIndexes | None:
         core = self.core
-        tree = core.tree
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            pieces = tree.resolve(toks, namespace)
-            if not pieces or served(pieces) != len(toks):
-                return None
-            last = pieces[-1]
-            ends = [last.rec.key]
-            if last.use < last.rec.n_tokens:  # the prefix ends inside a chunk: any sibling
-                tail = toks[last.start:]  # chunk that starts with the same tokens will do
-                ends = tree.children_starting_with(last.rec.parent, tail)
-            cands = {k for c in ends for k in tree.holders.get(c, ()) if k in tree.indexed}
-            if not cands:
-                return None
-            s = min((tree.contexts[k] for k in cands), key=lambda r: (r.n_tokens, r.key))
-            ctx_toks = np.concatenate([tree.chunks[c].tokens for c in s.chunks])
-            entry = tree.indexed[s.key]
+        found = core.indexed_context(toks, namespace)
+        if found is None:
+            return None
+        s, ctx_toks, entry = found
         source = StoredKeys(lambda: self._get(ctx_toks, namespace)[0], core.layout, s.n_tokens)
 
         def rebuild(layer: int, head: int, spec: IndexSpec):
@@ -334,36 +299,24 @@ class ContextIndexStore:
         except (CorruptData, UnsafePath):
             ok, rebuilt = False, []
         except (_KeysUnavailable, OSError):  # unreadable keys, or the context left meanwhile
-            with core.mutex:
-                core.counters.unavailable_indexes += 1
+            core.count(unavailable_indexes=1)
             return None
-        with core.mutex:
-            core.mirror.catch_up()
-            if tree.indexed.get(s.key) != entry:  # evicted or replaced while loading
-                return None
-            core.counters.rebuilt_index_heads += len(rebuilt)
-            if ok:
-                return ci
-            core.counters.corrupt_indexes += 1
+        if core.index_entry(s.key) != entry:  # evicted or replaced while loading
+            return None
+        core.count(rebuilt_index_heads=len(rebuilt), corrupt_indexes=0 if ok else 1)
+        if ok:
+            return ci
         if not core.readonly:
             self._drop(s.key, entry)
         return None
 
     def _drop(self, key: bytes, entry: IndexEntry) -> None:
         """Drop a context's indexes (its manifest is bad): entry, then directory."""
-        core = self.core
-        with writing(core.catalog, core.mirror, core.mutex) as txn:
-            dropped = txn.index_entry(key) == entry
-            if dropped:
-                txn.delete_index(key)
-        if dropped:
+        if self.core.drop_index(key, entry):
             self.files.remove([(key, entry)])
-        with core.mutex:
-            core.mirror.catch_up()
 
     def check_all(self) -> dict[bytes, str | None]:
-        with self.core.mutex:
-            entries = dict(self.core.tree.indexed)
+        entries = self.core.index_entries()
         out: dict[bytes, str | None] = {}
         for key, entry in entries.items():
             try:
@@ -375,14 +328,4 @@ class ContextIndexStore:
         return out
 
     def dirs(self) -> dict[bytes, str]:
-        with self.core.mutex:
-            return {k: self.files.show(k, e) for k, e in self.core.tree.indexed.items()}
-
-    def stats(self) -> dict[str, int]:
-        """With the lock held."""
-        c, tree = self.core.counters, self.core.tree
-        return {"contexts": len(tree.indexed),
-                "bytes": sum(e.nbytes for e in tree.indexed.values()),
-                "built": c.indexes_built, "rebuilt_heads": c.rebuilt_index_heads,
-                "corrupt": c.corrupt_indexes, "unavailable": c.unavailable_indexes,
-                "collected": c.collected_indexes}
+        return {k: self.files.show(k, e) for k, e in self.core.index_entries().items()}

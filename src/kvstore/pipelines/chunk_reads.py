@@ -22,7 +22,6 @@ from kvstore.errors import CorruptData, StoreTampered
 from kvstore.format import chunk_extent
 from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
-from kvstore.residency.catch_up import writing
 from kvstore.residency.core import Core
 
 
@@ -202,29 +201,12 @@ def quarantine(core: Core, rec: ChunkRecord, err: CorruptData, files: IndexFiles
     dropped for it."""
     if isinstance(err, StoreTampered):
         return
-    with core.mutex:
-        core.counters.corrupt_chunks += 1
-        core.tree.corrupt.add(rec.key)
-        core.dram.discard(rec.key)
-    if core.readonly or core.closed:
+    dropped = core.drop_corrupt(rec)
+    if dropped is None:
         return
-    victims: list[bytes] = []
-    with writing(core.catalog, core.mirror, core.mutex) as txn:
-        with core.mutex:
-            core.mirror.catch_up(txn)
-            cur = core.tree.chunks.get(rec.key)
-            if cur is not None and (cur.slot, cur.gen) == (rec.slot, rec.gen):
-                core.tree.corrupt.add(rec.key)
-                victims = sorted(core.tree.holders.get(rec.key))
-                keep = {k for r in txn.reservations() for k in r.held}
-                _, dirs = core.mirror.drop_contexts(txn, victims, keep)
-                # held by a save or put: not kept alive; a put stores it again (a new extent)
-                core.mirror.drop_chunk(txn, rec.key)
-                core.counters.dropped_contexts += len(victims)
-            else:  # stored again meanwhile: the new extent is not the corrupt one
-                dirs = []
+    victims, dirs = dropped
     files.remove(dirs)
-    err.add_note(f"dropped {len(victims)} stored context(s) that included this chunk")
+    err.add_note(f"dropped {victims} stored context(s) that included this chunk")
 
 
 @contextmanager

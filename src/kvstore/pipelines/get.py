@@ -24,7 +24,6 @@ from functools import partial
 import numpy as np
 import torch
 
-from kvstore.codecs import layer_codec
 from kvstore.errors import CorruptData
 from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
@@ -33,30 +32,9 @@ from kvstore.pipelines.device_copy import DeviceCopy
 from kvstore.pipelines.miss_reads import Miss, MissRead, copy_out, decode_out
 from kvstore.residency.core import Core
 from kvstore.tiers.dram import Entry
-from kvstore.view.prefix_tree import Piece, served
+from kvstore.view.prefix_tree import Piece
 
 READ_ATTEMPTS = 3  # a get that loses this many races with other processes is a miss
-
-
-def count_lossy(core: Core, pieces: list[Piece]) -> None:
-    """Under the lock: count a get or load that serves chunks stored through a lossy codec."""
-    n = sum(p.use for p in pieces if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY)
-    if n:
-        core.counters.lossy_gets += 1
-        core.counters.lossy_tokens_served += n
-
-
-def resolve_all(core: Core, toks: np.ndarray, namespace: str | None) -> list[Piece]:
-    """With the lock held: the pieces serving every token of ``toks`` (after catching up with
-    other processes' commits); KeyError, counted as a miss, if not all are stored."""
-    core.check_open()
-    core.mirror.catch_up()
-    pieces = core.tree.resolve(toks, namespace)
-    if served(pieces) < len(toks):
-        core.counters.get_misses += 1
-        raise KeyError(f"only {served(pieces)} of the {len(toks)} tokens are stored")
-    return pieces
-
 
 
 class Reader:
@@ -71,39 +49,22 @@ class Reader:
     @contextmanager
     def _pinned(self, toks: np.ndarray, namespace: str | None
                 ) -> Iterator[tuple[list[tuple[Piece, Entry]], list[Miss], set[int]]]:
-        """Under the lock: resolve ``toks`` (KeyError if not all stored) and pin what the get
-        reads: DRAM entries of hits, disk slots of misses (plus a pending DRAM entry to cache
-        each into). Everything is released on exit, whatever happens."""
+        """Resolve ``toks`` (KeyError if not all stored) and pin what the get reads
+        (:meth:`Core.leased`): DRAM entries of hits, disk slots of misses (plus a pending DRAM
+        entry to cache each into). Everything is released on exit, whatever happens."""
         core = self.core
-        hits: list[tuple[Piece, Entry]] = []
-        misses: list[Miss] = []
-        with core.mutex:
-            pieces = resolve_all(core, toks, namespace)
-            now = core.mirror.tick()
-            for p in pieces:
-                e = core.dram.lookup(p.rec.key, p.rec.gen, now)
-                if e is not None:
-                    hits.append((p, e))
-                    continue
-                core.slots.pin(p.rec.slot)
-                cache = core.dram.insert(p.rec.key, p.rec.gen, core.cached_bytes(p.rec), now,
-                                         self._queued(p.rec.key))
-                buf = (core.dram.buffer(cache) if cache is not None
-                       else np.empty(core.raw_bytes(p.rec.n_tokens), dtype=np.uint8))
-                misses.append(Miss(p, cache, buf))
-            if not core.readonly:
-                core.mirror.touch(pieces[-1].rec.key)
-        ok: set[int] = set()  # misses read and verified: their DRAM entries become visible
-        try:
-            yield hits, misses, ok
-        finally:
-            with core.mutex:
-                for _, e in hits:
-                    core.dram.unpin(e)
-                for i, m in enumerate(misses):
-                    core.slots.unpin(m.piece.rec.slot)
-                    if m.cache is not None:
-                        core.dram.finish(m.cache, ok=i in ok)
+        with core.leased(toks, namespace, self._queued) as (pieces, lease):
+            hits = [(pieces[i], e) for i, e in lease.hits.items()]
+            misses = [Miss(pieces[i], cache,
+                           core.buffer(cache) if cache is not None
+                           else np.empty(core.raw_bytes(pieces[i].rec.n_tokens), dtype=np.uint8))
+                      for i, cache in lease.misses.items()]
+            ok: set[int] = set()  # misses (by position) read and verified
+            try:
+                yield hits, misses, ok
+            finally:
+                index = list(lease.misses)
+                lease.ok.update(index[j] for j in ok)
 
     # ------------------------------------------------------------------ get
     def get(self, toks: np.ndarray, namespace: str | None,
@@ -134,18 +95,13 @@ class Reader:
                         if to_gpu is not None:  # before the pins on the sources go
                             to_gpu.finish()
             except Raced:
-                with core.mutex:
-                    core.counters.read_races += 1
+                core.count(read_races=1)
                 continue
-            with core.mutex:
-                core.counters.dram_hits += len(hits)
-                core.counters.disk_hits += len(misses)
-                core.counters.gets += 1
-                core.counters.served_tokens += n_tok
-                count_lossy(core, [p for p, _ in hits] + [m.piece for m in misses])
+            core.count_read([(p.rec, p.use) for p, _ in hits]
+                            + [(m.piece.rec, m.piece.use) for m in misses],
+                            dram_hits=len(hits), disk_hits=len(misses))
             return k_out, v_out
-        with core.mutex:
-            core.counters.get_misses += 1
+        core.count(get_misses=1)
         raise KeyError(f"the stored context changed {READ_ATTEMPTS} times under this get "
                        f"(other processes evicting it): a miss")
 
@@ -154,35 +110,23 @@ class Reader:
         not stored, or left meanwhile). For the remote tier's write-through; counts no
         access."""
         core = self.core
-        with core.mutex:
-            core.check_open()
-            rec = core.tree.chunks.get(key)
-            if rec is None or key in core.tree.corrupt:
+        with core.held_chunk(key) as held:
+            if held is None:
                 return None
-            e = core.dram.peek(rec.key, rec.gen)
-            if e is None:
-                core.slots.pin(rec.slot)
-        n = core.raw_bytes(rec.n_tokens)
-        try:
-            if e is not None:
-                ext = raw_extent(core, rec, core.dram.buffer(e))
-                return rec, ext if core.coded_copy(rec) else np.array(ext)  # a copy either way
-            buf = np.empty(n, dtype=np.uint8)
-            read_verified(core, rec, buf)
-            return rec, buf
-        except Raced:
-            with core.mutex:
-                core.counters.read_races += 1
-            return None
-        except CorruptData as err:
-            quarantine(core, rec, err, self._files)
-            return None
-        finally:
-            with core.mutex:
+            rec, e = held
+            try:
                 if e is not None:
-                    core.dram.unpin(e)
-                else:
-                    core.slots.unpin(rec.slot)
+                    ext = raw_extent(core, rec, core.buffer(e))
+                    return rec, ext if core.coded_copy(rec) else np.array(ext)  # a copy
+                buf = np.empty(core.raw_bytes(rec.n_tokens), dtype=np.uint8)
+                read_verified(core, rec, buf)
+                return rec, buf
+            except Raced:
+                core.count(read_races=1)
+                return None
+            except CorruptData as err:
+                quarantine(core, rec, err, self._files)
+                return None
 
     def _allocate(self, n_tok: int, device: torch.device | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,8 +143,8 @@ class Reader:
         straight into the output (over this thread and the helpers when ``parallel``). A
         coded copy that does not decode is :class:`CorruptData` (the caller quarantines)."""
         core = self.core
-        plain = [(core.dram.buffer(e), p) for p, e in hits if not core.coded_copy(p.rec)]
-        coded = [(core.dram.buffer(e), p) for p, e in hits if core.coded_copy(p.rec)]
+        plain = [(core.buffer(e), p) for p, e in hits if not core.coded_copy(p.rec)]
+        coded = [(core.buffer(e), p) for p, e in hits if core.coded_copy(p.rec)]
         if plain:
             copy_out(core, plain, k_out, v_out, core.helpers if parallel else None, to_gpu)
         if not coded:

@@ -6,18 +6,17 @@ layer's event. Reads go through :mod:`kvstore.pipelines.chunk_reads`.
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvstore.errors import StoreClosed
 from kvstore.format import chunk_extent
 from kvstore.format.records import ChunkRecord
 from kvstore.index.lifecycle import IndexFiles
 from kvstore.pipelines.chunk_reads import copy_layer, read_layer, read_layers, reading
 from kvstore.pipelines.device_copy import strided_copies
-from kvstore.pipelines.get import count_lossy, resolve_all
 from kvstore.pipelines.layer_load import LayerLoad, Loader, layer_groups
 from kvstore.pipelines.pages import Pages
 from kvstore.residency.core import Core
@@ -89,14 +88,13 @@ class _ToDevice:
                     srcs += [blocks[:, 0].transpose(0, 1), blocks[:, 1].transpose(0, 1)]
             self.place.append((dsts, srcs))
         self.in_flight: collections.deque[torch.cuda.Event] = collections.deque()
-        with core.mutex:  # pinned until close(): the DRAM copies this load serves from
-            self.entries: list[Entry | None] = [core.dram.peek(p.rec.key, p.rec.gen)
-                                                for p in parts]
+        # pinned until close(): the DRAM copies this load serves from
+        self.entries: list[Entry | None] = core.peek_copies([p.rec for p in parts])
         # per part, its DRAM slot's layers where copies may start there
         self.direct: list[tuple[torch.Tensor, ...] | None] = [
-            torch.from_numpy(core.dram.buffer(e)[: core.raw_bytes(p.rec.n_tokens)])
+            torch.from_numpy(core.buffer(e)[: core.raw_bytes(p.rec.n_tokens)])
             .view(L, -1).unbind(0)
-            if e is not None and core.dram.pinned and not core.coded_copy(p.rec) else None
+            if e is not None and core.dram_page_locked and not core.coded_copy(p.rec) else None
             for p, e in zip(parts, self.entries, strict=True)]
         self._group(core)
         # pinned host staging, per window, for the parts that are not copied from DRAM
@@ -120,9 +118,9 @@ class _ToDevice:
         self.groups: list[tuple[int, int, int]] = []  # (i0, i1, host address of i0's slot)
         grouped: set[int] = set()
         if self.strided.available:
-            ptrs = [None if d is None or e is None else core.dram.buffer(e).ctypes.data
+            ptrs = [None if d is None or e is None else core.buffer(e).ctypes.data
                     for d, e in zip(self.direct, self.entries, strict=True)]
-            pitch = core.dram.slot_stride
+            pitch = core.dram_slot_stride
             i = 0
             while i < len(ptrs):
                 j = i + 1
@@ -137,7 +135,7 @@ class _ToDevice:
                 i = j
         self.singles = [i for i in range(len(self.parts)) if i not in grouped]
         self.single_stage = [[blocks[i] for i in self.singles] for blocks in self.stage_blocks]
-        self.pitch = core.dram.slot_stride
+        self.pitch = core.dram_slot_stride
 
     def block(self, layer: int, i: int) -> np.ndarray:
         """Part ``i``'s host staging block of ``layer`` (uint8, its chunk's raw layer)."""
@@ -151,10 +149,7 @@ class _ToDevice:
     def close(self) -> None:
         """Wait for every copy queued, then unpin the DRAM copies. Idempotent."""
         self.settle(0)
-        with self.core.mutex:
-            for e in self.entries:
-                if e is not None:
-                    self.core.dram.unpin(e)
+        self.core.unpin_copies(self.entries)
         self.entries = []
         self.direct = []
 
@@ -207,24 +202,26 @@ class Loads:
     def __init__(self, core: Core, files: IndexFiles) -> None:
         self.core = core
         self._files = files
+        self._lock = threading.Lock()  # over the two below
         self._loads: set[Loader] = set()  # running loads (not their handles)
         self._hbm_tiers: dict[str, HbmTier] = {}
 
     def hbm(self, device: torch.device) -> HbmTier:
-        """The hbm tier (execution buffers) on ``device``; created on first use (under the
-        metadata lock)."""
+        """The hbm tier (execution buffers) on ``device``; created on first use."""
         key = str(device)
-        tier = self._hbm_tiers.get(key)
-        if tier is None:
-            tier = HbmTier(capacity_bytes=self.core.config.hbm_bytes, device=device)
-            self._hbm_tiers[key] = tier
+        with self._lock:
+            tier = self._hbm_tiers.get(key)
+            if tier is None:
+                tier = HbmTier(capacity_bytes=self.core.config.hbm_bytes, device=device)
+                self._hbm_tiers[key] = tier
         return tier
 
     def tiers(self) -> list[HbmTier]:
-        return list(self._hbm_tiers.values())
+        with self._lock:
+            return list(self._hbm_tiers.values())
 
     def running(self) -> list[Loader]:
-        with self.core.mutex:
+        with self._lock:
             return list(self._loads)
 
     def start(self, toks: np.ndarray, namespace: str | None, *, buffer_layers: int | None,
@@ -235,33 +232,16 @@ class Loads:
         the caller), straight into the engine's blocks: no execution buffer."""
         core = self.core
         n_tok = len(toks) - start
-        with core.mutex:
-            core.check_open()
-            if core.closing:
-                raise StoreClosed(f"store {core.path!r} is closing")
-            all_pieces = resolve_all(core, toks, namespace)
-            pieces = covering(all_pieces, start)
-            if pages is not None:
-                check_block_aligned(pieces, pages.block_tokens)
-            hbm = self.hbm(device) if out is None and pages is None else None
-            for p in pieces:
-                core.slots.pin(p.rec.slot)
-                hit = p.rec.key in core.dram
-                if hit:
-                    core.counters.dram_hits += 1
-                else:
-                    core.counters.disk_hits += 1
-            if not core.readonly:
-                core.mirror.touch(all_pieces[-1].rec.key)
-            core.counters.gets += 1
-            core.counters.served_tokens += n_tok
-            count_lossy(core, [Piece(p.rec, p.dst, p.count) for p in pieces])
-        slots = [p.rec.slot for p in pieces]
 
-        def unpin() -> None:
-            with core.mutex:
-                for s in slots:
-                    core.slots.unpin(s)
+        def select(all_pieces: list[Piece]) -> list[Part]:
+            parts = covering(all_pieces, start)
+            if pages is not None:
+                check_block_aligned(parts, pages.block_tokens)
+            return parts
+
+        pieces, pins = core.pin_for_load(toks, namespace, select)
+        unpin = pins.release
+        hbm = self.hbm(device) if out is None and pages is None else None
 
         buf = None
         to_gpu: _ToDevice | None = None
@@ -305,7 +285,7 @@ class Loads:
                     to_gpu.close()
             finally:
                 unpin()
-                with core.mutex:
+                with self._lock:
                     self._loads.discard(loader[0])
 
         nbytes = 0 if buf is None else buf.numel()
@@ -314,7 +294,7 @@ class Loads:
                          on_abandon=None if buf is None else (lambda: hbm.forget(nbytes)),
                          num_layers=core.layout.num_layers)
         loader.append(load.loader)
-        with core.mutex:
+        with self._lock:
             self._loads.add(load.loader)
         try:
             return load.start()
@@ -339,10 +319,9 @@ class Loads:
             block = to_gpu.block(layer, i)  # [2, H, n, D] raw bytes
             e = to_gpu.entries[i]
             if e is not None:  # a coded DRAM copy, or a slab that is not page-locked
-                with core.mutex:
-                    core.check_open()
+                core.check_open()
                 with reading(core, rec, self._files, during=DURING):
-                    part = copy_layer(core, rec, core.dram.buffer(e), layer)
+                    part = copy_layer(core, rec, core.buffer(e), layer)
                 np.copyto(block.view(part.dtype).reshape(part.shape), part)
             else:
                 off, nbytes = rec.layer_span(layer, n * lay.layer_token_bytes)
@@ -361,21 +340,15 @@ class Loads:
         for p in pieces:
             rec, n, a, b = p.rec, p.rec.n_tokens, p.dst, p.dst + p.count
             s, e_ = p.src, p.src + p.count  # the tokens of the chunk it serves
-            with core.mutex:
-                core.check_open()
-                e = core.dram.peek(rec.key, rec.gen)
-            if e is not None:
-                try:
+            with core.dram_copy(rec) as e:
+                if e is not None:
                     with reading(core, rec, self._files, during=DURING):
-                        part = copy_layer(core, rec, core.dram.buffer(e), layer)  # [2, H, n, D]
+                        part = copy_layer(core, rec, core.buffer(e), layer)  # [2, H, n, D]
                     # numpy, not torch: torch's copy would run on the intra-op thread pool
                     # that the compute thread's matmuls use (measured 2x slower prefill)
                     np.copyto(kr[layer, :, a:b], part[0, :, s:e_])  # [H, count, D]
                     np.copyto(vr[layer, :, a:b], part[1, :, s:e_])
-                finally:
-                    with core.mutex:
-                        core.dram.unpin(e)
-                continue
+                    continue
             lbytes = n * lay.layer_token_bytes
             off, nbytes = rec.layer_span(layer, lbytes)
             whole = p.src == 0 and p.count == n and rec.codec == 0
@@ -402,19 +375,13 @@ class Loads:
         for p in parts:
             rec, n, s, e_ = p.rec, p.rec.n_tokens, p.src, p.src + p.count
             first = p.dst // B
-            with core.mutex:
-                core.check_open()
-                e = core.dram.peek(rec.key, rec.gen)
-            if e is not None:
-                try:
+            with core.dram_copy(rec) as e:
+                if e is not None:
                     for layer in group:
                         with reading(core, rec, self._files, during=DURING):
-                            part = copy_layer(core, rec, core.dram.buffer(e), layer)
+                            part = copy_layer(core, rec, core.buffer(e), layer)
                         pages.scatter(layer, first, part[0, :, s:e_], part[1, :, s:e_])
-                finally:
-                    with core.mutex:
-                        core.dram.unpin(e)
-                continue
+                    continue
             lbytes = n * lay.layer_token_bytes
             if p.src == 0 and p.count == n and rec.codec == 0:  # in place: K, V of each head
                 off, _ = rec.layer_span(group[0], lbytes)

@@ -153,7 +153,7 @@ class RemoteLink:
             if p.use != c or p.rec.n_tokens != c:
                 break
             full += 1
-        parent = pieces[full - 1].rec.key if full else self.core.tree.seed(namespace)
+        parent = pieces[full - 1].rec.key if full else self.core.seed(namespace)
         out = []
         for start in range(full * c, len(toks), c):
             part = toks[start:start + c]
@@ -163,11 +163,7 @@ class RemoteLink:
         return full * c, out
 
     def _local(self, toks: np.ndarray, namespace: str | None) -> list[Piece]:
-        core = self.core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            return core.tree.resolve(toks, namespace)
+        return self.core.lookup(toks, namespace)
 
     # ------------------------------------------------------------------ match
     def match(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece], *,
@@ -298,10 +294,8 @@ class RemoteLink:
                 self._lossy.popitem(last=False)
         local_lossy = sum(min(p.use, max(0, base - p.start)) for p in local
                           if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY)
-        with self.core.mutex:
-            if not local_lossy:  # else the local part counted this get already
-                self.core.counters.lossy_gets += 1
-            self.core.counters.lossy_tokens_served += n
+        # a get whose local part was lossy is counted once already
+        self.core.count(lossy_gets=0 if local_lossy else 1, lossy_tokens_served=n)
         return n
 
     def lossy_tokens(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece]) -> int:
@@ -480,7 +474,7 @@ class RemoteLink:
         if not self.tier.cfg.write_through:
             return
         c = self.core.config.chunk_tokens
-        parent = self.core.tree.seed(namespace)
+        parent = self.core.seed(namespace)
         items = []
         with self._lock:
             recent = self._recent

@@ -21,12 +21,13 @@ the reader was made raises KeyError.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
 from kvstore.format import chunk_extent
 from kvstore.pipelines.chunk_reads import copy_layer, fill_copy, read_layer, reading
-from kvstore.pipelines.get import resolve_all
 from kvstore.residency.core import Core
 
 DURING = "this row read"
@@ -38,7 +39,7 @@ class RowReader:
     ``stats``: ``rows_bytes`` (K and V bytes handed to the caller), ``disk_bytes`` (bytes read
     from disk), ``dram_chunks`` / ``disk_chunks`` (chunk-layer reads served by each tier),
     ``promoted`` (chunks read whole into DRAM). Thread-safety: :meth:`read` may be called from
-    any thread; the counters are updated under the store's lock.
+    any thread; ``stats`` are updated under the reader's own lock.
     """
 
     def __init__(self, core: Core, files: object, toks: np.ndarray,
@@ -46,10 +47,10 @@ class RowReader:
         self._core = core
         self._files = files
         self._queued = queued  # chunk key -> where the job queue next needs it
-        with core.mutex:
-            self._pieces = resolve_all(core, toks, namespace)
+        self._pieces = core.resolve(toks, namespace)
         self.n_tokens = len(toks)
         self._starts = np.array([p.start for p in self._pieces], dtype=np.int64)  # [P]
+        self._lock = threading.Lock()  # over stats
         self.stats = {"rows_bytes": 0, "disk_bytes": 0, "dram_chunks": 0, "disk_chunks": 0,
                       "promoted": 0}
 
@@ -106,17 +107,16 @@ class RowReader:
         firsts = np.r_[0, cuts]
         segments = list(zip(ps[firsts].tolist(), firsts.tolist(), np.r_[cuts, r].tolist(),
                             strict=True)) if r else []
-        hits, misses = self._pin([i for i, _, _ in segments])
-        ok: set[int] = set()  # promoted chunks read and verified: their entries become visible
+        touched = [i for i, _, _ in segments]
         disk = 0
-        try:
-            for i, a, b in segments:
-                e = hits.get(i)
+        with core.leased_chunks([self._pieces[i].rec for i in touched], self._queued) as lease:
+            for j, (i, a, b) in enumerate(segments):
+                e = lease.hits.get(j)
                 if e is not None:  # [2, H, n, D] raw of a verified DRAM copy
                     part = self._dram_layer(self._pieces[i].rec, e, layer)
                 else:
-                    part, nbytes = self._read_disk(self._pieces[i].rec, layer, misses[i])
-                    ok.add(i)
+                    part, nbytes = self._read_disk(self._pieces[i].rec, layer, lease.misses[j])
+                    lease.ok.add(j)
                     disk += nbytes
                 rows = order[a:b]
                 loc = ids[rows] - self._pieces[i].start
@@ -124,70 +124,23 @@ class RowReader:
                     k_out[rows] = part[0, hs[rows], loc]
                 if v_out is not None:
                     v_out[rows] = part[1, hs[rows], loc]
-        finally:
-            with core.mutex:
-                self._unpin_locked(hits, misses, ok)
-        with core.mutex:
+        with self._lock:
             s = self.stats
             s["rows_bytes"] += (int(keys) + int(values)) * r * D * lay.itemsize
             s["disk_bytes"] += disk
-            s["dram_chunks"] += len(hits)
-            s["disk_chunks"] += len(misses)
-            s["promoted"] += sum(1 for c in misses.values() if c is not None)
+            s["dram_chunks"] += len(lease.hits)
+            s["disk_chunks"] += len(lease.misses)
+            s["promoted"] += sum(1 for c in lease.misses.values() if c is not None)
         dt = lay.torch_dtype
         return (None if k_out is None else torch.from_numpy(k_out).view(dt),
                 None if v_out is None else torch.from_numpy(v_out).view(dt))
-
-    # ------------------------------------------------------------------ pins
-    def _pin(self, touched: list[int]) -> tuple[dict[int, object], dict[int, object]]:
-        """Under the lock: check the chunks are still the ones resolved (KeyError if not) and
-        pin each one's DRAM copy, or its disk slot plus a pending DRAM entry to promote it
-        into (None without room)."""
-        core = self._core
-        hits: dict[int, object] = {}
-        misses: dict[int, object] = {}
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            tree = core.tree
-            for i in touched:
-                rec = self._pieces[i].rec
-                cur = tree.chunks.get(rec.key)
-                if cur is None or (cur.slot, cur.gen) != (rec.slot, rec.gen) \
-                        or rec.key in tree.corrupt:
-                    self._unpin_locked(hits, misses)
-                    raise KeyError(f"chunk {rec.key.hex()} of the context left the store "
-                                   f"(or was stored again) since the row reader was made")
-            now = core.mirror.tick()
-            for i in touched:
-                rec = self._pieces[i].rec
-                e = core.dram.lookup(rec.key, rec.gen, now)
-                if e is not None:
-                    hits[i] = e
-                    continue
-                core.slots.pin(rec.slot)
-                misses[i] = core.dram.insert(rec.key, rec.gen, core.cached_bytes(rec), now,
-                                             self._queued(rec.key))
-        return hits, misses
-
-    def _unpin_locked(self, hits: dict[int, object], misses: dict[int, object],
-                      ok: set[int] = frozenset()) -> None:
-        """With the lock held: release every pin; a promoted entry becomes visible only if
-        its chunk was read and verified (``ok``), else it is discarded."""
-        core = self._core
-        for e in hits.values():
-            core.dram.unpin(e)
-        for i, cache in misses.items():
-            core.slots.unpin(self._pieces[i].rec.slot)
-            if cache is not None:
-                core.dram.finish(cache, ok=i in ok)
 
     def _dram_layer(self, rec, e, layer: int) -> np.ndarray:
         """Layer ``layer`` of ``rec``'s DRAM copy ``e`` as raw [2, H, n, D] (a coded copy that
         does not decode is quarantined: CorruptData)."""
         core = self._core
         with reading(core, rec, self._files, during=DURING):
-            return copy_layer(core, rec, core.dram.buffer(e), layer)
+            return copy_layer(core, rec, core.buffer(e), layer)
 
     # ------------------------------------------------------------------ disk
     def _read_disk(self, rec, layer: int, cache) -> tuple[np.ndarray, int]:
@@ -199,7 +152,7 @@ class RowReader:
         shape = (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim)
         with reading(core, rec, self._files, during=DURING):
             if cache is not None:
-                buf = core.dram.buffer(cache)
+                buf = core.buffer(cache)
                 fill_copy(core, rec, buf)
                 nbytes = rec.stored_bytes(n * lay.layer_token_bytes)
                 return copy_layer(core, rec, buf, layer), nbytes

@@ -5,9 +5,10 @@ is the truth every process shares; :mod:`kvstore.residency.catch_up` keeps this 
 of it (the prefix tree, :mod:`kvstore.view.prefix_tree`, and the free slots,
 :mod:`kvstore.view.disk_slots`) current; puts run the pipeline of :mod:`kvstore.pipelines.put`,
 gets that of :mod:`kvstore.pipelines.get`, layer-wise loads that of
-:mod:`kvstore.pipelines.layer_reads`; :mod:`kvstore.pipelines.lookahead` holds the scheduler's
-queue and the prefetcher; :mod:`kvstore.pipelines.saving` the write buffer and the writer
-thread; :mod:`kvstore.index.lifecycle` the per-head indexes.
+:mod:`kvstore.pipelines.layer_reads`; :mod:`kvstore.residency.lookahead` holds the
+scheduler's queue, :mod:`kvstore.pipelines.prefetch` the prefetcher;
+:mod:`kvstore.pipelines.saving` the write buffer and the writer thread;
+:mod:`kvstore.index.lifecycle` the per-head indexes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import numpy as np
 import torch
 
 from kvstore.codecs import layer_codec
-from kvstore.errors import StoreClosed
 from kvstore.eviction.jobs import as_jobs
 from kvstore.eviction.policies import EvictionPolicy
 from kvstore.format import boundary_state, chunk_extent
@@ -35,16 +35,16 @@ from kvstore.index.spec import IndexSpec
 from kvstore.pipelines.get import Reader
 from kvstore.pipelines.layer_load import LayerLoad
 from kvstore.pipelines.layer_reads import Loads
-from kvstore.pipelines.lookahead import Hints
 from kvstore.pipelines.pages import Pages, to_block_end
+from kvstore.pipelines.prefetch import Prefetch
 from kvstore.pipelines.put import Writer
 from kvstore.pipelines.remote import RemoteLink
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
-from kvstore.residency.catch_up import writing
 from kvstore.residency.core import Core
+from kvstore.residency.lookahead import Hints
+from kvstore.residency.plans import Plans
 from kvstore.store.argument_checks import check_device, check_kv, check_out
-from kvstore.store.stats_report import assemble_stats
 from kvstore.tiers.remote.tier import RemoteTier
 from kvstore.view import boundaries
 from kvstore.view.prefix_tree import Piece, served
@@ -84,14 +84,12 @@ class Store:
         self.config = core.config
         self.readonly = core.readonly
         self._files = files
-        self._hints = Hints(core, policy, files)
-        core.tree.priority = self._hints.context_priority
+        self._hints = Hints(core, policy)
+        self._prefetch = Prefetch(core, self._hints, files)
         self._reader = Reader(core, self._hints.chunk_queued, files)
         self._loads = Loads(core, files)
-        self._writer = Writer(core, policy=policy, queued=self._hints.chunk_queued,
-                              exempt=self._hints.exempt, refresh_hints=self._hints.refresh,
-                              files=files, on_commit=self._hints.changed,
-                              arriving=self._hints.arriving, refused=self._hints.refused)
+        self._writer = Writer(core, Plans(core, self._hints, policy), files,
+                              on_commit=self._prefetch.changed)
         self._indexes = ContextIndexStore(
             core, files, get=lambda toks, ns: self.get(toks, namespace=ns))
         self._saver = Saver(
@@ -126,7 +124,7 @@ class Store:
     @property
     def problems(self) -> list[str]:
         """Integrity problems found when the records were last loaded (what was not loaded)."""
-        return list(self._core.mirror.problems)
+        return self._core.problems
 
     # ------------------------------------------------------------------ writing
     def put(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
@@ -184,26 +182,9 @@ class Store:
 
         Returns False if no context was stored for exactly these tokens. Thread-safe (one
         catalog transaction; other processes see the removal at their next call)."""
-        toks = as_tokens(tokens)
-        core = self._core
-        with core.mutex:
-            core.check_writable()
-        with writing(core.catalog, core.mirror, core.mutex) as txn:
-            with core.mutex:
-                core.check_writable()
-                core.mirror.catch_up(txn)
-                if self.layout.boundary_state:
-                    found = boundaries.find(core.tree, toks, namespace, limit=len(toks),
-                                            layout=self.layout)
-                    if found is not None and found.position == len(toks):
-                        toks = found.tokens
-                ctx = core.tree.exact_context(toks, namespace)
-                dirs: list = []
-                if ctx is not None:
-                    keep = {k for r in txn.reservations() for k in r.held}
-                    _, dirs = core.mirror.drop_contexts(txn, [ctx.key], keep)
+        found, dirs = self._core.delete_context(as_tokens(tokens), namespace)
         self._files.remove(dirs)
-        return ctx is not None
+        return found
 
     def begin_save(self, tokens: object, *, namespace: str | None = None,
                    max_new_tokens: int = 0, wait: bool = True,
@@ -241,14 +222,7 @@ class Store:
             raise TypeError(f"wait must be a bool, got {type(wait).__name__}")
         core = self._core
         c = core.config.chunk_tokens
-        with core.mutex:
-            core.check_writable()
-            if core.closing:
-                raise StoreClosed(f"store {self.path!r} is closing")
-            core.mirror.catch_up()
-            pieces = core.tree.resolve(toks, namespace)
-            held = [p.rec.key for p in pieces if p.use == p.rec.n_tokens == c]
-            core.tree.hold(held)
+        held = core.hold_prefix(toks, namespace)
         base = len(held) * c
         capacity = len(toks) + max_new_tokens - base
         if state:  # the rest of the boundary's chunk, then the largest state's rows
@@ -264,8 +238,7 @@ class Store:
                           nbytes, core.buffers, state_chunk=c if state else None)
 
     def _release_held(self, keys: list[bytes]) -> None:
-        with self._core.mutex:
-            self._core.tree.release(keys)
+        self._core.release(keys)
 
     def save_async(self, tokens: object, keys: torch.Tensor, values: torch.Tensor, *,
                    namespace: str | None = None) -> Future[bool]:
@@ -360,22 +333,15 @@ class Store:
                 n = min(lossy)
             elif self._remote is not None and n < len(toks):
                 n = self._remote.match(toks, namespace, pieces, exact=exact)
-        with core.mutex:
-            core.counters.match_calls += 1
-            core.counters.matched_tokens += n
+        core.count(match_calls=1, matched_tokens=n)
         return n
 
     def _boundary(self, toks: np.ndarray, namespace: str | None, limit: int | None = None
                   ) -> boundaries.Boundary | None:
         """The longest stored boundary state of ``toks`` (at most ``limit``), after catching
         up with the other processes' commits."""
-        core = self._core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            return boundaries.find(core.tree, toks, namespace,
-                                   limit=len(toks) if limit is None else limit,
-                                   layout=self.layout)
+        return self._core.find_boundary(toks, namespace,
+                                        len(toks) if limit is None else limit)
 
     def state(self, tokens: object, *, namespace: str | None = None) -> bytes:
         """The boundary state stored with exactly ``tokens`` (layouts with sliding-window or
@@ -403,11 +369,7 @@ class Store:
     def _resolve(self, toks: np.ndarray, namespace: str | None) -> list[Piece]:
         """The stored pieces serving a prefix of ``toks`` here, after catching up with the
         other processes' commits."""
-        core = self._core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            return core.tree.resolve(toks, namespace)
+        return self._core.lookup(toks, namespace)
 
     def _local_tokens(self, toks: np.ndarray, namespace: str | None) -> int:
         return served(self._resolve(toks, namespace))
@@ -538,16 +500,7 @@ class Store:
     def residency(self, tokens: object, *, namespace: str | None = None) -> dict[str, int]:
         """Where the KV of ``tokens`` is: tokens served from this process's DRAM, from disk
         only, and not stored. Counts no access. Thread-safe."""
-        toks = as_tokens(tokens)
-        core = self._core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            out = {"dram": 0, "disk": 0, "missing": len(toks)}
-            for p in core.tree.resolve(toks, namespace):
-                out["dram" if p.rec.key in core.dram else "disk"] += p.use
-                out["missing"] -= p.use
-            return out
+        return self._core.where(as_tokens(tokens), namespace)
 
     # ------------------------------------------------------------------ per-head indexes
     def build_indexes(self, tokens: object, spec: IndexSpec, *,
@@ -609,7 +562,7 @@ class Store:
         Thread-safe.
         """
         queue = as_jobs(jobs)
-        self._hints.set_queue(queue, as_jobs(running))
+        self._prefetch.set_queue(queue, as_jobs(running))
         if self._remote is not None and queue:
             window = max(1, self._hints.windows.prefetch)
             self._remote.prefetch(queue[:window])
@@ -618,7 +571,7 @@ class Store:
         """Block until the prefetcher has acted on the latest queue and store changes (False
         on timeout). Re-raises an IO error the prefetcher met. With a remote tier, also
         until queued jobs' KV was fetched from Redis and stored locally. Thread-safe."""
-        ok = self._hints.prefetcher.wait_idle(timeout)
+        ok = self._prefetch.thread.wait_idle(timeout)
         if self._remote is not None:
             ok = self._remote.wait_prefetched(timeout) and ok
         return ok
@@ -628,29 +581,16 @@ class Store:
         """Bytes and chunk counts per tier, hits/misses, evictions, sharing (this process's
         counters; the disk tier as committed by every process). Thread-safe."""
         core = self._core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            return assemble_stats(core, tiers=self._loads.tiers(), hints=self._hints,
-                                  saver=self._saver, indexes=self._indexes,
-                                  remote=self._remote, exclusive=self._lock.exclusive)
+        return core.stats(tiers=self._loads.tiers(), hints=self._hints, saver=self._saver,
+                          remote=self._remote, exclusive=self._lock.exclusive)
 
     def contexts(self) -> list[ContextRecord]:
         """Snapshot of the stored contexts (copies). Thread-safe."""
-        core = self._core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            return [ContextRecord(c.key, c.n_tokens, c.created, c.last_access, c.chunks)
-                    for c in core.tree.contexts.values()]
+        return self._core.contexts()
 
     def chunk_records(self) -> list[ChunkRecord]:
         """Snapshot of the chunk records. Thread-safe."""
-        core = self._core
-        with core.mutex:
-            core.check_open()
-            core.mirror.catch_up()
-            return list(core.tree.chunks.values())
+        return self._core.chunk_records()
 
     def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
         """Make this process's disk tier slow, for tests and benchmarks: every segment read
@@ -667,12 +607,8 @@ class Store:
     def drop_caches(self) -> None:
         """Empty this process's DRAM tier and the OS page cache of the segment files (for
         benchmarks). Thread-safe."""
-        core = self._core
-        with core.mutex:
-            core.check_open()
-            for key in core.dram.keys():
-                core.dram.discard(key)
-        core.segments.drop_cache()
+        self._core.drop_dram()
+        self._core.segments.drop_cache()
 
     # ------------------------------------------------------------------ closing
     def close(self, *, abandon_pending: bool = False) -> None:
@@ -687,33 +623,22 @@ class Store:
         if core.forked_from is not None:  # a child's copy: the parent owns all of it
             core.closed = True
             return
-        with core.mutex:
-            if core.closed:
-                return
-            core.closing = True  # no new layer-wise loads, saves or prefetches from here on
-        self._hints.prefetcher.close()
+        if not core.begin_closing():  # no new layer-wise loads, saves or prefetches from here on
+            return
+        self._prefetch.thread.close()
         self._saver.close(abandon=abandon_pending)
         if self._remote is not None:  # sends what write-through queued (unless abandoning)
             self._remote.close(abandon=abandon_pending)
         for load in self._loads.running():
             load.close()
         self._writer.wait_idle()  # puts writing without the lock
-        with core.mutex:
-            if core.closed:
-                return
-            core.closed = True
+        if not core.mark_closed():
+            return
         try:
             if not self.readonly and core.failed is None:
-                with core.catalog.write() as txn:
-                    for r in txn.reservations():  # left by an abort that could not commit
-                        if core.owner is not None and r.owner == core.owner.id:
-                            txn.delete_reservation(r.key)
-                    with core.mutex:
-                        core.mirror.flush_access(txn)
+                core.persist_on_close()
         finally:
-            core.helpers.close()
-            core.dram.unpin_from_cuda()
-            core.segments.close()
+            core.close_memory()
             self._files.close()
             if core.owner is not None:
                 core.owner.close()
@@ -731,9 +656,7 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        core = self._core
-        state = "closed" if core.closed else f"{len(core.tree.contexts)} contexts"
-        return f"<kvstore.Store {self.path!r} {state}>"
+        return f"<kvstore.Store {self.path!r} {self._core.describe()}>"
 
 
 

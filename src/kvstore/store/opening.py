@@ -31,7 +31,6 @@ from kvstore.format.segments import SEGMENTS, SegmentFiles, SegmentGeometry
 from kvstore.format.writer_registry import PROCS, Owner, collect_dead
 from kvstore.index.lifecycle import INDEXES, IndexFiles
 from kvstore.layout import KVLayout
-from kvstore.pipelines.put import reclaim_dead
 from kvstore.pipelines.saving import physical_memory
 from kvstore.residency.catch_up import Mirror, gc_paused
 from kvstore.residency.core import Core
@@ -341,11 +340,9 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
                         helpers=Helpers(2, "kvstore-io"),
                         buffers=OutputPool(BUFFER_POOL_BYTES), owner=owner)
             if not readonly and not lock.alone:
-                _repair_joining(core)
+                core.rejoin()
             store = Store(core, lock=lock, policy=policy, files=files)
-            with core.mutex:
-                with catalog.read() as txn:  # an opener alone loads what its repair kept
-                    mirror.reload(txn, repaired)
+            core.load(repaired)  # an opener alone loads what its repair kept
     except BaseException:
         segments.close()
         if files is not None:
@@ -401,15 +398,3 @@ def _repair_alone(root: Dir, procs: Dir, catalog: Catalog, segments: SegmentFile
         else:
             segments.prepare(seg)
     return p
-
-
-def _repair_joining(core: Core) -> None:
-    """Reclaim what processes that died while others used the store left behind."""
-    with core.catalog.write() as txn:
-        with core.mutex:
-            core.mirror.reload(txn)
-            reclaim_dead(core, txn)
-    present = core.segments.existing()
-    for seg, size in present.items():
-        if seg < core.geo.num_segments and size == core.geo.segment_size(seg):
-            core.segments.mark_ready(seg)

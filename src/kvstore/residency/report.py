@@ -1,23 +1,25 @@
 """What ``Store.stats()`` reports: one dictionary assembled from the counters and state of the
-store's parts (called with the metadata lock held)."""
+store's parts (:meth:`kvstore.residency.core.Core.stats` calls it with the metadata lock held).
+The parts above the residency (the look-ahead's queue, the saver, the indexes, the remote
+link) are passed in; each reads only its own state and the residency's, under that lock."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvstore.codecs import layer_codec
-from kvstore.index.lifecycle import ContextIndexStore
-from kvstore.pipelines.lookahead import Hints
-from kvstore.pipelines.remote import RemoteLink
-from kvstore.pipelines.saving import Saver
-from kvstore.residency.core import Core
 from kvstore.tiers.exec_buffers import HbmTier
 
+if TYPE_CHECKING:  # the module that holds this one's caller
+    from kvstore.residency.core import Core
 
-def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Hints, saver: Saver,
-                   indexes: ContextIndexStore, remote: RemoteLink | None,
-                   exclusive: bool) -> dict[str, object]:
-    """The stats of one open store; ``core.mutex`` is held by the caller."""
+
+def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Any, saver: Any,
+                   remote: Any, exclusive: bool) -> dict[str, object]:
+    """The stats of one open store; ``core.mutex`` is held by the caller. ``hints``: the
+    look-ahead (its queue and windows), ``saver``: the asynchronous saver, ``remote``: the
+    remote link (``stats()``) or None."""
     cnt, config = core.counters, core.config
     return {
         **_tiers(core, list(tiers)),
@@ -45,7 +47,7 @@ def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Hints, saver:
             "saved": saver.saved,
             "failed": saver.failed,
         },
-        "indexes": indexes.stats(),
+        "indexes": _indexes(core),
         "remote": None if remote is None else remote.stats(),
         "corrupt": {
             "chunks": cnt.corrupt_chunks,
@@ -120,3 +122,13 @@ def _codecs(core: Core) -> dict[str, object]:
         "lossy_gets": cnt.lossy_gets,
         "lossy_tokens_served": cnt.lossy_tokens_served,
     }
+
+
+def _indexes(core: Core) -> dict[str, int]:
+    """The per-head indexes stored, and what this process did with them."""
+    c, tree = core.counters, core.tree
+    return {"contexts": len(tree.indexed),
+            "bytes": sum(e.nbytes for e in tree.indexed.values()),
+            "built": c.indexes_built, "rebuilt_heads": c.rebuilt_index_heads,
+            "corrupt": c.corrupt_indexes, "unavailable": c.unavailable_indexes,
+            "collected": c.collected_indexes}

@@ -1,17 +1,18 @@
 """Look-ahead (AttentionStore §3.3): where in the scheduler's job queue each stored chunk and
-context is next needed, the priorities that follow, and the prefetcher's step that acts on them.
+context is next needed, the priorities that follow, and which chunk to prefetch next.
 
 The queue belongs to this process (its scheduler's jobs); it orders this process's DRAM tier
-and its eviction decisions on the shared disk tier. The prefetcher reads one chunk at a time
-from disk into DRAM, with the metadata lock held only to choose the chunk and to publish it.
+and its eviction decisions on the shared disk tier. The prefetcher
+(:mod:`kvstore.pipelines.prefetch`) reads one chunk at a time from disk into DRAM: this module
+chooses it and pins it (:meth:`Hints.prefetch_target`) and publishes it
+(:meth:`Hints.prefetched`), with the metadata lock held only for that.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.errors import CorruptData
-from kvstore.eviction.jobs import Job, Prefetcher, Windows
+from kvstore.eviction.jobs import Job, Windows
 from kvstore.eviction.policies import (
     AccessStats,
     EvictionPolicy,
@@ -19,11 +20,10 @@ from kvstore.eviction.policies import (
     Queued,
     ReuseProbability,
 )
-from kvstore.format.records import ContextRecord
-from kvstore.index.lifecycle import IndexFiles
-from kvstore.pipelines.chunk_reads import Raced, fill_copy, quarantine
+from kvstore.format.records import ChunkRecord, ContextRecord
 from kvstore.residency.core import Core
 from kvstore.residency.reuse_learning import PutLearner
+from kvstore.tiers.dram import Entry
 from kvstore.view.prefix_tree import Piece
 
 
@@ -31,10 +31,9 @@ class Hints:
     """Thread-safety: every method takes the store's metadata lock itself, except those
     documented as called with it held."""
 
-    def __init__(self, core: Core, policy: EvictionPolicy, files: IndexFiles) -> None:
+    def __init__(self, core: Core, policy: EvictionPolicy) -> None:
         self.core = core
         self.policy = policy
-        self._files = files
         self.jobs: list[Job] = []
         self.running: list[Job] = []
         self.windows = Windows(prefetch=0, eviction=0)
@@ -43,11 +42,11 @@ class Hints:
         self._job_pieces: list[list[Piece]] = []
         self._chunk_pos: dict[bytes, int] = {}
         self._context_pos: dict[bytes, int] = {}
-        self.prefetcher = Prefetcher(self._step)  # its thread runs only while there is work
         # A learning policy (``reuse``) learns from this process's puts
         # (kvstore.residency.reuse_learning).
         self.learner = PutLearner(policy, core.tree) \
             if isinstance(policy, ReuseProbability) else None
+        core.tree.priority = self.context_priority  # the tree's eviction heap ranks by it
 
     # ------------------------------------------------------------------ positions (lock held)
     def _queued(self, pos: int | None) -> Queued | None:
@@ -112,7 +111,8 @@ class Hints:
         return self.policy.exempt(self.context_queued(key))
 
     # ------------------------------------------------------------------ the queue
-    def set_queue(self, jobs: list[Job], running: list[Job]) -> None:
+    def set_queue(self, jobs: list[Job], running: list[Job]) -> bool:
+        """Replace the queue; returns whether the prefetcher has work (the policy uses it)."""
         core = self.core
         with core.mutex:
             core.check_open()
@@ -121,15 +121,16 @@ class Hints:
             if self.policy.uses_queue:
                 core.mirror.catch_up()
                 self.refresh()
-        if self.policy.uses_queue:
-            self.prefetcher.kick()
+        return self.policy.uses_queue
 
-    def changed(self) -> None:
-        """The store's contents changed (a commit): re-derive positions and prefetch again."""
+    def changed(self) -> bool:
+        """The store's contents changed (a commit): positions are re-derived before the next
+        prefetch. Returns whether the prefetcher should look again."""
         if self.jobs and self.policy.uses_queue:
             with self.core.mutex:
                 self._dirty = True
-            self.prefetcher.kick()
+            return True
+        return False
 
     def refresh(self) -> None:
         """With the lock held: recompute where chunks and contexts are next needed, the
@@ -169,39 +170,33 @@ class Hints:
             core.dram.requeue(k, self.chunk_queued(k))
 
     # ------------------------------------------------------------------ prefetching
-    def _step(self) -> bool:
-        """Prefetcher thread: fetch one chunk of a job in the prefetch window into DRAM, if one
-        is missing and DRAM can take it without evicting something needed sooner. Returns
-        whether there may be more to do."""
+    def prefetch_target(self) -> tuple[ChunkRecord, Entry] | None:
+        """The next chunk to prefetch: its record and a pending DRAM entry to read it into,
+        its disk slot pinned until :meth:`prefetched`; None when there is nothing to do (or
+        the store is closing)."""
         core = self.core
         with core.mutex:
             if core.closed or core.closing:
-                return False
+                return None
             core.mirror.catch_up()
             self.refresh()
             target = self._choose()
-            if target is None:
-                return False
-            rec, e = target
-            core.slots.pin(rec.slot)
-        ok = False
-        try:
-            fill_copy(core, rec, core.dram.buffer(e))
-            ok = True
-        except Raced:
-            with core.mutex:
-                core.counters.read_races += 1
+            if target is not None:
+                core.slots.pin(target[0].slot)
+            return target
+
+    def prefetched(self, rec: ChunkRecord, e: Entry, *, ok: bool, raced: bool = False) -> None:
+        """End the prefetch of ``rec`` into ``e`` (from :meth:`prefetch_target`): visible if
+        ``ok``; else positions are re-derived (``raced``: another process changed its slot
+        under the read)."""
+        core = self.core
+        with core.mutex:
+            core.slots.unpin(rec.slot)
+            core.dram.finish(e, ok=ok)
+            core.counters.prefetched_chunks += ok
+            core.counters.read_races += raced
+            if not ok:
                 self._dirty = True
-        except CorruptData as err:
-            with core.mutex:
-                self._dirty = True
-            quarantine(core, rec, err, self._files)
-        finally:
-            with core.mutex:
-                core.slots.unpin(rec.slot)
-                core.dram.finish(e, ok=ok)
-                core.counters.prefetched_chunks += ok
-        return True
 
     def _choose(self):
         """With the lock held: the next chunk to prefetch and its pending DRAM entry."""
