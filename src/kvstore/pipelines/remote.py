@@ -109,6 +109,10 @@ def check_block_starts(rest: list[_Chunk], block_tokens: int) -> None:
 
 
 class RemoteLink:
+    """The Redis tier as a :class:`~kvstore.pipelines.shared_tiers.SharedTier` of a store."""
+
+    name = "remote"
+
     def __init__(self, core: Core, tier: RemoteTier, *,
                  get_local: Callable[[np.ndarray, str | None, tuple[torch.Tensor, torch.Tensor]],
                                      None],

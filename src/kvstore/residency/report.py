@@ -16,10 +16,10 @@ if TYPE_CHECKING:  # the module that holds this one's caller
 
 
 def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Any, saver: Any,
-                   remote: Any, exclusive: bool) -> dict[str, object]:
+                   shared: dict[str, dict[str, object]], exclusive: bool) -> dict[str, object]:
     """The stats of one open store; ``core.mutex`` is held by the caller. ``hints``: the
-    look-ahead (its queue and windows), ``saver``: the asynchronous saver, ``remote``: the
-    remote link (``stats()``) or None."""
+    look-ahead (its queue and windows), ``saver``: the asynchronous saver, ``shared``: each
+    shared tier's stats by its name (``remote`` is None without one)."""
     cnt, config = core.counters, core.config
     return {
         **_tiers(core, list(tiers)),
@@ -48,7 +48,8 @@ def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Any, saver: A
             "failed": saver.failed,
         },
         "indexes": _indexes(core),
-        "remote": None if remote is None else remote.stats(),
+        "remote": None,  # without a Redis tier
+        **shared,
         "corrupt": {
             "chunks": cnt.corrupt_chunks,
             "dropped_contexts": cnt.dropped_contexts,

@@ -41,6 +41,7 @@ from kvstore.pipelines.put import Writer
 from kvstore.pipelines.remote import RemoteLink
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
+from kvstore.pipelines.shared_tiers import SharedTiers
 from kvstore.residency.core import Core
 from kvstore.residency.lookahead import Hints
 from kvstore.residency.plans import Plans
@@ -95,25 +96,25 @@ class Store:
         self._saver = Saver(
             capacity_bytes=core.config.write_buffer_bytes,
             write=self._write_saved, release=self._release_held, helpers=core.helpers)
-        self._remote: RemoteLink | None = None
+        self._shared = SharedTiers()  # below DRAM and disk: Redis
         with _LIVE_LOCK:
             _LIVE.add(self)
 
     def _attach_remote(self, tier: RemoteTier) -> None:
         """Called once by :func:`kvstore.open` with a connected remote tier."""
-        self._remote = RemoteLink(
+        self._shared.attach(RemoteLink(
             self._core, tier,
             get_local=lambda toks, ns, out: self._reader.get(toks, ns, out, None),
             read_chunk=self._reader.chunk_extent,
             fill=lambda toks, ns, kr, vr: self._writer.put(toks, kr, vr, ns, learn=False),
-            prefetch_get=lambda toks, ns: self.get(toks, namespace=ns))
+            prefetch_get=lambda toks, ns: self.get(toks, namespace=ns)))
 
     def _write_saved(self, toks: np.ndarray, k: torch.Tensor, v: torch.Tensor,
                      namespace: str | None, base: int) -> bool:
         """The writer thread's put of a save, then its write-through (if it was stored)."""
         stored = self._writer.put(toks, chunk_extent.raw(k), chunk_extent.raw(v), namespace, base)
-        if stored and self._remote is not None:
-            self._remote.after_put(toks, namespace)
+        if stored:
+            self._shared.after_put(toks, namespace)
         return stored
 
     @property
@@ -169,8 +170,7 @@ class Store:
                                                  view)
         if not self._writer.put(toks, kr, vr, namespace):
             return False
-        if self._remote is not None:  # queued for write-through (sent in the background)
-            self._remote.after_put(toks, namespace)
+        self._shared.after_put(toks, namespace)  # write-through, sent in the background
         if index is not None:
             self._indexes.attach(toks, namespace, keys, index)
         return True
@@ -269,9 +269,8 @@ class Store:
         if not isinstance(remote, bool):
             raise TypeError(f"remote must be a bool, got {type(remote).__name__}")
         self._saver.flush()
-        if remote and self._remote is not None:
-            self._remote.flush()
-            self._remote.wait_filled()
+        if remote:
+            self._shared.flush()
 
     def put_shared_doc(self, name: str, data: bytes) -> bool:
         """Store a small document (e.g. a conversation's state) in the remote tier, where
@@ -282,7 +281,8 @@ class Store:
         if not isinstance(data, bytes):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
         self._core.check_open()
-        return self._remote is not None and self._remote.tier.put_doc(name, data)
+        redis = self._shared.of_kind("remote")
+        return redis is not None and redis.tier.put_doc(name, data)
 
     def shared_doc(self, name: str) -> bytes | None:
         """A document stored by :meth:`put_shared_doc` (by any store on this Redis), or None.
@@ -290,7 +290,8 @@ class Store:
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         self._core.check_open()
-        return None if self._remote is None else self._remote.tier.get_doc(name)
+        redis = self._shared.of_kind("remote")
+        return None if redis is None else redis.tier.get_doc(name)
 
     def set_prefill_rate(self, tokens_per_s: float | None) -> None:
         """How fast the caller recomputes (prefills) KV, in tokens per second, or None
@@ -303,8 +304,7 @@ class Store:
                 raise ValueError(f"tokens_per_s must be a positive finite number or None, got "
                                  f"{tokens_per_s!r}")
             tokens_per_s = float(tokens_per_s)
-        if self._remote is not None:
-            self._remote.prefill_rate = tokens_per_s
+        self._shared.set_prefill_rate(tokens_per_s)
 
     # ------------------------------------------------------------------ reading
     def match(self, tokens: object, *, namespace: str | None = None,
@@ -331,8 +331,8 @@ class Store:
                      if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY] if exact else []
             if lossy:
                 n = min(lossy)
-            elif self._remote is not None and n < len(toks):
-                n = self._remote.match(toks, namespace, pieces, exact=exact)
+            elif n < len(toks):
+                n = self._shared.match(toks, namespace, pieces, n, exact=exact)
         core.count(match_calls=1, matched_tokens=n)
         return n
 
@@ -382,8 +382,8 @@ class Store:
         toks = as_tokens(tokens)
         pieces = self._resolve(toks, namespace)
         n = sum(p.use for p in pieces if layer_codec.NAMES[p.rec.codec] in layer_codec.LOSSY)
-        if self._remote is not None and served(pieces) < len(toks):
-            n += self._remote.lossy_tokens(toks, namespace, pieces)
+        if served(pieces) < len(toks):
+            n += self._shared.lossy_tokens(toks, namespace, pieces)
         return n
 
     def get(self, tokens: object, *, namespace: str | None = None,
@@ -410,8 +410,8 @@ class Store:
             if dev is not None and dev != out[0].device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on "
                                  f"{out[0].device}")
-        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
-            return self._remote.get(toks, namespace, out, dev)
+        if self._shared and self._local_tokens(toks, namespace) < len(toks):
+            return self._shared.get(toks, namespace, out, dev)
         return self._reader.get(toks, namespace, out, dev)
 
     def load_layers(self, tokens: object, *, namespace: str | None = None,
@@ -479,8 +479,8 @@ class Store:
                 raise ValueError("out tensors of load_layers must be contiguous CPU tensors")
             if device is not None and dev != k_out.device:
                 raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
-        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
-            return self._remote.layer_load(toks, namespace, start=start,
+        if self._shared and self._local_tokens(toks, namespace) < len(toks):
+            return self._shared.layer_load(toks, namespace, start=start,
                                            buffer_layers=buffer_layers, out=out, device=dev,
                                            hbm=self._loads.hbm, pages=pages)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
@@ -493,7 +493,7 @@ class Store:
         verified per chunk-layer like every read. KeyError unless every token is stored in
         this machine's tiers (row reads do not go to the remote tier). Thread-safe."""
         toks = as_tokens(tokens)
-        if self._remote is not None and self._local_tokens(toks, namespace) < len(toks):
+        if self._shared and self._local_tokens(toks, namespace) < len(toks):
             raise KeyError("row reads serve contexts stored in this machine's tiers only")
         return RowReader(self._core, self._files, toks, namespace, self._hints.chunk_queued)
 
@@ -563,17 +563,16 @@ class Store:
         """
         queue = as_jobs(jobs)
         self._prefetch.set_queue(queue, as_jobs(running))
-        if self._remote is not None and queue:
+        if queue:
             window = max(1, self._hints.windows.prefetch)
-            self._remote.prefetch(queue[:window])
+            self._shared.prefetch(queue[:window])
 
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Block until the prefetcher has acted on the latest queue and store changes (False
         on timeout). Re-raises an IO error the prefetcher met. With a remote tier, also
         until queued jobs' KV was fetched from Redis and stored locally. Thread-safe."""
         ok = self._prefetch.thread.wait_idle(timeout)
-        if self._remote is not None:
-            ok = self._remote.wait_prefetched(timeout) and ok
+        ok = self._shared.wait_prefetched(timeout) and ok
         return ok
 
     # ------------------------------------------------------------------ introspection
@@ -582,7 +581,7 @@ class Store:
         counters; the disk tier as committed by every process). Thread-safe."""
         core = self._core
         return core.stats(tiers=self._loads.tiers(), hints=self._hints, saver=self._saver,
-                          remote=self._remote, exclusive=self._lock.exclusive)
+                          shared=self._shared.stats(), exclusive=self._lock.exclusive)
 
     def contexts(self) -> list[ContextRecord]:
         """Snapshot of the stored contexts (copies). Thread-safe."""
@@ -627,8 +626,7 @@ class Store:
             return
         self._prefetch.thread.close()
         self._saver.close(abandon=abandon_pending)
-        if self._remote is not None:  # sends what write-through queued (unless abandoning)
-            self._remote.close(abandon=abandon_pending)
+        self._shared.close(abandon=abandon_pending)  # sends what write-through queued
         for load in self._loads.running():
             load.close()
         self._writer.wait_idle()  # puts writing without the lock

@@ -1,0 +1,155 @@
+"""The tiers below this machine's DRAM and disk that stores on other machines share (a Redis
+server or cluster: :mod:`kvstore.pipelines.remote`), as one protocol the store iterates.
+
+A store has none, or one of each kind, tried in the order they were attached. What the store
+asks of such a tier is :class:`SharedTier`: how far it extends the local prefix of a context
+(``match``), the KV of a context it extends (``get``, ``layer_load``: fetched, verified, and
+filled into the local tiers in the background), what a put stored (``after_put``: written
+through in the background), prefetching for the scheduler's queue, and its lifecycle. A new
+kind of shared tier is one module implementing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvstore.eviction.jobs import Job
+from kvstore.pipelines.layer_load import LayerLoad
+from kvstore.pipelines.pages import Pages
+from kvstore.view.prefix_tree import Piece
+
+
+class SharedTier(Protocol):
+    """What the store asks of a shared tier. Thread-safety: every method may be called from
+    any thread; a failure of the tier is a miss or a shorter match, never an error."""
+
+    name: str  # its section in ``stats()``
+    prefill_rate: float | None  # tokens/s the caller recomputes at (a fetch must beat it)
+
+    def match(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece], *,
+              exact: bool = False) -> int:
+        """Leading tokens of ``toks`` the local ``pieces`` and this tier serve together."""
+
+    def lossy_tokens(self, toks: np.ndarray, namespace: str | None,
+                     pieces: list[Piece]) -> int:
+        """Tokens after the local prefix that lossy values served recently (no IO)."""
+
+    def get(self, toks: np.ndarray, namespace: str | None,
+            out: tuple[torch.Tensor, torch.Tensor] | None,
+            device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV of every token of ``toks`` (local prefix, then this tier); KeyError."""
+
+    def layer_load(self, toks: np.ndarray, namespace: str | None, *, start: int,
+                   buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
+                   device: torch.device, hbm: Callable, pages: Pages | None) -> LayerLoad:
+        """A layer-wise load of ``toks`` [start, T) (local prefix, then this tier)."""
+
+    def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
+        """A context was stored locally: write it through (in the background)."""
+
+    def prefetch(self, jobs: list[Job]) -> None:
+        """Fetch the KV of these queued jobs (in the background)."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Until what was queued for write-through so far is sent; False on timeout."""
+
+    def wait_filled(self, timeout: float | None = None) -> bool:
+        """Until fetched contexts queued to be stored locally are stored."""
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        """Until queued prefetches (and the local fills they cause) are done."""
+
+    def close(self, *, abandon: bool = False) -> None:
+        """Send what is queued (unless ``abandon``), stop, close connections."""
+
+    def stats(self) -> dict[str, object]: ...
+
+
+class SharedTiers:
+    """The shared tiers of one store, in order. Empty: every call is the local answer.
+    Thread-safety: :meth:`attach` only while the store opens; the rest from any thread."""
+
+    def __init__(self) -> None:
+        self._tiers: list[SharedTier] = []
+
+    def attach(self, tier: SharedTier) -> None:
+        self._tiers.append(tier)
+
+    def __bool__(self) -> bool:
+        return bool(self._tiers)
+
+    def set_prefill_rate(self, tokens_per_s: float | None) -> None:
+        for t in self._tiers:
+            t.prefill_rate = tokens_per_s
+
+    def match(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece], local: int,
+              *, exact: bool) -> int:
+        """The longest prefix of ``toks`` one tier serves with the local ``pieces`` (at least
+        the ``local`` tokens they serve)."""
+        best = local
+        for t in self._tiers:
+            if best == len(toks):
+                break
+            best = max(best, t.match(toks, namespace, pieces, exact=exact))
+        return best
+
+    def lossy_tokens(self, toks: np.ndarray, namespace: str | None,
+                     pieces: list[Piece]) -> int:
+        return max((t.lossy_tokens(toks, namespace, pieces) for t in self._tiers), default=0)
+
+    def _first(self, call: Callable[[SharedTier], object]):
+        """``call`` on each tier in order until one serves (KeyError: the next one)."""
+        miss: KeyError | None = None
+        for t in self._tiers:
+            try:
+                return call(t)
+            except KeyError as e:
+                miss = e
+        raise miss if miss is not None else KeyError("no shared tier")
+
+    def get(self, toks: np.ndarray, namespace: str | None,
+            out: tuple[torch.Tensor, torch.Tensor] | None,
+            device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._first(lambda t: t.get(toks, namespace, out, device))
+
+    def layer_load(self, toks: np.ndarray, namespace: str | None, **kw) -> LayerLoad:
+        return self._first(lambda t: t.layer_load(toks, namespace, **kw))
+
+    def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
+        for t in self._tiers:
+            t.after_put(toks, namespace)
+
+    def prefetch(self, jobs: list[Job]) -> None:
+        for t in self._tiers:
+            t.prefetch(jobs)
+
+    def flush(self) -> None:
+        """Until every tier sent what write-through queued and stored what it fetched."""
+        for t in self._tiers:
+            t.flush()
+            t.wait_filled()
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        return all([t.wait_prefetched(timeout) for t in self._tiers])
+
+    def close(self, *, abandon: bool = False) -> None:
+        """Close every tier (each one even if another's close raised; the first error is
+        raised after)."""
+        error: BaseException | None = None
+        for t in self._tiers:
+            try:
+                t.close(abandon=abandon)
+            except BaseException as e:  # every tier is closed, whatever one raised
+                error = error or e
+        if error is not None:
+            raise error
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        return {t.name: t.stats() for t in self._tiers}
+
+    def of_kind(self, name: str) -> SharedTier | None:
+        return next((t for t in self._tiers if t.name == name), None)
