@@ -6,13 +6,12 @@ link) are passed in; each reads only its own state and the residency's, under th
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstore.codecs import layer_codec
 from kvstore.tiers.exec_buffers import HbmTier
 
-if TYPE_CHECKING:  # the module that holds this one's caller
-    from kvstore.residency.core import Core
+Core = Any  # kvstore.residency.core.Core, which calls this module (not imported: no cycle)
 
 
 def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Any, saver: Any,
