@@ -98,13 +98,6 @@ def _build_llm(setup: VllmSetup):
                enable_prefix_caching=setup.prefix_caching, **kw)
 
 
-def _connector_store(llm):
-    """The store the engine's connector holds (None without one): in one process the
-    scheduler's and the worker's connectors share it (kvstore.integrations.shared)."""
-    conn = llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
-    return None if conn is None else conn.store
-
-
 def _generate(llm, ids: list[int]):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -134,10 +127,12 @@ def _engine_main(setup: VllmSetup, conn) -> None:
 def _engine_loop(setup: VllmSetup, conn) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from kvstore.integrations.vllm.offline import flush
+    from kvstore.integrations.vllm.offline import connector_store, flush
 
     llm = _build_llm(setup)
-    store = _connector_store(llm)
+    # the store the engine's connector holds (None without one): in one process the
+    # scheduler's and the worker's connectors share it (kvstore.integrations.shared)
+    store = connector_store(llm)
     if setup.store_dir is not None and store is None:
         raise RuntimeError(f"the connector did not open the store {setup.store_dir!r}")
     _generate(llm, list(range(1, 17)))  # vLLM's first request pays one-time costs: not a turn

@@ -7,4 +7,9 @@ store them as the engine holds them (``KVLayout(keys="rotated", engine=...)``): 
 bit-exact at the same positions, and the engine's identity (version, packing, attention mode,
 KV type) is part of the fingerprint. :mod:`kvstore.integrations.shared` lets the parts of one
 process (vLLM's scheduler and worker in single-process mode) share one open store.
+
+Engines are reached through their public APIs. What private surface of an engine an
+integration still needs lives in that integration's ``compat`` module, which names the engine
+versions it was tested with and checks at startup that the installed engine still has that
+surface (:mod:`kvstore.integrations.surface`: :class:`~.surface.UnsupportedEngine` otherwise).
 """

@@ -5,7 +5,8 @@ cache shared by every process that names ``DIR``; ``kvstore serve --model GGUF -
 runs llama-cpp-python's OpenAI-compatible server with it. Parts: :mod:`.state` (llama.cpp's
 KV state, field by field), :mod:`.identity` (what computed a context's bytes, hence the store
 layout), :mod:`.context` (a live Llama: who asks, what it holds, restoring into it),
-:mod:`.cache` (:class:`KVStoreLlamaCache`), :mod:`.server` (``kvstore serve``).
+:mod:`.cache` (:class:`KVStoreLlamaCache`), :mod:`.server` (``kvstore serve``), :mod:`.compat`
+(the private surface of llama-cpp-python still used, and the versions tested).
 
 Importing this package does not import ``llama_cpp``; the cache imports it when a Llama
 first calls it.
@@ -14,6 +15,7 @@ first calls it.
 from kvstore.integrations.llama_cpp.cache import CacheCounters, KVStoreLlamaCache, RestoredPrefix
 from kvstore.integrations.llama_cpp.identity import Unsupported
 from kvstore.integrations.llama_cpp.state import StateError, StateFormat
+from kvstore.integrations.surface import UnsupportedEngine
 
 __all__ = ["CacheCounters", "KVStoreLlamaCache", "RestoredPrefix", "StateError", "StateFormat",
-           "Unsupported"]
+           "Unsupported", "UnsupportedEngine"]

@@ -44,7 +44,7 @@ import numpy as np
 
 from kvstore.errors import CapacityError, KVStoreError, LayoutMismatch
 from kvstore.format.hashing import as_tokens
-from kvstore.integrations.llama_cpp import boundary, context
+from kvstore.integrations.llama_cpp import boundary, compat, context
 from kvstore.integrations.llama_cpp.identity import Identity, Unsupported, identify
 from kvstore.integrations.llama_cpp.state import StateError
 from kvstore.integrations.shared import Lease, acquire
@@ -125,6 +125,8 @@ class KVStoreLlamaCache:
         self._errors: dict[str, int] = {}
         self._last_error: str | None = None
         self._closed = False
+        if "llama_cpp" in sys.modules:  # else checked when a Llama first calls the cache
+            compat.check()  # UnsupportedEngine: a llama-cpp-python without what it needs
 
     # ------------------------------------------------------------------ llama-cpp-python
     def __getitem__(self, key: object) -> RestoredPrefix:
@@ -132,7 +134,7 @@ class KVStoreLlamaCache:
         tokens) into the calling Llama's context, if longer than what it holds; KeyError
         otherwise (llama-cpp-python's miss). Never raises anything else for a store or
         state problem. Thread-safe."""
-        llm = context.calling_llama(sys._getframe(1))
+        llm = compat.calling_llama()
         self._count("lookups")
         binding = self._binding(llm)
         if binding is None:
@@ -181,7 +183,7 @@ class KVStoreLlamaCache:
         (``value.n_tokens``) are stored, and only chunks the store lacks are written; durable
         when this returns. Never raises for a store or state problem (counted, logged).
         Thread-safe."""
-        llm = context.calling_llama(sys._getframe(1))
+        llm = compat.calling_llama()
         binding = self._binding(llm)
         if binding is None:
             return
@@ -308,7 +310,7 @@ class KVStoreLlamaCache:
     def __contains__(self, key: object) -> bool:
         """Whether a lookup of ``key`` by the calling Llama would restore something (no IO
         but the store's match). Thread-safe."""
-        llm = context.calling_llama(sys._getframe(1))
+        llm = compat.calling_llama()
         binding = self._binding(llm, count=False)
         if binding is None or binding.store is None:
             return False
@@ -395,6 +397,7 @@ class KVStoreLlamaCache:
         return b
 
     def _bind(self, llm: Any) -> _Binding:
+        compat.check()  # once per process: raises UnsupportedEngine, naming what is missing
         b = _Binding()
         try:
             b.identity = identify(llm)

@@ -5,22 +5,23 @@ llama-cpp-python calls a cache as ``self.cache[prompt_tokens]`` and ``self.cache
 self.save_state()`` from inside ``Llama._create_completion`` and hands it no reference to the
 model, yet the cache must know the model (its GGUF, its llama.cpp build, its context settings)
 to serve only KV that model would have computed, and needs its context to restore into.
-:func:`calling_llama` finds that Llama as the ``self`` of the calling frame (or of one a few
+:func:`.compat.calling_llama` finds that Llama as the ``self`` of the calling frame (or of one a few
 frames up, past a subclass or wrapper of the cache), checked to be a ``llama_cpp.Llama``; a
-call from anywhere else finds none (the cache then misses).
+call from anywhere else finds none (the cache then misses). That stack-frame walk is private
+surface: it lives in :mod:`.compat`, with why nothing public replaces it.
 
-A restore writes the KV through ``llama_state_seq_set_data`` into sequence 0 (the sequence
-llama-cpp-python decodes into), then records the restored tokens in the Llama's own
-bookkeeping (``input_ids``, ``n_tokens``, ``_requires_eval``: the fields ``Llama.load_state``
-sets), so ``Llama.generate`` continues after them: it evaluates the rest of the prompt as one
-batch. No ``scores`` array is copied.
+A restore first empties the Llama's record of evaluated tokens with its public ``reset()``
+(which also marks its logits stale, so the next completion decodes before it samples), writes
+the KV through ``llama_state_seq_set_data`` into sequence 0 (the sequence llama-cpp-python
+decodes into), then records the restored tokens in the Llama's public ``input_ids`` and
+``n_tokens`` (the fields ``Llama.load_state`` sets beside those ``reset()`` sets), so
+``Llama.generate`` continues after them: it evaluates the rest of the prompt as one batch. No
+``scores`` array is copied.
 """
 
 from __future__ import annotations
 
 import ctypes
-import sys
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -28,26 +29,6 @@ import numpy as np
 from kvstore.integrations.llama_cpp.state import StateBuffer
 
 SEQ_ID = 0  # llama-cpp-python's batches use sequence 0
-
-
-CALLER_FRAMES = 4  # how far up the cache looks: a subclass or wrapper of the cache adds frames
-
-
-def calling_llama(frame: FrameType | None) -> Any | None:
-    """The ``llama_cpp.Llama`` whose method is running in ``frame`` or one of the
-    ``CALLER_FRAMES - 1`` frames that called it, or None. Thread-safe (reads the calling
-    thread's own frames)."""
-    llama_cpp = sys.modules.get("llama_cpp")
-    if llama_cpp is None:  # nothing imported llama_cpp, so no Llama exists
-        return None
-    for _ in range(CALLER_FRAMES):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, llama_cpp.Llama):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 def held_tokens(llm: Any, tokens: np.ndarray) -> int:
@@ -68,8 +49,7 @@ def clear(llm: Any) -> None:
     mem = llama_cpp.llama_get_memory(llm.ctx)
     if mem is not None:
         llama_cpp.llama_memory_seq_rm(mem, SEQ_ID, -1, -1)
-    llm.n_tokens = 0
-    llm._requires_eval = True
+    llm.reset()  # no tokens evaluated, logits stale (a recurrent or hybrid memory: cleared)
 
 
 def restore(llm: Any, state: StateBuffer, tokens: np.ndarray) -> bool:
@@ -80,6 +60,9 @@ def restore(llm: Any, state: StateBuffer, tokens: np.ndarray) -> bool:
     import llama_cpp
 
     n = len(tokens)
+    # no tokens evaluated, logits stale: the next completion decodes before it samples
+    # (sequence 0 is replaced whole below; a recurrent or hybrid memory is cleared first)
+    llm.reset()
     data = state.data
     ptr = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     read = llama_cpp.llama_state_seq_set_data(llm.ctx, ptr, data.nbytes, SEQ_ID)
@@ -89,6 +72,5 @@ def restore(llm: Any, state: StateBuffer, tokens: np.ndarray) -> bool:
         clear(llm)
         return False
     llm.input_ids[:n] = tokens
-    llm.n_tokens = n
-    llm._requires_eval = True  # logits must come from a decode before sampling
+    llm.n_tokens = n  # reset() left the logits stale: they come from a decode before sampling
     return True

@@ -37,6 +37,7 @@ from typing import Any
 
 import xxhash
 
+from kvstore.integrations.llama_cpp import compat
 from kvstore.integrations.llama_cpp.partial import (
     PartialFormat,
     RecurrentShape,
@@ -208,7 +209,7 @@ def model_facts(llm: Any) -> ModelFacts:
         type_v=int(cp.type_v),
         flash_attn_type=int(cp.flash_attn_type),
         embeddings=bool(cp.embeddings),
-        logits_all=bool(llm._logits_all),
+        logits_all=compat.logits_all(llm),
         lora=llm.lora_path is not None,
         settings=settings,
     )

@@ -20,8 +20,9 @@ import sys
 from typing import Any
 
 
-def add_serve_command(sub: argparse._SubParsersAction) -> None:
-    """Register ``serve`` on the ``kvstore`` command's subparsers."""
+def add_serve_command(sub: Any) -> None:
+    """Register ``serve`` on the ``kvstore`` command's subparsers (what
+    ``ArgumentParser.add_subparsers()`` returns)."""
     s = sub.add_parser("serve", help="llama-cpp-python's OpenAI-compatible server, with its "
                                      "prompt cache in a store directory")
     s.add_argument("--model", required=True, help="GGUF model file")
@@ -56,6 +57,9 @@ def check_args(args: argparse.Namespace) -> None:
 def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     """The server's ASGI app with the model loaded and the cache set; returns (app, cache).
     llama-cpp-python's app keeps its model in a module global: one app per process."""
+    from kvstore.integrations.llama_cpp import compat
+
+    compat.check()  # before the model loads: UnsupportedEngine names what is missing
     from fastapi.responses import JSONResponse
     from llama_cpp.server import app as server_app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
@@ -70,9 +74,7 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
         server_settings=ServerSettings(host=args.host, port=args.port),
         model_settings=[ModelSettings(**model)])
     cache = KVStoreLlamaCache(args.store, disk_bytes=args.disk_bytes)
-    # create_app loaded the one model into its proxy; calling the proxy returns it
-    llm = server_app._llama_proxy()
-    llm.set_cache(cache)
+    served_llama(server_app).set_cache(cache)
 
     @app.get("/kvstore/stats")
     def kvstore_stats() -> JSONResponse:
@@ -80,6 +82,23 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
 
     app.middleware("http")(checked_body)
     return app, cache
+
+
+def served_llama(server_app: Any) -> Any:
+    """The ``Llama`` that llama-cpp-python's app (``server_app``: ``llama_cpp.server.app``,
+    after ``create_app``) serves: its model proxy, taken as its routes take it (the public
+    ``get_llama_proxy`` dependency, under the app's model locks), called for its default
+    model, which ``create_app`` loaded. Called before the server runs."""
+    import anyio
+
+    async def proxy() -> Any:
+        dependency = server_app.get_llama_proxy()
+        try:
+            return await dependency.__anext__()
+        finally:
+            await dependency.aclose()
+
+    return anyio.run(proxy)()
 
 
 def _request_models() -> dict[str, Any]:

@@ -18,6 +18,7 @@ from kvstore.eviction.policies import make_policy
 from kvstore.tiers.remote.config import RemoteConfig
 
 SIZE_KEYS = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")  # vLLM's KVTransferConfig.kv_load_failure_policy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +43,10 @@ class ConnectorConfig:
       directory's config and weight files).
     * ``buffer_layers``: the layer-wise load's read buffer (default: no bound).
     * ``save``: whether to save new blocks (default True; False only reads the store).
+    * ``kv_load_failure_policy``: ``"recompute"`` or ``"fail"``, vLLM's own setting of that
+      name, for a user who wants ``"fail"`` kept: vLLM's ``KVTransferConfig`` cannot tell an
+      explicit ``"fail"`` from its default, which the connector replaces with ``"recompute"``
+      (:func:`~kvstore.integrations.vllm.connector.load_failure_policy`).
     * ``lossy_ok``: accept KV through a lossy codec (default False: a lossy codec in
       ``codecs`` is refused, and chunks another process stored lossily are not served, since
       KV that is not the KV vLLM computes changes answers). With True, the connector logs it
@@ -64,6 +69,7 @@ class ConnectorConfig:
     buffer_layers: int | None = None
     save: bool = True
     lossy_ok: bool = False
+    kv_load_failure_policy: str | None = None
     extra: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
@@ -121,6 +127,11 @@ class ConnectorConfig:
                 raise TypeError(f"kv_connector_extra_config[{name!r}] must be a bool, got "
                                 f"{v!r}")
             kw[name] = v
+        policy = extra.get("kv_load_failure_policy")
+        if policy is not None and policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_connector_extra_config['kv_load_failure_policy'] must be one "
+                             f"of {list(LOAD_FAILURE_POLICIES)}, got {policy!r}")
+        kw["kv_load_failure_policy"] = policy
         lossy = sorted(t for t, c in (kw.get("codecs") or {}).items() if is_lossy(c))
         if lossy and not kw["lossy_ok"]:
             raise ValueError(

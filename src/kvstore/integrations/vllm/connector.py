@@ -13,12 +13,23 @@ one process and share one open store (:mod:`kvstore.integrations.shared`). Turn 
 (the other keys: :class:`~kvstore.integrations.vllm.config.ConnectorConfig`). A store that
 cannot be opened (damaged, unreadable) leaves the connector inert: logged at startup, every
 lookup a miss, vLLM serves as without it. A configuration the connector cannot serve exactly
-(a GPU, tensor parallelism, quantized KV, an unknown block packing) is refused at startup.
+(a GPU, tensor parallelism, quantized KV, an unknown block packing) is refused at startup, as
+is a vLLM without the private surface the connector still needs (:mod:`.compat`).
+
+``kv_load_failure_policy`` (vLLM's, in ``KVTransferConfig``): a load that fails (an evicted or
+damaged chunk) is a cache miss to the connector, so it wants ``"recompute"``. vLLM's config does
+not record whether a field was given, and its default is ``"fail"``: the connector fills
+``"recompute"`` where the policy is vLLM's default, keeps any other value the user gave, and
+keeps ``"fail"`` where ``kv_connector_extra_config["kv_load_failure_policy"]`` says so (a failed
+load then fails its request). It logs what it chose.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -32,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.errors import KVStoreError, LayoutMismatch
 from kvstore.integrations import shared
+from kvstore.integrations.vllm import compat
 from kvstore.integrations.vllm import groups as kv_groups
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.identity import vllm_layout
@@ -52,18 +64,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     vLLM calls it (its scheduler thread, its forward thread)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        compat.check()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        cfg = ConnectorConfig.from_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config)
+        transfer = vllm_config.kv_transfer_config
+        cfg = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         groups = None if kv_cache_config is None else kv_groups.of(kv_cache_config)
         self._hybrid = groups is not None and groups.hybrid
         block_size = groups.block_size if self._hybrid else vllm_config.cache_config.block_size
         layout, isa = vllm_layout(vllm_config, model_id=cfg.model_id,
                                   groups=groups if self._hybrid else None)
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            # A load that fails (a damaged store, an evicted chunk) is a cache miss: vLLM
-            # must recompute those blocks, not fail the request.
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        load_failure_policy(transfer, cfg.kv_load_failure_policy)
+        self._cache_manager = None  # vLLM's KVCacheManager (scheduler role), once bound
+        self._plan: StepPlan | None = None  # this step's plan (worker role), while bound
         self._lease = _open_store(cfg, layout, block_size)
         store = None if self._lease is None else self._lease.store
         if store is not None and store.config.chunk_tokens % block_size:
@@ -79,6 +91,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                             namespace=cfg.namespace, save=cfg.save,
                                             block_ids_of=self._block_ids, groups=groups,
                                             lossy_ok=cfg.lossy_ok)
+            _register_scheduler(transfer.engine_id, self)
             if cfg.lossy_ok:
                 log.warning("kvstore: lossy_ok: KV stored through a lossy codec (%s) is served: "
                             "answers may differ from vLLM's own; each request's "
@@ -103,10 +116,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a cache: a dropped save is a future miss
 
     # ==== scheduler side =====================================================================
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        """vLLM hands the scheduler's ``KVCacheManager`` over once it is built."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._cache_manager = kv_cache_manager
+
     def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
-        """The request's block ids, one list per KV-cache group."""
-        assert self._kv_cache_manager is not None
-        return tuple(self._kv_cache_manager.get_block_ids(req_id))
+        """The request's block ids, one list per KV-cache group (every group)."""
+        assert self._cache_manager is not None
+        return tuple(self._cache_manager.get_block_ids(req_id))
+
+    def pending_saves(self) -> bool:
+        """Whether final saves are planned or in flight whose blocks vLLM still holds (the
+        engine must step to hand them to the store). Scheduler role."""
+        return self._scheduler is not None and self._scheduler.pending()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -123,6 +146,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, WorkerReport):
             self._scheduler.reported(report)
+        self._scheduler.sent(connector_output.finished_sending or ())
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -140,12 +164,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             assert isinstance(connector_metadata, StepPlan)
+            self._plan = connector_metadata
             self._worker.begin(connector_metadata)
 
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._plan = None
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        plan = self._get_connector_metadata()
-        assert isinstance(plan, StepPlan)
-        self._worker.start_loads(plan)
+        assert self._plan is not None, "start_load_kv before bind_connector_metadata"
+        self._worker.start_loads(self._plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_layer(layer_name)
@@ -190,6 +218,57 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._lease is not None:
             self._lease.close()
             self._lease = None
+
+
+def load_failure_policy(transfer, wanted: str | None) -> str:
+    """The ``kv_load_failure_policy`` the engine runs with, set on ``transfer`` (vLLM's
+    ``KVTransferConfig``, which vLLM's scheduler reads after creating the connector) only
+    where the user left vLLM's default: ``wanted`` (the extra config's
+    ``kv_load_failure_policy``) if given, else ``"recompute"`` (a failed load is a cache
+    miss). A policy the user gave is kept; ValueError if it contradicts ``wanted``. Logged."""
+    default = next(f.default for f in dataclasses.fields(type(transfer))
+                   if f.name == "kv_load_failure_policy")
+    given = transfer.kv_load_failure_policy
+    if given != default:  # the user's own: kept
+        if wanted is not None and wanted != given:
+            raise ValueError(f"kv_connector_extra_config['kv_load_failure_policy'] is "
+                             f"{wanted!r} but KVTransferConfig.kv_load_failure_policy is "
+                             f"{given!r}; set one of them")
+        policy, how = given, "as configured"
+    elif wanted is not None:
+        policy, how = wanted, "kv_connector_extra_config['kv_load_failure_policy']"
+    else:
+        policy, how = "recompute", (f"vLLM's default {default!r} filled in: a failed load is "
+                                    f"a cache miss")
+    if policy != given:
+        transfer.kv_load_failure_policy = policy
+    if policy == "recompute":
+        log.info("kvstore: kv_load_failure_policy=%r (%s)", policy, how)
+    else:
+        log.warning("kvstore: kv_load_failure_policy=%r (%s): a load from the store that "
+                    "fails (an evicted or damaged chunk) fails its request instead of being "
+                    "recomputed", policy, how)
+    return policy
+
+
+# In-process engines' scheduler-role connectors, by KVTransferConfig.engine_id (an offline
+# LLM's engine core in this process: :mod:`.offline` drives its final saves).
+_schedulers: dict[str, weakref.ref] = {}
+_schedulers_lock = threading.Lock()
+
+
+def _register_scheduler(engine_id: str | None, conn: KVStoreConnector) -> None:
+    if engine_id is not None:
+        with _schedulers_lock:
+            _schedulers[engine_id] = weakref.ref(conn)
+
+
+def scheduler_connector(engine_id: str | None) -> KVStoreConnector | None:
+    """The scheduler-role connector of the engine ``engine_id`` if it runs in this process
+    (and is still alive), else None."""
+    with _schedulers_lock:
+        ref = _schedulers.get(engine_id) if engine_id is not None else None
+    return None if ref is None else ref()
 
 
 def _open_store(cfg: ConnectorConfig, layout, block_size: int) -> shared.Lease | None:

@@ -18,6 +18,7 @@ import os
 import torch
 import xxhash
 
+from kvstore.integrations.vllm import compat
 from kvstore.integrations.vllm.groups import Groups
 from kvstore.integrations.vllm.packing import check_packing
 from kvstore.layout import KVLayout
@@ -57,11 +58,10 @@ def model_digest(model: str, revision: str | None = None) -> str:
 
 
 def attention_isa(vllm_config) -> str:
-    """The CPU attention ISA vLLM picks for this configuration (its block packing)."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+    """The CPU attention ISA vLLM picks for this configuration (its block packing; vLLM
+    exposes it publicly only on a built model's layers: :mod:`.compat`)."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
-    return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+    return compat.attention_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
 
 
 def _settings(mc) -> str:

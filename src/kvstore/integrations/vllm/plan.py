@@ -30,11 +30,13 @@ class LoadSpec:
     start: int  # a multiple of the block size: vLLM computed (or cached) what is before
     block_ids: tuple[int, ...]
     namespace: str | None
-    # A hybrid model (SupportsHMA): each full-attention group's blocks (block_ids are the
-    # first's), and the boundary state's blocks; the load is then whole and asynchronous
-    # (vLLM schedules the request once the worker reports it done or failed).
+    # Several KV-cache groups (SupportsHMA): each full-attention group's blocks (block_ids
+    # are the first's); a hybrid model's boundary state's blocks.
     group_block_ids: tuple[tuple[int, ...], ...] | None = None
     state: StatePlan | None = None
+    # Whole and asynchronous (a hybrid model's, or several groups'): vLLM schedules the
+    # request once the worker reports it done or failed (per request, not per block).
+    whole: bool = False
 
     @property
     def num_tokens(self) -> int:

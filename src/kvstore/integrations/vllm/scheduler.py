@@ -25,6 +25,12 @@ the boundary the request was loaded from: a conversation keeps its latest state,
 keeps a conversation's latest context (a boundary is as large as the windows and states of
 every layer, and a conversation's next turn extends its latest prompt whatever its answer
 re-tokenizes to). Blocks after the prompt (decode) are not saved: no boundary follows them.
+
+**Several KV-cache groups** of full attention alone (layers vLLM keeps in separate block
+tables): every load and save names each group's blocks (``group_block_ids``), and loads are
+whole and asynchronous, as a hybrid's are (vLLM takes load failures per request, not per
+block, with several groups); otherwise served as a plain model. One group: block ids as vLLM
+gives them, nothing else changes.
 """
 
 from __future__ import annotations
@@ -97,6 +103,9 @@ class SchedulerSide:
         # req_id -> the request's block ids, one list per KV-cache group
         self._block_ids_of = block_ids_of
         self.groups = groups if groups is not None and groups.hybrid else None
+        self._all_groups = groups  # every KV-cache group (None: one, of full attention)
+        # loads whole and asynchronous for vLLM: a hybrid's, or with several groups
+        self._whole_loads = groups is not None and (groups.hybrid or len(groups.groups) > 1)
         self._tracked: dict[str, _Tracked] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (start, tokens) last answered
         self._loads: list[tuple[str, int, int]] = []  # allocated, not planned yet
@@ -105,6 +114,7 @@ class SchedulerSide:
         # this step: vLLM asks request_finished before it hands over the step's worker report,
         # and serializes the params only after both, so the report still completes them.
         self._ended: dict[str, dict] = {}
+        self._held: set[str] = set()  # ended requests whose blocks wait for a final save
 
     # ---- lookups --------------------------------------------------------------------------
     def matched(self, request, num_computed: int) -> tuple[int, bool]:
@@ -131,7 +141,7 @@ class SchedulerSide:
             return 0, False
         ext = max(0, n - num_computed)
         self._lookups[request.request_id] = (num_computed, ext)
-        return ext, ext > 0 and self.groups is not None
+        return ext, ext > 0 and self._whole_loads
 
     def allocated(self, request, num_external: int) -> None:
         """vLLM allocated the request's blocks; ``num_external`` tokens are to be loaded."""
@@ -207,13 +217,26 @@ class SchedulerSide:
         block ids per group); a hybrid model's with its boundary state's blocks."""
         B, end = self.block_size, start + n
         lo, hi = start // B, -(-end // B)
+        full = self._full_tables(tables, lo, hi)
         if self.groups is None:
             return LoadSpec(req_id=rid, tokens=tuple(toks[:end]), start=start,
-                            block_ids=tuple(tables[0][lo:hi]), namespace=tracked.namespace)
-        full = full_block_ids(self.groups, tables, lo, hi)
+                            block_ids=full[0], namespace=tracked.namespace,
+                            group_block_ids=full if len(full) > 1 else None,
+                            whole=self._whole_loads)
         return LoadSpec(req_id=rid, tokens=tuple(toks[:end]), start=start, block_ids=full[0],
                         namespace=tracked.namespace, group_block_ids=full,
-                        state=state_plan(self.groups, tables, end, keep_below=start))
+                        state=state_plan(self.groups, tables, end, keep_below=start),
+                        whole=True)
+
+    def _full_tables(self, tables, lo: int, hi: int) -> tuple[tuple[int, ...], ...]:
+        """Blocks ``lo .. hi - 1`` of every full-attention group's table (``tables``: the
+        request's block ids per KV-cache group, as vLLM gives them)."""
+        if self._all_groups is not None:
+            return full_block_ids(self._all_groups, tables, lo, hi)
+        if len(tables) != 1:
+            raise ValueError(f"{len(tables)} KV-cache groups, but the connector was not given "
+                             f"vLLM's KVCacheConfig to tell them apart")
+        return (tuple(int(b) for b in tables[0][lo:hi]),)
 
     def _from_remote(self, spec: LoadSpec) -> bool:
         """Whether part of a load comes from the remote tier (not stored on this machine)."""
@@ -234,7 +257,7 @@ class SchedulerSide:
         tracked.deferred = False
         tokens = tuple(tracked.request.all_token_ids[:upto])
         if self.groups is not None:
-            full = full_block_ids(self.groups, tables, 0, -(-upto // B))
+            full = self._full_tables(tables, 0, -(-upto // B))
             state = state_plan(self.groups, tables, upto) if boundary else None
             if state is None:
                 full = tuple(ids[:upto // B] for ids in full)
@@ -245,8 +268,9 @@ class SchedulerSide:
                             state=state, replaces=replaces)
         if upto % B:
             tokens += (PAD,) * (B - upto % B)
-        return SaveSpec(req_id=rid, tokens=tokens,
-                        block_ids=tuple(tables[0][:len(tokens) // B]),
+        full = self._full_tables(tables, 0, len(tokens) // B)
+        return SaveSpec(req_id=rid, tokens=tokens, block_ids=full[0],
+                        group_block_ids=full if len(full) > 1 else None,
                         namespace=tracked.namespace, final=final)
 
     # ---- outcomes -------------------------------------------------------------------------
@@ -288,8 +312,17 @@ class SchedulerSide:
         if self.save and self.store is not None and upto > 0 and self.groups is None \
                 and (upto > tracked.saved or tracked.deferred):
             self._final.append(self._save(rid, tracked, upto, block_ids, final=True))
+            self._held.add(rid)
             return True, params
         return False, params
+
+    def sent(self, req_ids) -> None:
+        """The worker copied these requests' final saves (vLLM frees their blocks)."""
+        self._held.difference_update(req_ids)
+
+    def pending(self) -> bool:
+        """Whether final saves are planned or being copied (their requests' blocks held)."""
+        return bool(self._final or self._held)
 
     def _new_boundary(self, tracked: _Tracked, upto: int) -> bool:
         """Whether the store does not hold the boundary after ``upto`` tokens yet."""

@@ -28,7 +28,9 @@ A hybrid model's load (:mod:`.hybrid`) is asynchronous for vLLM: the worker fill
 full-attention blocks and the boundary state's blocks whole before the forward, then reports
 the request done (or failed: vLLM then recomputes it whole, as it requires with several
 KV-cache groups) through ``get_transfer_results``. A hybrid request's final save copies its
-boundary state out of its blocks beside its full-attention pages.
+boundary state out of its blocks beside its full-attention pages. With several KV-cache groups
+of full attention alone, each layer's blocks are its own group's (``group_block_ids``), and
+loads are whole and asynchronous, as a hybrid's.
 """
 
 from __future__ import annotations
@@ -83,10 +85,11 @@ class WorkerSide:
         self.block_size = block_size
         self.buffer_layers = buffer_layers
         self.groups = groups if groups is not None and groups.hybrid else None
+        self._full = groups.full if groups is not None else ()  # full-attention groups
         self.stats = KVStoreConnectorStats()
         self._caches: tuple[torch.Tensor, ...] = ()  # per layer [NB, H, 2, B*D]
         self._index: dict[str, int] = {}  # layer name -> layer
-        self._group_of: tuple[int, ...] = ()  # layer -> its full-attention group (hybrid)
+        self._group_of: tuple[int, ...] = ()  # layer -> its full-attention group (several)
         self._state_pages: StatePages | None = None
         self._recving: set[str] = set()  # hybrid loads done this step (failed ones too)
         self._failed_recving: set[str] = set()
@@ -105,10 +108,10 @@ class WorkerSide:
         names = sorted(kv_caches, key=extract_layer_index)
         if self.groups is not None:
             names = self.groups.full_layers(extract_layer_index)
-            full = self.groups.full
-            self._group_of = tuple(next(i for i, g in enumerate(full) if n in g.layers)
-                                   for n in names)
             self._state_pages = StatePages(self.groups, kv_caches)
+        if len(self._full) > 1:
+            self._group_of = tuple(next(i for i, g in enumerate(self._full) if n in g.layers)
+                                   for n in names)
         shapes = {tuple(kv_caches[n].shape) for n in names}
         if len(shapes) != 1:
             raise ValueError(f"the KVStoreConnector needs one KV cache shape for every layer, "
@@ -143,15 +146,16 @@ class WorkerSide:
                 self._fail_load(spec, KeyError("no store"))
             return
         for spec in plan.loads:
-            if spec.state is not None:
+            if spec.whole:
                 self._load_whole(spec)
             else:
                 self._start_load(spec)
 
     def _load_whole(self, spec: LoadSpec) -> None:
-        """A hybrid model's load, whole, now: the boundary state into its blocks, then the
-        full-attention blocks (the last one whole); reported done or failed to vLLM."""
-        assert spec.state is not None and self._state_pages is not None
+        """A load whole, now (a hybrid model's, or with several KV-cache groups): a boundary
+        state into its blocks, then the full-attention blocks of every group (the last one
+        whole); reported done or failed to vLLM."""
+        assert spec.state is None or self._state_pages is not None
         tokens = list(spec.tokens)
         t0 = time.perf_counter()
         self._recving.add(spec.req_id)
@@ -160,8 +164,9 @@ class WorkerSide:
             if spec.start:
                 front = self.store.residency(tokens[:spec.start], namespace=spec.namespace)
                 where = {k: where[k] - front[k] for k in where}
-            self._state_pages.scatter(spec.state, self.store.state(
-                tokens, namespace=spec.namespace))
+            if spec.state is not None:
+                self._state_pages.scatter(spec.state, self.store.state(
+                    tokens, namespace=spec.namespace))
             pages = self._pages(spec.block_ids, spec.group_block_ids)
             with self.store.load_layers(tokens, namespace=spec.namespace, start=spec.start,
                                         pages=pages) as load:
@@ -218,7 +223,7 @@ class WorkerSide:
         """The load's blocks hold no (or unverified) KV: vLLM recomputes them."""
         log.warning("kvstore: loading %d tokens of request %s failed, vLLM recomputes them: "
                     "%s: %s", spec.num_tokens, spec.req_id, type(error).__name__, error)
-        if spec.state is None:  # a hybrid load is reported failed as a request instead
+        if not spec.whole:  # a whole load is reported failed as a request instead
             self._invalid.update(spec.block_ids)
         self._report.failed.add(spec.req_id)
         self.stats.add("load_failures")

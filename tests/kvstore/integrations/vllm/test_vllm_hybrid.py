@@ -17,6 +17,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,9 +38,10 @@ MODELS = {
 }
 
 
-def run_engine(tmp_path: Path, name: str, requests: list[dict], store: Path | None,
-               **extra) -> tuple[list[dict], str]:
-    """Serve ``requests`` on a fresh engine of hybrid ``name`` in its own process."""
+def start_engine(tmp_path: Path, name: str, requests: list[dict], store: Path | None,
+                 **extra) -> Callable[[], tuple[list[dict], str]]:
+    """Start serving ``requests`` on a fresh engine of hybrid ``name`` in its own process;
+    returns what waits for it: (results, its log)."""
     dtype, pc, _ = MODELS.get(name, ("float32", False, 0))
     job = tmp_path / f"job-{len(list(tmp_path.glob('job-*')))}.json"
     job.write_text(json.dumps({
@@ -48,13 +50,30 @@ def run_engine(tmp_path: Path, name: str, requests: list[dict], store: Path | No
         "connector": None if store is None else {"store_dir": str(store), **extra},
         "requests": requests}))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "tests.support.vllm_runner", str(job)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=900)
-    log = r.stdout + r.stderr
-    if r.returncode != 0:
-        return [], log
-    return [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines()
-            if line.startswith("RESULT ")], log
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_runner", str(job)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+    def result() -> tuple[list[dict], str]:
+        try:
+            out, err = proc.communicate(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log = out + err
+        if proc.returncode != 0:
+            return [], log
+        return [json.loads(line[len("RESULT "):]) for line in out.splitlines()
+                if line.startswith("RESULT ")], log
+
+    return result
+
+
+def run_engine(tmp_path: Path, name: str, requests: list[dict], store: Path | None,
+               **extra) -> tuple[list[dict], str]:
+    """Serve ``requests`` on a fresh engine of hybrid ``name`` in its own process."""
+    return start_engine(tmp_path, name, requests, store, **extra)()
 
 
 def prompts() -> dict[str, list[int]]:
@@ -85,10 +104,12 @@ def served(request, tmp_path_factory) -> tuple[str, list[dict], Path, list[dict]
     name = request.param
     tmp = tmp_path_factory.mktemp(name)
     reqs = requests(prompts())
-    ref, log = run_engine(tmp, name, reqs, None)
-    assert len(ref) == 4, log[-4000:]
     store = tmp / "store"
+    # the oracle and the engine that fills the store are independent: they run side by side
+    oracle = start_engine(tmp, name, reqs, None)
     first, log = run_engine(tmp, name, reqs[:1], store)
+    ref, ref_log = oracle()
+    assert len(ref) == 4, ref_log[-4000:]
     assert len(first) == 1 and same(ref[0], first[0], MODELS[name][2]), log[-4000:]
     again, log = run_engine(tmp, name, reqs, store)
     assert len(again) == 4, log[-4000:]
@@ -135,14 +156,15 @@ def test_a_damaged_state_is_recomputed_exactly(served, tmp_path):
             f.seek(off + 64)
             f.write(bytes([byte[0] ^ 0xFF]))
     # b extended: its prompt's boundary (b) is damaged
+    oracle = start_engine(tmp_path, name, [{"ids": p["b"] + p["more"], "max_tokens": 8}],
+                          None)  # beside the engine on the damaged store
     got, log = run_engine(tmp_path, name, [{"ids": p["b"] + p["more"], "max_tokens": 8}],
                           store)
+    want, want_log = oracle()
     assert len(got) == 1, log[-4000:]
     assert got[0]["params"]["kvstore"]["load_failed"] is True
     assert "CorruptData" in log and "vLLM recomputes" in log
-    want, log = run_engine(tmp_path, name, [{"ids": p["b"] + p["more"], "max_tokens": 8}],
-                           None)
-    assert len(want) == 1, log[-4000:]
+    assert len(want) == 1, want_log[-4000:]
     assert same(want[0], got[0], MODELS[name][2])
 
 
