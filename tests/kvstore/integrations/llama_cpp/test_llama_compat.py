@@ -23,15 +23,7 @@ def checked_again():
     compat.check(again=True)
 
 
-@pytest.fixture
-def records():
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = got.append
-    logger = logging.getLogger("kvstore.integrations.llama_cpp")
-    logger.addHandler(handler)
-    yield got
-    logger.removeHandler(handler)
+LOGGER = "kvstore.integrations.llama_cpp"  # what the shared ``records`` fixture captures
 
 
 def test_the_tested_versions_are_the_installed_llama_cpp_python():

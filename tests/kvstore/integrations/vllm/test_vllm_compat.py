@@ -30,16 +30,7 @@ def checked_again():
     compat.check(again=True)
 
 
-@pytest.fixture
-def records():
-    """What the connector logs (vLLM's loggers do not propagate to the root logger)."""
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = got.append
-    logger = logging.getLogger("vllm.kvstore")
-    logger.addHandler(handler)
-    yield got
-    logger.removeHandler(handler)
+LOGGER = "vllm.kvstore"  # what the shared ``records`` fixture captures
 
 
 def test_the_tested_versions_are_the_installed_vllm():
