@@ -1,9 +1,13 @@
-"""Settings and fixtures for every test folder: fixed hypothesis seeds, and the real Redis."""
+"""Settings and fixtures for every test folder: fixed hypothesis seeds, the real Redis and the
+real SeaweedFS."""
+
+import itertools
 
 import pytest
 from hypothesis import settings
 
 from tests.support.redis_servers import Server
+from tests.support.seaweed import Weed, credentials
 
 # Fixed seeds: every hypothesis test is derandomized so CI runs are reproducible.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
@@ -27,3 +31,30 @@ def redis_server(redis_session):
     """The session's redis-server, emptied (FLUSHALL) for this test."""
     redis_session.cli("flushall")
     return redis_session
+
+
+@pytest.fixture(scope="session")
+def weed(tmp_path_factory):
+    """One real SeaweedFS with its S3 gateway for the session
+    (:class:`tests.support.seaweed.Weed`), started when a test first asks for it; tests keep
+    apart by buckets (:func:`bucket_url`)."""
+    w = Weed(tmp_path_factory.mktemp("weed"))
+    yield w
+    w.stop()
+
+
+_tests = itertools.count()
+
+
+@pytest.fixture
+def bucket_url(weed, monkeypatch):
+    """Factory: an ``s3://`` URL under a prefix no other test uses, in the session's bucket
+    (created by the first store that opens it: SeaweedFS gives each bucket volumes of its
+    own, so tests share one), with the test identity's credentials in the environment."""
+    credentials(monkeypatch)
+    base = f"t{next(_tests)}"
+
+    def _url(prefix: str = "kv", **params: str) -> str:
+        return weed.url("kvtest", f"{base}/{prefix}", **params)
+
+    return _url

@@ -42,10 +42,17 @@ from kvstore.pipelines.pages import Pages  # noqa: E402
 from kvstore.pipelines.saving import SaveHandle  # noqa: E402
 from kvstore.store.facade import Store  # noqa: E402
 from kvstore.store.opening import open_store  # noqa: E402
+from kvstore.tiers.objects import (  # noqa: E402
+    ObjectsAuthError,
+    ObjectsConfig,
+    ObjectsSetupError,
+    sweep_objects,
+)
 from kvstore.tiers.remote import RemoteAuthError, RemoteConfig, RemoteSetupError  # noqa: E402
 
 open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sqlite3.connect)
 
-__all__ += ["RemoteAuthError", "RemoteConfig", "RemoteSetupError", "Job", "LayerLoad",
+__all__ += ["ObjectsAuthError", "ObjectsConfig", "ObjectsSetupError", "sweep_objects",
+            "RemoteAuthError", "RemoteConfig", "RemoteSetupError", "Job", "LayerLoad",
             "Pages", "ReadThrottle", "SaveHandle", "Store",
             "StoreConfig", "open", "open_store"]

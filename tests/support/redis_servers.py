@@ -174,7 +174,9 @@ class Proxy:
     ``"garbage"`` (replace what the server sends with bytes that are not the protocol);
     ``"trickle"`` (the server's bytes one at a time, ``delay_s`` apart);
     ``"bighead"`` (instead of each reply, a bulk header announcing 2,000,000,000 bytes, then
-    one byte every ``delay_s``). ``mode`` may be changed while connections are open.
+    one byte every ``delay_s``); ``"httphead"`` (the same for HTTP: a 200 reply announcing a
+    body of 2,000,000,000 bytes, then one byte every ``delay_s``). ``mode`` may be changed
+    while connections are open.
     ``tls``: a server-side SSL context: clients then speak TLS to the proxy (``rediss://``),
     which speaks plain RESP to the server, as a TLS-terminating front of a Redis would."""
 
@@ -244,6 +246,11 @@ class Proxy:
                     while not self._stop.wait(self.delay_s):
                         dst.sendall(b"x")
                     return
+                if down and self.mode == "httphead":
+                    dst.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2000000000\r\n\r\n")
+                    while not self._stop.wait(self.delay_s):
+                        dst.sendall(b"x")
+                    return
                 if down and self.mode == "throttle":
                     if self.delay_s:
                         time.sleep(self.delay_s)
@@ -271,6 +278,10 @@ class Proxy:
 
     def stop(self) -> None:
         self._stop.set()
+        try:  # wakes the accept() blocked in its thread (a close alone would not: the
+            self.sock.shutdown(socket.SHUT_RDWR)  # socket would go on listening)
+        except OSError:
+            pass
         self.sock.close()
         for c in self._conns:
             try:

@@ -1,4 +1,8 @@
-"""What a store does with its remote tier: read-through, write-through, prefetch, stats.
+"""What a store does with a shared tier of chunk values (Redis, an object store): read-through,
+write-through, prefetch, stats. The tier itself answers :class:`ChunkServer`'s calls
+(:class:`kvstore.tiers.remote.tier.RemoteTier` with pipelined commands,
+:class:`kvstore.tiers.objects.tier.ObjectTier` with parallel ranged requests); what follows
+says it of Redis, and holds for both.
 
 * ``match``: after the local prefix (its full chunks), the chain addresses of the rest of the
   tokens are looked up in one pipelined round trip (headers only, verified); the remote
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -50,8 +55,7 @@ from kvstore.tiers.codecs import remote_value_codec
 from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.tiers.remote import value as rv
 from kvstore.tiers.remote.deadline import call_deadline
-from kvstore.tiers.remote.estimate import worth_fetching
-from kvstore.tiers.remote.tier import RemoteTier
+from kvstore.tiers.remote.estimate import LinkEstimate, worth_fetching
 from kvstore.view.prefix_tree import Piece, served
 
 RECENT = 4096  # keys fetched from remote, remembered so that filling them does not send them back
@@ -108,12 +112,53 @@ def check_block_starts(rest: list[_Chunk], block_tokens: int) -> None:
                              f"{len(ch.tokens)} tokens at {ch.start})")
 
 
+class ChunkServer(Protocol):
+    """A tier of verified chunk values by chain key, as the link uses it. Every call ends by
+    the deadline of the public call it serves (``deadline()``); a failure is a miss (None),
+    never an error. Thread-safety: every method from any thread."""
+
+    cfg: object  # fill, write_through, max_queued_chunks, codec (RemoteConfig's fields)
+    estimate: LinkEstimate
+
+    def deadline(self) -> object: ...
+
+    def count(self, name: str, n: int = 1) -> None: ...
+
+    def headers(self, items: Sequence[tuple[bytes, np.ndarray]],
+                wants: Sequence[tuple[bytes, np.ndarray]] = ()) -> list[rv.Header | None]: ...
+
+    def headers_and_kids(self, items: Sequence[tuple[bytes, np.ndarray]],
+                         wants: Sequence[tuple[bytes, np.ndarray]]
+                         ) -> tuple[list[rv.Header | None],
+                                    list[list[tuple[bytes, np.ndarray]]]]: ...
+
+    def kids(self, wants: Sequence[tuple[bytes, np.ndarray]]
+             ) -> list[list[tuple[bytes, np.ndarray]]]: ...
+
+    def values_and_headers(self, items: Sequence[tuple[bytes, np.ndarray]]
+                           ) -> list[tuple[np.ndarray, rv.Header] | None]: ...
+
+    def layers(self, items: Sequence[tuple[bytes, rv.Header]], layers: Sequence[int]
+               ) -> dict[int, list[np.ndarray | None]]: ...
+
+    def probe(self, found: Sequence[tuple[bytes, rv.Header]]) -> None: ...
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool | None]: ...
+
+    def put(self, items: Sequence[tuple[bytes, bytes]],
+            kids: Sequence[tuple[bytes, bytes, np.ndarray]] = ()) -> list[bool | None]: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, object]: ...
+
+
 class RemoteLink:
-    """The Redis tier as a :class:`~kvstore.pipelines.shared_tiers.SharedTier` of a store."""
+    """A tier of chunk values (:class:`ChunkServer`) as a
+    :class:`~kvstore.pipelines.shared_tiers.SharedTier` of a store, named ``name`` in its
+    ``stats()`` (``"remote"``: Redis; ``"objects"``: an object store)."""
 
-    name = "remote"
-
-    def __init__(self, core: Core, tier: RemoteTier, *,
+    def __init__(self, core: Core, tier: ChunkServer, *, name: str,
                  get_local: Callable[[np.ndarray, str | None, tuple[torch.Tensor, torch.Tensor]],
                                      None],
                  read_chunk: Callable[[bytes], tuple[ChunkRecord, np.ndarray] | None],
@@ -121,6 +166,7 @@ class RemoteLink:
                  prefetch_get: Callable[[np.ndarray, str | None], None]) -> None:
         self.core = core
         self.tier = tier
+        self.name = name
         self._get_local = get_local  # local KV of toks into the leading tokens of out tensors
         self._read_chunk = read_chunk  # key -> (record, extent) from the local tiers, or None
         # store a fetched context locally: (toks, ns, raw k, raw v) -> False if refused
@@ -134,13 +180,13 @@ class RemoteLink:
         # chain keys of chunks recently served from lossy values (for lossy_tokens; no IO)
         self._lossy: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._writes: Worker[tuple[bytes, bytes]] = Worker(
-            self._write_batch, name="kvstore-remote-write", batch=16,
+            self._write_batch, name=f"kvstore-{name}-write", batch=16,
             max_items=tier.cfg.max_queued_chunks, key=lambda it: it[0])
         self._fills: Worker[tuple[np.ndarray, str | None, torch.Tensor, torch.Tensor]] = Worker(
-            self._fill_batch, name="kvstore-remote-fill", batch=1, max_items=4,
+            self._fill_batch, name=f"kvstore-{name}-fill", batch=1, max_items=4,
             key=lambda it: (it[1], it[0].tobytes()))
         self._prefetches: Worker[Job] = Worker(
-            self._prefetch_batch, name="kvstore-remote-prefetch", batch=1, max_items=256,
+            self._prefetch_batch, name=f"kvstore-{name}-prefetch", batch=1, max_items=256,
             key=lambda j: (j.namespace, j.tokens.tobytes()))
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -499,13 +545,13 @@ class RemoteLink:
         c = self.core.config.chunk_tokens
         for k, e in zip(keys, there, strict=True):
             if e is None:
-                tier._count("write_failed")
+                tier.count("write_failed")
             elif e:
-                tier._count("already_present")
+                tier.count("already_present")
             else:
                 got = self._read_chunk(k)
                 if got is None:  # evicted or superseded locally before it could be sent
-                    tier._count("write_failed")
+                    tier.count("write_failed")
                     continue
                 rec, ext = got
                 if rec.n_tokens < c:  # findable by a longer prompt through its parent
@@ -515,7 +561,7 @@ class RemoteLink:
             with tier.deadline():
                 sent = tier.put(send, kids)
             for ok in sent:
-                tier._count("written_chunks" if ok else "already_present" if ok is False
+                tier.count("written_chunks" if ok else "already_present" if ok is False
                             else "write_failed")
 
     def _value(self, key: bytes, rec: ChunkRecord, ext: np.ndarray) -> bytes:

@@ -38,7 +38,7 @@ from kvstore.pipelines.layer_reads import Loads
 from kvstore.pipelines.pages import Pages, to_block_end
 from kvstore.pipelines.prefetch import Prefetch
 from kvstore.pipelines.put import Writer
-from kvstore.pipelines.remote import RemoteLink
+from kvstore.pipelines.remote import ChunkServer, RemoteLink
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
 from kvstore.pipelines.shared_tiers import SharedTiers
@@ -46,7 +46,6 @@ from kvstore.residency.core import Core
 from kvstore.residency.lookahead import Hints
 from kvstore.residency.plans import Plans
 from kvstore.store.argument_checks import check_device, check_kv, check_out
-from kvstore.tiers.remote.tier import RemoteTier
 from kvstore.view import boundaries
 from kvstore.view.prefix_tree import Piece, served
 
@@ -96,14 +95,15 @@ class Store:
         self._saver = Saver(
             capacity_bytes=core.config.write_buffer_bytes,
             write=self._write_saved, release=self._release_held, helpers=core.helpers)
-        self._shared = SharedTiers()  # below DRAM and disk: Redis
+        self._shared = SharedTiers()  # below DRAM and disk: Redis, an object store
         with _LIVE_LOCK:
             _LIVE.add(self)
 
-    def _attach_remote(self, tier: RemoteTier) -> None:
-        """Called once by :func:`kvstore.open` with a connected remote tier."""
+    def _attach_shared(self, tier: ChunkServer, name: str) -> None:
+        """Called by :func:`kvstore.open` with each connected shared tier (``"remote"``:
+        Redis, ``"objects"``: an object store), in the order they are tried."""
         self._shared.attach(RemoteLink(
-            self._core, tier,
+            self._core, tier, name=name,
             get_local=lambda toks, ns, out: self._reader.get(toks, ns, out, None),
             read_chunk=self._reader.chunk_extent,
             fill=lambda toks, ns, kr, vr: self._writer.put(toks, kr, vr, ns, learn=False),
@@ -263,8 +263,8 @@ class Store:
         """The durability point of asynchronous saves: block until every finished save is
         durable; raise the first error a save met since the last flush. With ``remote=True``,
         then also wait until every chunk queued for write-through so far has been sent to the
-        remote tier (or failed to: remote failures are counted in ``stats()["remote"]``, never
-        raised). Thread-safe."""
+        shared tiers, Redis and the object store (or failed to: their failures are counted in
+        ``stats()["remote"]`` and ``stats()["objects"]``, never raised). Thread-safe."""
         self._core.check_open()
         if not isinstance(remote, bool):
             raise TypeError(f"remote must be a bool, got {type(remote).__name__}")

@@ -38,6 +38,8 @@ from kvstore.residency.counters import Counters
 from kvstore.store.facade import Store
 from kvstore.threads.fork_join import Helpers
 from kvstore.tiers.dram import DramTier
+from kvstore.tiers.objects.config import ObjectsConfig
+from kvstore.tiers.objects.tier import ObjectTier
 from kvstore.tiers.output_pool import OutputPool
 from kvstore.tiers.remote.config import RemoteConfig
 from kvstore.tiers.remote.tier import RemoteTier
@@ -76,7 +78,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
                chunk_tokens: int | None = None, policy: str | None = None,
                codecs: Mapping[str, str] | None = None, slot_codec: str | None = None,
                readonly: bool = False, exclusive: bool = False,
-               remote: str | list[str] | tuple[str, ...] | RemoteConfig | None = None) -> Store:
+               remote: str | list[str] | tuple[str, ...] | RemoteConfig | None = None,
+               objects: str | ObjectsConfig | None = None) -> Store:
     """Open (or create) the store directory ``path``.
 
     On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
@@ -108,6 +111,13 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     :mod:`kvstore.tiers.remote`). Credentials Redis refuses raise :class:`RemoteAuthError` here; a
     server that does not answer only leaves the tier's breaker open (the store serves from its
     local tiers and retries in the background).
+
+    ``objects``: a shared tier on S3-compatible object storage,
+    ``"s3://BUCKET/PREFIX?endpoint=http://HOST:PORT"`` (no endpoint: AWS S3) or a
+    :class:`kvstore.ObjectsConfig` (see :mod:`kvstore.tiers.objects`); credentials from
+    ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN`` or the URL's
+    ``profile=``. Refused credentials raise :class:`ObjectsAuthError` here; an endpoint that
+    does not answer only leaves the tier's breaker open. With both, Redis is tried first.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -125,6 +135,7 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     if readonly and exclusive:
         raise ValueError("readonly and exclusive cannot both be set")
     remote_cfg = None if remote is None else RemoteConfig.of(remote)
+    objects_cfg = None if objects is None else ObjectsConfig.of(objects)
     if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
         raise FileNotFoundError(f"no kvstore at {path!r}")
     if layout is None and not readonly and _nothing_at(path):
@@ -152,19 +163,25 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     lock.settle()
     if not readonly:
         _warn_beyond_device(path, config)
+    shared: list[tuple[str, RemoteConfig | ObjectsConfig]] = []
     if remote_cfg is not None:
+        shared.append(("remote", remote_cfg))
+    if objects_cfg is not None:
+        shared.append(("objects", objects_cfg))
+    for name, cfg in shared:
         try:
-            codec = config.tier_codecs.remote_for(remote_cfg.codec)
+            codec = config.tier_codecs.remote_for(cfg.codec) if name == "remote" else cfg.codec
             if store.layout.boundary_state and layer_codec.is_lossy(codec):
-                raise ValueError(f"remote codec {codec!r} is lossy; a layout with "
+                raise ValueError(f"{name} codec {codec!r} is lossy; a layout with "
                                  f"sliding-window or recurrent layers needs a lossless one")
-            tier = RemoteTier(replace(remote_cfg, codec=codec), store.layout)
+            tier = RemoteTier(replace(cfg, codec=codec), store.layout) if name == "remote" \
+                else ObjectTier(replace(cfg, codec=codec), store.layout)
             try:
                 tier.connect()
             except BaseException:
                 tier.close()
                 raise
-            store._attach_remote(tier)
+            store._attach_shared(tier, name)
         except BaseException:
             store.close()
             raise

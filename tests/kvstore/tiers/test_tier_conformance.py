@@ -1,8 +1,9 @@
 """One state machine, every tier: contexts put through the public API are served back byte for
 byte from DRAM (a roomy DRAM tier), from disk (no DRAM tier), and from Redis (a second store in
-another directory that keeps nothing locally, so every read crosses the remote tier), against a
-dict of what was put. The remote tier may lose everything (Redis's eviction): then it misses,
-and never serves a wrong byte."""
+another directory that keeps nothing locally, so every read crosses the remote tier), and from an
+object store (the same, through SeaweedFS), against a dict of what was put. A shared tier may
+lose everything (Redis's eviction; a sweep of the bucket down to nothing): then it misses, and
+never serves a wrong byte."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import kvstore
 from tests.support.kvgen import SMALL, causal_kv, lcp, put_causal
 
 C = 4
+_machines = itertools.count()
 BASES = [np.random.default_rng(s).integers(0, 300, 40).tolist() for s in range(3)]
 
 
@@ -32,16 +34,24 @@ class TierMachine(RuleBasedStateMachine):
     tier = "dram"
     make = None  # (name, **kw) -> store
     server = None
+    bucket_url = None  # (prefix) -> s3:// URL
 
     def __init__(self):
         super().__init__()
-        if self.server is not None:
-            self.server.cli("flushall")
         dram = 1 << 20 if self.tier == "dram" else 0
-        remote = None if self.tier != "remote" else self.server.url
-        self.writer = self.make(dram_bytes=dram, remote=remote)
-        self.reader = self.writer if self.tier != "remote" else self.make(
-            dram_bytes=0, remote=kvstore.RemoteConfig(urls=(remote,), fill="none"))
+        if self.tier == "remote":
+            self.server.cli("flushall")
+            url = self.server.url
+            self.writer = self.make(dram_bytes=dram, remote=url)
+            self.reader = self.make(dram_bytes=0,
+                                    remote=kvstore.RemoteConfig(urls=(url,), fill="none"))
+        elif self.tier == "objects":
+            self.url = self.bucket_url(f"m{next(_machines)}")
+            self.writer = self.make(dram_bytes=dram, objects=self.url)
+            self.reader = self.make(dram_bytes=0,
+                                    objects=kvstore.ObjectsConfig(url=self.url, fill="none"))
+        else:
+            self.writer = self.reader = self.make(dram_bytes=dram)
         self.model: list[list[int]] = []
 
     @rule(b=st.integers(0, 2), n=st.integers(1, 40))
@@ -57,7 +67,7 @@ class TierMachine(RuleBasedStateMachine):
         best = max((lcp(t, x) for x in self.model), default=0)
         m = self.reader.match(t)
         assert m <= best
-        if self.tier != "remote":
+        if self.tier in ("dram", "disk"):
             assert m == best
         else:  # whole chunks, or into a context's stored partial last chunk (kids set)
             assert m >= max((remote_serves(t, x) for x in self.model), default=0)
@@ -73,6 +83,9 @@ class TierMachine(RuleBasedStateMachine):
         if self.tier == "remote":
             self.server.cli("flushall")
             self.model = []
+        elif self.tier == "objects":
+            kvstore.sweep_objects(self.url, max_bytes=1)  # every value goes
+            self.model = []
 
     def teardown(self):
         self.writer.close()
@@ -80,8 +93,8 @@ class TierMachine(RuleBasedStateMachine):
             self.reader.close()
 
 
-@pytest.mark.parametrize("tier", ["dram", "disk", "remote"])
-def test_every_tier_serves_what_was_put(tier, tmp_path_factory, redis_server):
+@pytest.mark.parametrize("tier", ["dram", "disk", "remote", "objects"])
+def test_every_tier_serves_what_was_put(tier, tmp_path_factory, request):
     counter = itertools.count()
 
     def make(**kw):
@@ -90,7 +103,10 @@ def test_every_tier_serves_what_was_put(tier, tmp_path_factory, redis_server):
 
     machine = type(f"{tier.title()}Machine", (TierMachine,),
                    {"tier": tier, "make": staticmethod(make),
-                    "server": redis_server if tier == "remote" else None})
+                    "server": request.getfixturevalue("redis_server") if tier == "remote"
+                    else None,
+                    "bucket_url": staticmethod(request.getfixturevalue("bucket_url"))
+                    if tier == "objects" else None})
     machine.TestCase.settings = settings(
         max_examples=8, stateful_step_count=12, deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -49,6 +49,7 @@ from kvstore.integrations.llama_cpp.identity import Identity, Unsupported, ident
 from kvstore.integrations.llama_cpp.state import StateError
 from kvstore.integrations.shared import Lease, acquire
 from kvstore.store.facade import Store
+from kvstore.tiers.objects.config import ObjectsConfig
 
 log = logging.getLogger("kvstore.integrations.llama_cpp")
 
@@ -93,7 +94,9 @@ class KVStoreLlamaCache:
     ``store`` is a directory (created on first use; opened through
     :func:`kvstore.integrations.shared.acquire`, so other parts of this process share it) or
     an open :class:`kvstore.Store` (its layout must be the Llama's, see :mod:`.identity`).
-    ``dram_bytes`` / ``disk_bytes`` size a directory's store as :func:`kvstore.open` does.
+    ``dram_bytes`` / ``disk_bytes`` size a directory's store as :func:`kvstore.open` does;
+    ``objects`` (an ``s3://`` URL or :class:`kvstore.ObjectsConfig`) gives it the object tier
+    that other machines share.
     Several processes may use one directory at once; each sees the others' KV.
 
     Thread-safety: every method may be called from any thread; llama-cpp-python calls the
@@ -101,11 +104,12 @@ class KVStoreLlamaCache:
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, *, dram_bytes: int | None = None,
-                 disk_bytes: int | None = None) -> None:
+                 disk_bytes: int | None = None,
+                 objects: str | ObjectsConfig | None = None) -> None:
         if isinstance(store, Store):
-            if dram_bytes is not None or disk_bytes is not None:
-                raise ValueError("dram_bytes/disk_bytes size a store the cache opens; an open "
-                                 "Store was given as store")
+            if dram_bytes is not None or disk_bytes is not None or objects is not None:
+                raise ValueError("dram_bytes/disk_bytes/objects configure a store the cache "
+                                 "opens; an open Store was given as store")
             self._path: str | None = None
         elif isinstance(store, str | os.PathLike):
             self._path = os.path.expanduser(os.fspath(store))
@@ -115,8 +119,11 @@ class KVStoreLlamaCache:
         else:
             raise TypeError(f"store must be a store directory path or an open kvstore.Store, "
                             f"got {type(store).__name__}")
+        if objects is not None:
+            objects = ObjectsConfig.of(objects)  # checks it now, connects at first use
         self._options = {k: v for k, v in (("dram_bytes", dram_bytes),
-                                           ("disk_bytes", disk_bytes)) if v is not None}
+                                           ("disk_bytes", disk_bytes),
+                                           ("objects", objects)) if v is not None}
         self._given = store if isinstance(store, Store) else None
         self._lease: Lease | None = None
         self._lock = threading.Lock()

@@ -37,6 +37,10 @@ def add_serve_command(sub: Any) -> None:
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     s.add_argument("--disk-bytes", type=int, default=None,
                    help="the store's disk budget when it is created (default 16 GiB)")
+    s.add_argument("--objects", default=None,
+                   help="object tier shared by every server: s3://BUCKET/PREFIX?endpoint="
+                        "http://HOST:PORT (credentials from AWS_ACCESS_KEY_ID / "
+                        "AWS_SECRET_ACCESS_KEY, or the URL's profile=)")
     s.set_defaults(func=run_serve)
 
 
@@ -52,6 +56,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--n-threads must be positive, got {args.n_threads}")
     if args.disk_bytes is not None and args.disk_bytes <= 0:
         raise ValueError(f"--disk-bytes must be positive, got {args.disk_bytes}")
+    if args.objects is not None:
+        from kvstore.tiers.objects.config import ObjectsConfig
+
+        try:
+            ObjectsConfig(url=args.objects)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--objects: {e}") from None
 
 
 def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -73,7 +84,7 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     app = server_app.create_app(
         server_settings=ServerSettings(host=args.host, port=args.port),
         model_settings=[ModelSettings(**model)])
-    cache = KVStoreLlamaCache(args.store, disk_bytes=args.disk_bytes)
+    cache = KVStoreLlamaCache(args.store, disk_bytes=args.disk_bytes, objects=args.objects)
     served_llama(server_app).set_cache(cache)
 
     @app.get("/kvstore/stats")

