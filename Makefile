@@ -37,9 +37,12 @@ HYBRID_NAMES := gemma3 granitemoehybrid qwen3_next lfm2 falcon_h1 mamba2
 # What the tests need is made two jobs at a time: llama.cpp compiles while pip installs.
 TEST_NEEDS := lint $(HF_MODEL) $(VENV)/.llama-installed $(HYBRID_TINY)
 
+# The suite runs in two processes, a module at a time each (module fixtures start an engine
+# once); the tests that assert wall-clock bounds (marked `serial`) run after, alone.
 test:
 	$(MAKE) -j2 $(TEST_NEEDS)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile -m "not serial"
+	$(VENV)/bin/pytest -q -m serial
 
 
 demo: $(VENV)/.installed

@@ -12,10 +12,12 @@ measured request.
   prefix cache off, so the worker's DRAM tier serves), ``kvstore_disk`` /
   ``kvstore_disk_cold`` (a fresh engine, page cache warm / dropped with ``posix_fadvise``),
   ``kvstore_redis`` (a fresh engine on an empty directory sharing a redis-server with the
-  first). Configurations alternate within each repetition;
+  first), ``kvstore_objects`` (the same with only the object tier, a SeaweedFS the first
+  engine wrote through to). Configurations alternate within each repetition;
   ratios are between medians of the same run.
 * ``decode``: decode throughput of ``--new-tokens`` greedy tokens with the connector saving every
-  new block, against the same engine without a connector (alternating processes).
+  new block (``with_saving``; ``with_saving_objects``: and writing it through to the object
+  tier), against the same engine without a connector (alternating processes).
 * ``disk``: bytes on disk after ``--conversations`` prompts sharing a 1,024-token system
   prompt, each with its own ``--turn-tokens`` turn, this connector against ``ExampleConnector``.
 
@@ -144,6 +146,16 @@ def stats(samples: list[float]) -> dict[str, object]:
 
 
 # ---- ttft ----------------------------------------------------------------------------------
+def _weed(work: Path):
+    """A SeaweedFS for the object tier, with its credentials in this process's environment
+    (the engines' processes inherit them)."""
+    from tests.support.seaweed import ACCESS_KEY, SECRET_KEY, Weed
+
+    os.environ["AWS_ACCESS_KEY_ID"] = ACCESS_KEY
+    os.environ["AWS_SECRET_ACCESS_KEY"] = SECRET_KEY
+    return Weed(work / "weed")
+
+
 def bench_ttft(args, model: str, work: Path) -> dict:
     from tests.support.redis_servers import Server
 
@@ -163,11 +175,14 @@ def bench_ttft(args, model: str, work: Path) -> dict:
             firsts.add(tuple(r["first"])[0])
 
     srv = Server(work / "redis")
+    weed = _weed(work)
     try:
         for rep in range(args.reps):
             d = work / f"rep{rep}"
             d.mkdir()
-            store = {"store_dir": str(d / "store"), "remote": srv.url, **STORE_SIZES}
+            bucket = weed.url("bench", f"ttft{rep}")
+            store = {"store_dir": str(d / "store"), "remote": srv.url, "objects": bucket,
+                     **STORE_SIZES}
             srv.cli("flushall")
             record(run_engine({**base, "steps": [{**step, "label": "recompute"}]}, d))
             ex = {"kind": "example", "path": str(d / "example")}
@@ -191,9 +206,14 @@ def bench_ttft(args, model: str, work: Path) -> dict:
             other = {"kind": "kvstore", "extra": {**store, "store_dir": str(d / "other")}}
             record(run_engine({**base, "transfer": other,
                                "steps": [{**step, "label": "kvstore_redis"}]}, d))
+            objects = {"kind": "kvstore", "extra": {"store_dir": str(d / "objects"),
+                                                    "objects": bucket, **STORE_SIZES}}
+            record(run_engine({**base, "transfer": objects,
+                               "steps": [{**step, "label": "kvstore_objects"}]}, d))
             shutil.rmtree(d)
     finally:
         srv.stop()
+        weed.stop()
     summary = {k: stats(v) for k, v in samples.items()}
     re = summary["recompute"]["p50_s"]
     ratios = {k: v["p50_s"] / re for k, v in summary.items()}
@@ -207,22 +227,30 @@ def bench_decode(args, model: str, work: Path) -> dict:
     ids = long_prompt(tokenizer(model), 64)
     base = {"model": model, "max_model_len": 64 + args.new_tokens + 8}
     step = {"ids": ids, "max_tokens": args.new_tokens, "label": "decode"}
-    rates: dict[str, list[float]] = {"without": [], "with_saving": []}
-    for rep in range(args.reps):
-        d = work / f"rep{rep}"
-        d.mkdir()
-        order = ["without", "with_saving"] if rep % 2 == 0 else ["with_saving", "without"]
-        for name in order:
-            job = dict(base, steps=[step])
-            if name == "with_saving":
-                job["transfer"] = {"kind": "kvstore",
-                                   "extra": {"store_dir": str(d / "store"), **STORE_SIZES}}
-            (r,) = run_engine(job, d)
-            rates[name].append(r["new_tokens"] / r["seconds"])
-        shutil.rmtree(d)
+    rates: dict[str, list[float]] = {"without": [], "with_saving": [],
+                                     "with_saving_objects": []}
+    weed = _weed(work)
+    try:
+        for rep in range(args.reps):
+            d = work / f"rep{rep}"
+            d.mkdir()
+            order = list(rates) if rep % 2 == 0 else list(reversed(rates))
+            for name in order:
+                job = dict(base, steps=[step])
+                if name != "without":
+                    extra = {"store_dir": str(d / name), **STORE_SIZES}
+                    if name == "with_saving_objects":
+                        extra["objects"] = weed.url("bench", f"decode{rep}")
+                    job["transfer"] = {"kind": "kvstore", "extra": extra}
+                (r,) = run_engine(job, d)
+                rates[name].append(r["new_tokens"] / r["seconds"])
+            shutil.rmtree(d)
+    finally:
+        weed.stop()
     med = {k: float(np.median(v)) for k, v in rates.items()}
     return {"new_tokens": args.new_tokens, "tokens_per_s": rates, "median_tokens_per_s": med,
             "ratio_with_saving": med["with_saving"] / med["without"],
+            "ratio_with_saving_objects": med["with_saving_objects"] / med["without"],
             "blocks_saved_per_run": (64 + args.new_tokens - 1) // 128}
 
 

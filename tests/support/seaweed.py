@@ -52,6 +52,9 @@ class Weed:
         args = [binary(), "server", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-s3", f"-s3.port={self.s3_port}",
                 f"-s3.config={conf}", "-volume.max=32", "-master.volumeSizeLimitMB=64",
+                # no listener on a fixed port (several servers run at once), no telemetry
+                "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false",
+                "-master.telemetry=false",
                 *[f"-{k}={v}" for k, v in ports.items()]]
         self.log = open(self.dir / "weed.log", "wb")  # noqa: SIM115  (closed by stop)
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,

@@ -80,6 +80,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "switches the modelled tier on")
     s.add_argument("--remote-bandwidth", type=float, default=12.5e9,
                    help="simulated shared tier: bytes/s per fetch (default 100 Gbit/s)")
+    s.add_argument("--remote-latency", type=float, default=0.0005,
+                   help="simulated shared tier: seconds per fetch before its bytes (default "
+                        "0.0005, RDMA-class; an object store: about 0.03)")
+    s.add_argument("--wipe-every", type=float, default=None,
+                   help="simulated, with --servers: empty every server's own store each this "
+                        "many seconds (machines restarted on fresh disks, e.g. 86400)")
     s.add_argument("--remote-always", action="store_true",
                    help="simulated shared tier: fetch every remote hit, even when recomputing "
                         "would be sooner (the hit-rate ceiling)")
@@ -111,9 +117,15 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
         _check_vllm_args(args)
     if remote is not None and servers == 1:
         raise ValueError("--remote needs --servers N (N > 1)")
+    if getattr(args, "wipe_every", None) is not None and (
+            servers == 1 or args.mode != "simulated"):
+        raise ValueError("--wipe-every is simulated scale-out: it needs --servers N (N > 1) "
+                         "and --mode simulated")
     scale = None if servers == 1 else ScaleOut(
         servers=servers, shared=remote is not None, seed=args.seed,
         remote_bps=args.remote_bandwidth, remote_bytes=args.remote_capacity,
+        remote_latency_s=getattr(args, "remote_latency", 0.0005),
+        wipe_every_s=getattr(args, "wipe_every", None),
         only_when_it_pays=not args.remote_always,
         url=remote if args.mode == "real" else None)
     return ReplayConfig(mode=args.mode, methods=methods, workload=workload_of(args),

@@ -11,7 +11,10 @@ fetch is sooner than recomputing what it adds (the store's rule, with the cost m
 time); with ``load="split"`` (the default) the front of the prefix is computed while its back
 is fetched (:meth:`CostModel.split`), so a link slower than recompute still serves part of the
 prefix. ``remote_bytes`` (None: unbounded) bounds the tier with LRU eviction like Redis's
-``allkeys-lru``.
+``allkeys-lru``. The shared tier may as well be an object store (a bucket every server shares:
+tens of milliseconds of latency, ``remote_latency_s``, and its bandwidth). ``wipe_every_s``
+empties every server's own store at each multiple of it (a fleet whose machines restart on
+fresh disks every day): what survives is only what the shared tier holds.
 
 The N servers share this simulation's one scheduling loop (one batch at a time across them),
 so queueing in TTFT is that of one server doing N servers' work; hit rates and reuse are exact
@@ -41,6 +44,7 @@ class ScaleOut:
     only_when_it_pays: bool = True  # False: fetch every remote hit (the hit-rate ceiling)
     seed: int = 0
     url: str | None = None  # real mode: the shared Redis (simulated: only named)
+    wipe_every_s: float | None = None  # simulated: each server's store emptied this often
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) \
@@ -48,6 +52,10 @@ class ScaleOut:
             raise ValueError(f"servers must be an int >= 1, got {self.servers!r}")
         if not self.remote_bps > 0:
             raise ValueError(f"remote_bps must be > 0, got {self.remote_bps!r}")
+        if not self.remote_latency_s >= 0:
+            raise ValueError(f"remote_latency_s must be >= 0, got {self.remote_latency_s!r}")
+        if self.wipe_every_s is not None and not self.wipe_every_s > 0:
+            raise ValueError(f"wipe_every_s must be > 0 or None, got {self.wipe_every_s!r}")
 
     def server_of(self, job: Job) -> int:
         """The server a turn is routed to: uniform, seeded by conversation and turn (no
@@ -79,12 +87,26 @@ class MultiServerExecutor(CostLimits):
         self.remote_hits = 0
         self.remote_evictions = 0
         self.declined = 0  # remote contexts not fetched: recomputing was estimated sooner
+        self._day = [0] * scale.servers  # the wipe period each server's store belongs to
+        self.wipes = 0
+        self.wiped_contexts = 0
 
     def server_of(self, job: Job) -> int:
         return self.scale.server_of(job)
 
+    def _wipe_if_due(self, s: int, now: float) -> None:
+        """Empty server ``s``'s store if a wipe fell since it was last used."""
+        every = self.scale.wipe_every_s
+        if every is None or int(now // every) <= self._day[s]:
+            return
+        self._day[s] = int(now // every)
+        self.wiped_contexts += self.stores[s].clear()
+        self._version[s].clear()
+        self.wipes += 1
+
     def arrive(self, job: Job) -> None:
         s = self.server_of(job)
+        self._wipe_if_due(s, job.arrival_s)
         self.stores[s].advance(job.arrival_s)
         self.stores[s].enqueue(job.conv.index)
 
@@ -204,4 +226,5 @@ class MultiServerExecutor(CostLimits):
         return {"servers": self.scale.servers, "shared": self.scale.shared,
                 "remote_hits": self.remote_hits, "remote_evictions": self.remote_evictions,
                 "declined_fetches": self.declined,
-                "remote_bytes_used": self._remote_used}
+                "remote_bytes_used": self._remote_used, "wipes": self.wipes,
+                "wiped_contexts": self.wiped_contexts}

@@ -374,6 +374,14 @@ class SimStore:
         self.counters.dropped += 1
         return True
 
+    def clear(self) -> int:
+        """Empty both tiers (a machine whose disk was wiped); the queue is kept. Returns how
+        many contexts went."""
+        keys = list(self._entries)
+        for key in keys:
+            self._remove(key)
+        return len(keys)
+
     # ------------------------------------------------------------------ scheduler hints
     def enqueue(self, key: Hashable) -> None:
         """A job that needs the context of ``key`` joined the waiting queue (at its tail)."""

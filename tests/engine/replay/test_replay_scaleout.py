@@ -42,7 +42,32 @@ def test_shared_tier_recovers_the_single_server_hit_rate(trace):
     assert hits(jobs) == pytest.approx(hits(alone))
 
 
+def test_wiped_disks_leave_only_what_the_shared_tier_holds(trace):
+    """Machines restarted on fresh disks every 2 minutes: alone, a server reuses only what it
+    stored since its last wipe; with an object store's link (30 ms, 1 GB/s) shared, what any
+    server stored before any wipe still serves."""
+    cost = preset("llama-13b")
+    wiped = ScaleOut(servers=4, wipe_every_s=120.0)
+    alone_ex = MultiServerExecutor(Method("as"), cost, ScaleOut(servers=4))
+    alone, _ = serve(trace, alone_ex)
+    wiped_ex = MultiServerExecutor(Method("as"), cost, wiped)
+    wiped_alone, _ = serve(trace, wiped_ex)
+    shared_ex = MultiServerExecutor(Method("as"), cost, ScaleOut(
+        servers=4, wipe_every_s=120.0, shared=True, remote_bps=1e9, remote_latency_s=0.03))
+    shared, _ = serve(trace, shared_ex)
+    assert wiped_ex.wipes >= 8 and wiped_ex.wiped_contexts > 0 and alone_ex.wipes == 0
+    assert hits(wiped_alone) < hits(alone)  # the wipes cost hits
+    assert hits(shared) > 1.5 * hits(wiped_alone)
+    assert shared_ex.remote_hits > 0
+    for j in shared:
+        assert 0 <= j.reused <= j.kept
+
+
 def test_scale_out_arguments_are_named():
+    with pytest.raises(ValueError, match="wipe_every_s"):
+        ScaleOut(wipe_every_s=0)
+    with pytest.raises(ValueError, match="remote_latency_s"):
+        ScaleOut(remote_latency_s=-1)
     with pytest.raises(ValueError, match="servers"):
         ScaleOut(servers=0)
     with pytest.raises(ValueError, match="caching"):

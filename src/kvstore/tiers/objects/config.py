@@ -49,9 +49,11 @@ class ObjectsConfig:
 
     Lifecycle (:mod:`kvstore.tiers.objects.lifecycle`): an object unused for ``ttl_s`` seconds
     (by the service's clock) is deleted by a sweep; each use (a fetch, or a write that found
-    it there) renews it. ``max_bytes`` caps what the prefix holds: a sweep deletes the
-    least recently used values beyond it. A store sweeps every ``sweep_interval_s`` seconds in
-    the background (None: never; then sweep from one machine with ``kvstore objects sweep``).
+    it there) renews it (at most every ``ttl_s / 4`` per process: a value used within the
+    last three quarters of ``ttl_s`` is never deleted). ``max_bytes`` caps what the prefix
+    holds: a sweep deletes the least recently used values beyond it. A store sweeps every
+    ``sweep_interval_s`` seconds in the background (None: never; then sweep from one machine
+    with ``kvstore sweep-objects URL`` or :func:`kvstore.sweep_objects`).
     """
 
     url: str

@@ -5,9 +5,10 @@ rule therefore needs nobody's inventory: **a value is kept while it was used wit
 Its last use is the later of its own write time and its use marker's (``u/<key>``, rewritten
 by every store that fetches the value, or finds it there when writing it, at most every
 quarter of ``ttl_s`` per process). Times are the service's own (``LastModified``, and its
-``Date`` header as "now"), so machines' clocks do not matter. A context a store used within
-``ttl_s`` is never deleted; one unused for longer is recomputed (a miss, never wrong bytes) if
-it returns. Partial-chunk entries whose value is gone are deleted with it.
+``Date`` header as "now"), so machines' clocks do not matter. Since a process rewrites a marker
+at most every quarter of ``ttl_s``, a value used within the last three quarters of ``ttl_s`` is
+never deleted; one unused for ``ttl_s`` may be, and is recomputed (a miss, never wrong bytes)
+if it returns. Partial-chunk entries whose value is gone are deleted with it.
 
 ``max_bytes`` caps the values' bytes under the prefix: after the TTL, a sweep deletes the least
 recently used values until the rest fit.
@@ -64,6 +65,8 @@ def _list(client: S3Client, prefix: str, deadline_s: float, stop: threading.Even
             q["continuation-token"] = token
         r = client.request("GET", None, query=q, max_bytes=LIST_BYTES,
                            expires=time.monotonic() + deadline_s)
+        if r.status == 404 and b"NoSuchBucket" in r.body:  # nothing was ever written
+            return [], on.http_date(r.header("date")) or time.time()
         if r.status != 200:
             raise SweepFailed(f"listing {prefix!r} answered HTTP {r.status}")
         if now is None:
@@ -77,14 +80,19 @@ def _list(client: S3Client, prefix: str, deadline_s: float, stop: threading.Even
 
 
 def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
-          deadline_s: float, stop: threading.Event | None = None) -> SweepReport:
+          deadline_s: float, stop: threading.Event | None = None,
+          as_of: float | None = None) -> SweepReport:
     """Delete the values under ``prefix`` unused for ``ttl_s`` (and their markers and
-    partial-chunk entries), then the least recently used beyond ``max_bytes``."""
+    partial-chunk entries), then the least recently used beyond ``max_bytes``. ``as_of``:
+    the time (seconds since the epoch) the ages are taken at; default the service's clock at
+    the listing."""
     t0 = time.perf_counter()
     try:
         listed, now = _list(client, prefix, deadline_s, stop)
     except S3Error as e:
         raise SweepFailed(f"listing {prefix!r} failed: {e}") from None
+    if as_of is not None:
+        now = as_of
     vdir, udir, kdir = f"{prefix}v/", f"{prefix}u/", f"{prefix}k/"
     values: dict[bytes, on.Listed] = {}
     used: dict[bytes, float] = {}

@@ -142,7 +142,11 @@ class ObjectTier:
                                         f"{self.cfg.bucket!r} cannot be used (HTTP {r.status} "
                                         f"{_error_code(r)})")
         if self.cfg.sweep_interval_s is not None:
-            self._sweeper = threading.Thread(target=self._sweep_loop, name="kvstore-objects-sweep")
+            # a daemon: it holds no work anyone waits for (a sweep cut at exit deletes whole
+            # objects or nothing, and the next sweep does the rest), and a process that exits
+            # without closing its store must not wait for its next interval
+            self._sweeper = threading.Thread(target=self._sweep_loop, daemon=True,
+                                             name="kvstore-objects-sweep")
             self._sweeper.start()
 
     def _ping(self) -> None:
@@ -153,12 +157,12 @@ class ObjectTier:
             raise S3Error(f"HTTP {r.status}")
 
     def close(self) -> None:
-        """Stop sweeping and renewing (queued renewals are dropped: they only extend a
-        lifetime), close the connections."""
+        """Stop sweeping, send the queued renewals (each batch by its deadline; refused at
+        once while the breaker is open), close the connections."""
         self._stop.set()
         if self._sweeper is not None:
             self._sweeper.join()
-        self._renewals.close(abandon=True)
+        self._renewals.close()
         self.breaker.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

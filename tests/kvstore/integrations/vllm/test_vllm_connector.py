@@ -22,6 +22,7 @@ import kvstore
 from engine.hf_export import hf_model_dir
 from kvstore.integrations.vllm.scheduler import PAD
 from tests.support.paths import ROOT
+from tests.support.seaweed import credentials
 
 B = 128  # vLLM's CPU block size
 STORE_SIZES = {"dram_bytes": 256 << 20, "disk_bytes": 1 << 30}
@@ -127,13 +128,23 @@ def redis(redis_session):
 
 
 @pytest.fixture(scope="module")
-def stored(tmp_path_factory, model_dir, prompts, reference, redis) -> Path:
-    """A store (with a Redis tier) into which one engine saved the long and the short prompt
-    and their answers."""
+def objects(weed):
+    """An object tier (a prefix of the session's SeaweedFS bucket) the stored fixture's
+    engine writes through to, with the test identity's credentials in this process's
+    environment, which the engines' processes inherit."""
+    with pytest.MonkeyPatch.context() as mp:
+        credentials(mp)
+        yield weed.url("kvtest", "vllm-connector")
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory, model_dir, prompts, reference, redis, objects) -> Path:
+    """A store (with a Redis tier and an object tier) into which one engine saved the long
+    and the short prompt and their answers."""
     tmp = tmp_path_factory.mktemp("stored")
     store = tmp / "store"
     out = run_engine(tmp, model_dir, [{"ids": prompts["long"]}, {"ids": prompts["short"]}],
-                     connector=connector(store, remote=redis.url))
+                     connector=connector(store, remote=redis.url, objects=objects))
     # nothing to reuse yet but the chat template's first tokens, which the short prompt
     # shares with the long one (read from the long one's first block)
     head = common(prompts["long"], prompts["short"])
@@ -251,6 +262,18 @@ def test_two_directories_share_through_one_redis(tmp_path, model_dir, prompts, r
     directory, wrote through to the same redis-server."""
     (b,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
                       connector=connector(tmp_path / "b", remote=redis.url))
+    n = remote_limit(len(prompts["short"]))
+    assert b["cached"] == n > 0
+    assert b["params"]["kvstore"]["loaded_from"]["remote"] == n
+    assert b["tokens"] == reference["short"]["tokens"]
+
+
+def test_two_directories_share_through_one_bucket(tmp_path, model_dir, prompts, reference,
+                                                  stored, objects):
+    """An engine on an empty directory, with the object tier only, reuses what the stored
+    fixture's engine, on another directory, wrote through to the bucket."""
+    (b,) = run_engine(tmp_path, model_dir, [{"ids": prompts["short"]}],
+                      connector=connector(tmp_path / "b", objects=objects))
     n = remote_limit(len(prompts["short"]))
     assert b["cached"] == n > 0
     assert b["params"]["kvstore"]["loaded_from"]["remote"] == n

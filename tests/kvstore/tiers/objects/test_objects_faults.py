@@ -17,6 +17,8 @@ from kvstore.tiers.objects.s3 import S3Client
 from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy, wait_for
 
+pytestmark = pytest.mark.serial  # wall-clock bounds: not beside the parallel part
+
 C = 4
 DEADLINE = 0.5
 SLACK = 0.5  # scheduling on a loaded 2-core machine; the calls end at DEADLINE

@@ -74,3 +74,21 @@ def test_a_store_sweeps_in_the_background(open_small, bucket_url):
     assert st["sweeps"] >= 1 and st["last_sweep_error"] == ""
     b = open_small("b", objects=url)
     assert b.match(t) == 0
+
+
+def test_the_command_line_sweeps_and_names_a_bad_url(open_small, bucket_url, capsys):
+    import json
+
+    from kvstore.tools.cli import main
+
+    url = bucket_url()
+    a = open_small("a", objects=url)
+    put_causal(a, toks(30, 2 * C))
+    a.flush(remote=True)
+    assert main(["sweep-objects", url, "--ttl-s", "3600"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kept_values"] == 2 and report["deleted_objects"] == 0
+    assert main(["sweep-objects", url, "--max-bytes", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["kept_values"] == 0
+    assert main(["sweep-objects", "http://not-s3"]) == 2
+    assert "url must look like s3://" in capsys.readouterr().err

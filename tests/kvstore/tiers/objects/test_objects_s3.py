@@ -22,6 +22,8 @@ from kvstore.tiers.objects.s3 import (
     sign,
 )
 
+pytestmark = pytest.mark.serial  # wall-clock bounds: not beside the parallel part
+
 
 def test_sigv4_matches_the_aws_documentation_example():
     # "Example: GET Object" of AWS's Signature Version 4 documentation for S3

@@ -5,6 +5,7 @@ what an object holds is served only to the model, namespace and tokens it was co
 from __future__ import annotations
 
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -164,3 +165,55 @@ def test_an_endpoint_down_at_open_leaves_the_store_serving_locally(tmp_path, mon
         assert st["breaker"] == "open" and st["fetched_chunks"] == 0
     finally:
         s.close()
+
+
+WRITER = """
+import json, os, sys, time
+import kvstore
+from tests.support.kvgen import SMALL, put_causal
+path, url, go = sys.argv[1:4]
+s = kvstore.open(path, layout=SMALL, chunk_tokens=4, objects=url)
+t = list(range(1, 4 * 12 + 3))
+while not os.path.exists(go):  # both processes start writing at once
+    time.sleep(0.001)
+put_causal(s, t)
+s.flush(remote=True)
+print(json.dumps(s.stats()["objects"]))
+s.close()
+"""
+
+
+def test_two_processes_writing_the_same_chunks_at_once(tmp_path, bucket_url):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.paths import ROOT
+
+    url = bucket_url()
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / f"w{i}"), url,
+                               str(go)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    time.sleep(1.0)
+    go.touch()
+    stats = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    chunks = 13  # 12 whole chunks and a partial one
+    for st in stats:
+        assert st["written_chunks"] + st["already_present"] == chunks, st
+        assert st["write_failed"] == 0
+    assert sum(st["written_chunks"] for st in stats) >= chunks
+    reader = kvstore.open(tmp_path / "r", layout=SMALL, chunk_tokens=C, objects=url)
+    try:
+        t = list(range(1, 4 * 12 + 3))
+        assert reader.match(t) == len(t)
+        assert_get_exact(reader, t)
+        assert reader.stats()["objects"]["bad_values"] == 0
+    finally:
+        reader.close()

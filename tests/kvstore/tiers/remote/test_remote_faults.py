@@ -13,6 +13,8 @@ import kvstore
 from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy, Server, free_port, wait_for
 
+pytestmark = pytest.mark.serial  # wall-clock bounds: not beside the parallel part
+
 C = 4
 
 
