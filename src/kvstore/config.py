@@ -18,10 +18,10 @@ import numpy as np
 
 from kvstore.eviction.policies import make_policy
 from kvstore.format.records import MAX_SLOT
-from kvstore.format.segments import SegmentGeometry
 from kvstore.layout import KVLayout
 from kvstore.tiers import codecs as tier_codecs
 from kvstore.tiers.codecs import TIERS, TierCodecs, check_codecs
+from kvstore.tiers.disk import SegmentGeometry
 
 DEFAULT_DRAM_BYTES = 1 << 30  # 1 GiB
 DEFAULT_DISK_BYTES = 16 << 30  # 16 GiB

@@ -31,13 +31,13 @@ from kvstore.eviction.policies import Queued
 from kvstore.format.catalog import Catalog, WriteTxn
 from kvstore.format.directory import Dir
 from kvstore.format.records import ChunkRecord, ContextRecord, IndexEntry
-from kvstore.format.segments import SegmentFiles, SegmentGeometry
 from kvstore.format.writer_registry import Owner
 from kvstore.layout import KVLayout
 from kvstore.residency.catch_up import Mirror, writing
 from kvstore.residency.counters import Counters
 from kvstore.residency.report import assemble_stats
 from kvstore.threads.fork_join import Helpers
+from kvstore.tiers.disk import SegmentFiles, SegmentGeometry
 from kvstore.tiers.dram import DramTier, Entry
 from kvstore.tiers.output_pool import OutputPool
 from kvstore.view import boundaries

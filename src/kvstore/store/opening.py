@@ -27,7 +27,6 @@ from kvstore.format.catalog import CATALOG, DATA_FILE, FORMAT_VERSION, Catalog
 from kvstore.format.directory import Dir, UnsafePath
 from kvstore.format.open_lock import DirLock, acquire
 from kvstore.format.readahead import Readahead
-from kvstore.format.segments import SEGMENTS, SegmentFiles, SegmentGeometry
 from kvstore.format.writer_registry import PROCS, Owner, collect_dead
 from kvstore.index.lifecycle import INDEXES, IndexFiles
 from kvstore.layout import KVLayout
@@ -37,6 +36,7 @@ from kvstore.residency.core import Core
 from kvstore.residency.counters import Counters
 from kvstore.store.facade import Store
 from kvstore.threads.fork_join import Helpers
+from kvstore.tiers.disk import SEGMENTS, SegmentFiles, SegmentGeometry
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.objects.config import ObjectsConfig
 from kvstore.tiers.objects.tier import ObjectTier

@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from kvstore.codecs.layer_codec import NAMES, LayerShape, check_name, encoded_size, is_lossy
-from kvstore.format.segments import align_up
+from kvstore.tiers.disk import align_up
 
 if TYPE_CHECKING:
     from kvstore.format.records import ChunkRecord

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.eviction.policies import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued
-from kvstore.format.segments import PAGE, align_up
+from kvstore.tiers.disk import PAGE, align_up
 from kvstore.tiers.pinned import pin_host
 
 

@@ -13,9 +13,9 @@ from kvstore.format import chunk_extent
 from kvstore.format.directory import Dir
 from kvstore.format.hashing import chunk_hash
 from kvstore.format.records import ChunkRecord, ContextRecord
-from kvstore.format.segments import SegmentFiles
 from kvstore.store.facade import Store
 from kvstore.store.opening import open_store
+from kvstore.tiers.disk import SegmentFiles
 
 
 class _StoredExtents:

@@ -77,7 +77,7 @@ def test_sigkill_one_of_three_writers(tmp_path, mode):
 STUCK_WRITER = """
 import sys, threading
 import kvstore
-from kvstore.format import segments
+from kvstore.tiers import disk as segments
 from tests.support.kvgen import SMALL, causal_kv
 
 def stuck(fd):

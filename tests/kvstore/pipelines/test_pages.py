@@ -73,7 +73,7 @@ def test_load_into_pages_places_every_token(store, source, start):
 
 def test_a_whole_chunk_from_disk_is_read_in_place(store, monkeypatch):
     """No buffer in between: the disk read's target buffers are the blocks' own memory."""
-    from kvstore.format import segments
+    from kvstore.tiers import disk as segments
 
     toks = list(range(16))
     put_causal(store, toks)

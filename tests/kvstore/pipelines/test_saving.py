@@ -201,7 +201,7 @@ def test_put_refused_before_evicting_when_held_chunks_block_it(open_small):
 EXITING_WRITER = """
 import sys, time
 import kvstore
-from kvstore.format import segments
+from kvstore.tiers import disk as segments
 from tests.support.kvgen import SMALL, causal_kv
 
 real = segments.fdatasync

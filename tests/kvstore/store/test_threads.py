@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from kvstore.format import segments as segment_files
+from kvstore.tiers import disk as segment_files
 from kvstore.tools.verify import verify_store
 from tests.support.kvgen import assert_get_exact, causal_kv, put_causal
 

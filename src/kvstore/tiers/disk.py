@@ -1,4 +1,5 @@
-"""Segment files: the disk tier's payload. Fixed-size slots, each holding one chunk's extent.
+"""The disk tier: segment files, its payload. Fixed-size slots, each holding one chunk's extent
+(what each slot holds, and where, is in the catalog: :mod:`kvstore.format.catalog`).
 
 Slot ``s`` lives in file ``seg-{s // slots_per_segment:06d}.kv`` at offset
 ``(s % slots_per_segment) * slot_stride``. Files are created (sparse, at full size) and made
