@@ -7,7 +7,7 @@ import pytest
 from hypothesis import settings
 
 from tests.support.redis_servers import Server
-from tests.support.seaweed import Weed, credentials
+from tests.support.seaweed import BUCKET, Weed, credentials
 
 # Fixed seeds: every hypothesis test is derandomized so CI runs are reproducible.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
@@ -49,12 +49,12 @@ _tests = itertools.count()
 @pytest.fixture
 def bucket_url(weed, monkeypatch):
     """Factory: an ``s3://`` URL under a prefix no other test uses, in the session's bucket
-    (created by the first store that opens it: SeaweedFS gives each bucket volumes of its
-    own, so tests share one), with the test identity's credentials in the environment."""
+    (SeaweedFS gives each bucket volumes of its own, so tests share one), with the test
+    identity's credentials in the environment."""
     credentials(monkeypatch)
     base = f"t{next(_tests)}"
 
     def _url(prefix: str = "kv", **params: str) -> str:
-        return weed.url("kvtest", f"{base}/{prefix}", **params)
+        return weed.url(BUCKET, f"{base}/{prefix}", **params)
 
     return _url

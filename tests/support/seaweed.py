@@ -23,6 +23,7 @@ from tests.support.redis_servers import free_port
 ACCESS_KEY = "kvstoretest"
 SECRET_KEY = "kvstore-test-secret-key"
 START_S = 60.0
+BUCKET = "kvtest"  # the bucket the tests share (each under a prefix of its own)
 
 
 def binary() -> str:
@@ -61,6 +62,7 @@ class Weed:
                                      start_new_session=True)
         try:
             self._wait_ready()
+            self._warm_up()
         except BaseException:
             self.stop()
             raise
@@ -92,6 +94,27 @@ class Weed:
             time.sleep(0.2)
         raise RuntimeError(f"weed's S3 gateway did not answer in {START_S} s: "
                            f"{self.log_text()[-2000:]}")
+
+    def _warm_up(self, bucket: str = BUCKET) -> None:
+        """Create the tests' bucket and write one object, with a generous deadline: SeaweedFS
+        grows a new bucket's volumes on its first write, which on a loaded machine takes
+        longer than a store's deadline (a store would count its first writes as failed)."""
+        from kvstore.tiers.objects.s3 import Credentials, Endpoint, S3Client
+
+        client = S3Client(endpoint=Endpoint(tls=False, host="127.0.0.1", port=self.s3_port),
+                          bucket=bucket, region="us-east-1",
+                          creds=Credentials(access_key=ACCESS_KEY, secret_key=SECRET_KEY),
+                          timeout_s=START_S)
+        try:
+            for method, key, body in (("PUT", None, b""), ("PUT", "warm-up", b"x" * 4096),
+                                      ("DELETE", "warm-up", b"")):
+                r = client.request(method, key, body=body, max_bytes=1 << 16,
+                                   expires=time.monotonic() + START_S)
+                if r.status >= 300 and not (method == "PUT" and key is None
+                                            and r.status == 409):
+                    raise RuntimeError(f"weed: {method} {key} answered HTTP {r.status}")
+        finally:
+            client.close()
 
     def log_text(self) -> str:
         return (self.dir / "weed.log").read_text(errors="replace")

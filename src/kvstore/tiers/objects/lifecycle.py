@@ -32,7 +32,8 @@ from kvstore.tiers.objects.config import ObjectsConfig
 from kvstore.tiers.objects.s3 import S3Client, S3Error
 
 LIST_BYTES = 4 << 20
-MAX_PAGES = 100_000  # 100 million objects: a listing that never ends is a hostile service
+MAX_PAGES = 10_000  # 10 million objects (a few GB of listing in memory): a listing that
+# never ends is a hostile service, and a prefix that large wants sweeping by prefix parts
 DELETERS = 8
 
 

@@ -7,8 +7,9 @@
 * ``u/<chain key>``: an empty marker, written when a store uses (fetches, or finds when writing)
   the value: its time is the value's last use (:mod:`kvstore.tiers.objects.lifecycle`).
 * ``k/<parent key>/<head>-<n>-<chain key>``: an empty entry saying a partial chunk of ``n``
-  tokens whose first ids are ``head`` follows chunk ``parent``: a longer prompt finds it by
-  listing its parent's entries (S3 has no sets).
+  tokens whose first (up to 8) ids are ``head`` follows chunk ``parent``: a longer prompt
+  finds it by listing its parent's entries that begin like its own tokens
+  (:func:`kids_listing`; S3 has no sets).
 
 A listing is untrusted XML: it is read with a scanner of the few elements it needs (no entity
 expansion, no DTD), and an entry whose name does not parse is skipped.
@@ -40,6 +41,17 @@ def use_name(prefix: str, key: bytes) -> str:
 
 def kids_dir(prefix: str, parent: bytes) -> str:
     return f"{prefix}k/{parent.hex()}/"
+
+
+def kids_listing(prefix: str, parent: bytes, tokens: np.ndarray) -> str:
+    """The listing prefix under which the partial chunks after ``parent`` that a chunk of
+    ``tokens`` can extend into are: those sharing its first 8 tokens when it has 8 (a shorter
+    partial chunk would save fewer than 8 tokens of prefill), else those sharing its first
+    token (only partial chunks no longer than it can match). One listing page (1,000 entries)
+    is read: a parent followed by many conversations (a shared system prompt) is narrowed to
+    the ones that continue the same way."""
+    n = KID_PREFIX if len(tokens) >= KID_PREFIX else 1
+    return kids_dir(prefix, parent) + np.ascontiguousarray(tokens[:n], dtype="<u4").tobytes().hex()
 
 
 def kid_name(prefix: str, parent: bytes, key: bytes, tokens: np.ndarray) -> str:

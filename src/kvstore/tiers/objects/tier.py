@@ -279,8 +279,9 @@ class ObjectTier:
             first = next((i for i, h in enumerate(out) if h is None), len(out))
             listed = [first] if first < len(wants) else []
         lists = dict(zip(listed, self._requests([
-            ("GET", None, {"query": {"list-type": "2", "prefix": on.kids_dir(p, wants[i][0]),
-                                     "max-keys": "1000"}, "max_bytes": LIST_BYTES})
+            ("GET", None, {"query": {"list-type": "2", "max-keys": "1000",
+                                     "prefix": on.kids_listing(p, *wants[i])},
+                           "max_bytes": LIST_BYTES})
             for i in listed]), strict=True))
         cands: list[list[tuple[bytes, int]]] = []
         for i, (parent, t) in enumerate(wants):

@@ -22,7 +22,7 @@ import kvstore
 from engine.hf_export import hf_model_dir
 from kvstore.integrations.vllm.scheduler import PAD
 from tests.support.paths import ROOT
-from tests.support.seaweed import credentials
+from tests.support.seaweed import BUCKET, credentials
 
 B = 128  # vLLM's CPU block size
 STORE_SIZES = {"dram_bytes": 256 << 20, "disk_bytes": 1 << 30}
@@ -134,7 +134,7 @@ def objects(weed):
     environment, which the engines' processes inherit."""
     with pytest.MonkeyPatch.context() as mp:
         credentials(mp)
-        yield weed.url("kvtest", "vllm-connector")
+        yield weed.url(BUCKET, "vllm-connector")
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def test_two_machines_share_kv_through_one_bucket(open_small, bucket_url):
     put_causal(a, t)
     a.flush(remote=True)
     st = a.stats()["objects"]
-    assert st["written_chunks"] == 6 and st["write_failed"] == 0
+    assert st["written_chunks"] == 6 and st["write_failed"] == 0, st
     b = open_small("b", objects=url)
     assert b.stats()["disk"]["chunks"] == 0
     assert b.match(t) == len(t)
@@ -217,3 +217,29 @@ def test_two_processes_writing_the_same_chunks_at_once(tmp_path, bucket_url):
         assert reader.stats()["objects"]["bad_values"] == 0
     finally:
         reader.close()
+
+
+def test_a_partial_chunk_is_found_among_many_after_one_shared_prefix(tmp_path, bucket_url):
+    """Forty conversations after one 16-token system prompt, each leaving a 10-token partial
+    chunk: a prompt continuing one of them finds its own (the listing is narrowed by its first
+    8 tokens; the candidates read are at most 32)."""
+    url = bucket_url()
+    system = toks(40, 16)
+    convs = [system + toks(41 + i, 10) for i in range(40)]
+    a = kvstore.open(tmp_path / "a", layout=SMALL, chunk_tokens=16, objects=url)
+    try:
+        for t in convs:
+            put_causal(a, t)
+        a.flush(remote=True)
+        assert a.stats()["objects"]["written_chunks"] == 41
+    finally:
+        a.close()
+    b = kvstore.open(tmp_path / "b", layout=SMALL, chunk_tokens=16,
+                     objects=kvstore.ObjectsConfig(url=url, fill="none"))
+    try:
+        for i in (0, 17, 39):
+            longer = convs[i] + [7, 7, 7]
+            assert b.match(longer) == len(convs[i])
+            assert_get_exact(b, convs[i])
+    finally:
+        b.close()
