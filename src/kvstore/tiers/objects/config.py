@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 from kvstore.tiers.objects.s3 import Credentials, Endpoint
-from kvstore.tiers.remote.config import FILL_MODES
-from kvstore.tiers.remote.value import CODEC_IDS
+from kvstore.tiers.remote.config import check_link_options
 
 URL_OPTIONS = ("endpoint", "region", "profile", "ca_file")
 DAY = 86400.0
@@ -75,31 +74,20 @@ class ObjectsConfig:
         if not isinstance(self.url, str):
             raise TypeError(f"url must be an s3:// URL string, got {type(self.url).__name__}")
         self._parts()  # checks the URL
-        for name in ("timeout_s", "deadline_s", "breaker_retry_s", "ttl_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
-                    or v <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        check_link_options(self, seconds=("timeout_s", "deadline_s", "breaker_retry_s",
+                                           "ttl_s"),
+                           counts=("breaker_failures", "max_queued_chunks", "probe_bytes",
+                                   "parallel"))
         if self.sweep_interval_s is not None and (
                 isinstance(self.sweep_interval_s, bool)
                 or not isinstance(self.sweep_interval_s, int | float)
                 or not math.isfinite(self.sweep_interval_s) or self.sweep_interval_s <= 0):
             raise ValueError(f"sweep_interval_s must be a positive number of seconds or None, "
                              f"got {self.sweep_interval_s!r}")
-        for name in ("breaker_failures", "max_queued_chunks", "probe_bytes", "parallel"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.max_bytes is not None and (isinstance(self.max_bytes, bool)
                                            or not isinstance(self.max_bytes, int)
                                            or self.max_bytes < 1):
             raise ValueError(f"max_bytes must be an int >= 1 or None, got {self.max_bytes!r}")
-        if self.fill not in FILL_MODES:
-            raise ValueError(f"fill must be one of {FILL_MODES}, got {self.fill!r}")
-        if not isinstance(self.write_through, bool):
-            raise TypeError(f"write_through must be a bool, got {type(self.write_through)}")
-        if self.codec not in CODEC_IDS:
-            raise ValueError(f"codec must be one of {sorted(CODEC_IDS)}, got {self.codec!r}")
 
     @classmethod
     def of(cls, objects: object) -> ObjectsConfig:

@@ -35,6 +35,28 @@ def _check_url(name: str, url: object) -> str:
     return url
 
 
+def check_link_options(cfg: object, *, seconds: tuple[str, ...], counts: tuple[str, ...]
+                       ) -> None:
+    """The checks a shared tier's config shares (Redis's, the object store's): ``seconds``
+    positive and finite, ``counts`` ints >= 1, ``fill``, ``write_through`` and ``codec``."""
+    for name in seconds:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                or v <= 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+    for name in counts:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    fill, write_through, codec = (getattr(cfg, n) for n in ("fill", "write_through", "codec"))
+    if fill not in FILL_MODES:
+        raise ValueError(f"fill must be one of {FILL_MODES}, got {fill!r}")
+    if not isinstance(write_through, bool):
+        raise TypeError(f"write_through must be a bool, got {type(write_through)}")
+    if codec not in CODEC_IDS:
+        raise ValueError(f"codec must be one of {sorted(CODEC_IDS)}, got {codec!r}")
+
+
 def _shown(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
@@ -90,21 +112,8 @@ class RemoteConfig:
         object.__setattr__(self, "cluster", self.cluster or len(urls) > 1)
         if not isinstance(self.prefix, str) or not self.prefix:
             raise TypeError(f"prefix must be a non-empty str, got {self.prefix!r}")
-        for name in ("timeout_s", "deadline_s", "breaker_retry_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
-                    or v <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-        for name in ("breaker_failures", "max_queued_chunks", "probe_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if self.fill not in FILL_MODES:
-            raise ValueError(f"fill must be one of {FILL_MODES}, got {self.fill!r}")
-        if not isinstance(self.write_through, bool):
-            raise TypeError(f"write_through must be a bool, got {type(self.write_through)}")
-        if self.codec not in CODEC_IDS:
-            raise ValueError(f"codec must be one of {sorted(CODEC_IDS)}, got {self.codec!r}")
+        check_link_options(self, seconds=("timeout_s", "deadline_s", "breaker_retry_s"),
+                           counts=("breaker_failures", "max_queued_chunks", "probe_bytes"))
 
     @classmethod
     def of(cls, remote: object) -> RemoteConfig:

@@ -7,25 +7,20 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 import kvstore
-from kvstore.format.hashing import chain_seed, chunk_hash
 from kvstore.tiers.objects import names
 from kvstore.tiers.objects.s3 import S3Client
 from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy, wait_for
+from tests.support.shared_tier_calls import chain_keys, public_calls, timed, toks
 
 pytestmark = pytest.mark.serial  # wall-clock bounds: not beside the parallel part
 
 C = 4
 DEADLINE = 0.5
 SLACK = 0.5  # scheduling on a loaded 2-core machine; the calls end at DEADLINE
-
-
-def toks(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 500, n).tolist()
 
 
 def cfg(url: str, **kw) -> kvstore.ObjectsConfig:
@@ -36,40 +31,6 @@ def cfg(url: str, **kw) -> kvstore.ObjectsConfig:
     return kvstore.ObjectsConfig(url=url, **kw)
 
 
-def timed(fn):
-    t0 = time.monotonic()
-    try:
-        out = fn()
-    except KeyError as e:  # a miss: the only error the tier may cause
-        out = e
-    return time.monotonic() - t0, out
-
-
-def _calls(store, t, k_want, v_want):
-    def match():
-        n = store.match(t)
-        assert n in (0, len(t))
-        return n
-
-    def get():
-        k, v = store.get(t)
-        assert np.array_equal(k.numpy(), k_want) and np.array_equal(v.numpy(), v_want)
-        return True
-
-    def load():
-        with store.load_layers(t) as ld:
-            for layer in range(SMALL.num_layers):
-                k, v = ld.wait(layer)
-                assert np.array_equal(k.numpy(), k_want[layer])
-                assert np.array_equal(v.numpy(), v_want[layer])
-        return True
-
-    def prefetch():
-        store.set_queue([t])
-        assert store.wait_prefetched(30)
-        return True
-
-    return {"match": match, "get": get, "load_layers": load, "prefetch": prefetch}
 
 
 @pytest.mark.parametrize("mode", ["pass", "trickle", "httphead", "cut", "garbage", "stopped"])
@@ -87,7 +48,7 @@ def test_every_public_call_ends_by_its_deadline(open_small, bucket_url, weed, mo
             proxy.stop()  # nothing listens: connections are refused
         else:
             proxy.mode = mode
-        calls = _calls(b, t, k_want, v_want)
+        calls = public_calls(b, t, k_want, v_want)
         for _ in range(2):
             for name, fn in calls.items():
                 elapsed, out = timed(fn)
@@ -117,13 +78,6 @@ def test_every_public_call_ends_by_its_deadline(open_small, bucket_url, weed, mo
     finally:
         proxy.stop()
 
-
-def _keys(t: list[int], layout=SMALL) -> list[bytes]:
-    parent, out = chain_seed(layout.fingerprint, None), []
-    for i in range(0, len(t), C):
-        parent = chunk_hash(parent, np.asarray(t[i:i + C], dtype=np.uint32))
-        out.append(parent)
-    return out
 
 
 def _client(url: str) -> tuple[S3Client, str]:
@@ -159,7 +113,7 @@ def test_a_damaged_object_is_a_miss_never_data(open_small, bucket_url, damage):
     a.flush(remote=True)
     client, prefix = _client(url)
     try:
-        keys = _keys(t)
+        keys = chain_keys(t, C)
         victim = names.value_name(prefix, keys[2])  # the third chunk
         good = _get(client, victim)
         bad = {"payload_bit": lambda: _flip(good, len(good) - 5),
@@ -167,7 +121,7 @@ def test_a_damaged_object_is_a_miss_never_data(open_small, bucket_url, damage):
                "truncated": lambda: good[:-7],
                "padded": lambda: good + bytes(8 << 20),
                "another_chunks": lambda: _get(client, names.value_name(prefix,
-                                                                       _keys(other)[0])),
+                                                                       chain_keys(other, C)[0])),
                "empty": lambda: b""}[damage]()
         _put(client, victim, bad)
     finally:

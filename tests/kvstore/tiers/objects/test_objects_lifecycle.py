@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 import kvstore
 from tests.support.kvgen import assert_get_exact, put_causal
 from tests.support.redis_servers import wait_for
+from tests.support.shared_tier_calls import toks
 
 C = 4
 
-
-def toks(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 500, n).tolist()
 
 
 def _renewed(store, n: int) -> bool:

@@ -19,23 +19,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 import kvstore
-from kvstore.format.hashing import chain_seed, chunk_hash
 from kvstore.tiers.objects import lifecycle
 from kvstore.tiers.objects.s3 import S3Client
 from tests.support.kvgen import SMALL, assert_get_exact, put_causal
+from tests.support.shared_tier_calls import chain_keys
 
 C = 4
 TTL = 100.0
 MARGIN = 2.5  # the service's clock has one-second resolution; a step takes a moment
 BASES = [np.random.default_rng(s).integers(0, 300, 20).tolist() for s in range(2)]
 
-
-def chunk_keys(t: list[int]) -> list[bytes]:
-    parent, out = chain_seed(SMALL.fingerprint, None), []
-    for i in range(0, len(t), C):
-        parent = chunk_hash(parent, np.asarray(t[i:i + C], dtype=np.uint32))
-        out.append(parent)
-    return out
 
 
 class LifecycleMachine(RuleBasedStateMachine):
@@ -61,7 +54,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def _used(self, t: list[int]) -> None:
         now = time.time()
-        for k in chunk_keys(t):
+        for k in chain_keys(t, C):
             self.last_use[k] = now
 
     def _wait_renewed(self, s) -> None:
@@ -71,11 +64,11 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def _live(self, t) -> bool:
         now = time.time() + self.skew
-        return all(self.last_use.get(k, 0) > now - TTL + MARGIN for k in chunk_keys(list(t)))
+        return all(self.last_use.get(k, 0) > now - TTL + MARGIN for k in chain_keys(list(t), C))
 
     def _dead(self, t) -> bool:
         now = time.time() + self.skew
-        return all(self.last_use.get(k, 0) < now - TTL - MARGIN for k in chunk_keys(list(t)))
+        return all(self.last_use.get(k, 0) < now - TTL - MARGIN for k in chain_keys(list(t), C))
 
     @initialize(n=st.integers(5, 20))
     def first_write(self, n):

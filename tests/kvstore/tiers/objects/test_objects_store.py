@@ -7,19 +7,16 @@ from __future__ import annotations
 import shutil
 import time
 
-import numpy as np
 import pytest
 
 import kvstore
 from kvstore.layout import KVLayout
 from tests.support.kvgen import SMALL, assert_get_exact, causal_kv, put_causal
 from tests.support.seaweed import ACCESS_KEY, SECRET_KEY
+from tests.support.shared_tier_calls import toks
 
 C = 4
 
-
-def toks(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 500, n).tolist()
 
 
 def assert_layers_exact(store, t):

@@ -27,10 +27,10 @@ import xxhash
 import zstandard
 
 import kvstore
-from kvstore.format.hashing import chain_seed, chunk_hash
 from kvstore.tiers.remote import value as rv
 from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy, wait_for
+from tests.support.shared_tier_calls import chain_keys, public_calls, timed, toks
 
 pytestmark = pytest.mark.serial  # wall-clock bounds: not beside the parallel part
 
@@ -38,11 +38,6 @@ C = 4
 DEADLINE = 0.5
 SLACK = 0.5  # scheduling on a loaded 2-core machine; the calls end at DEADLINE
 MEMORY_BOUND = 32 << 20
-
-
-def toks(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 500, n).tolist()
-
 
 
 def cfg(url: str, **kw) -> kvstore.RemoteConfig:
@@ -53,42 +48,6 @@ def cfg(url: str, **kw) -> kvstore.RemoteConfig:
     return kvstore.RemoteConfig(urls=(url,), **kw)
 
 
-def timed(fn):
-    t0 = time.monotonic()
-    try:
-        out = fn()
-    except KeyError as e:  # a miss: the only error the remote may cause
-        out = e
-    return time.monotonic() - t0, out
-
-
-def _calls(store, t, k_want, v_want):
-    """The public calls, each returning what it got (checked against the causal KV)."""
-
-    def match():
-        n = store.match(t)
-        assert n in (0, len(t))
-        return n
-
-    def get():
-        k, v = store.get(t)
-        assert np.array_equal(k.numpy(), k_want) and np.array_equal(v.numpy(), v_want)
-        return True
-
-    def load():
-        with store.load_layers(t) as ld:
-            for layer in range(SMALL.num_layers):
-                k, v = ld.wait(layer)
-                assert np.array_equal(k.numpy(), k_want[layer])
-                assert np.array_equal(v.numpy(), v_want[layer])
-        return True
-
-    def prefetch():
-        store.set_queue([t])
-        assert store.wait_prefetched(30)
-        return True
-
-    return {"match": match, "get": get, "load_layers": load, "prefetch": prefetch}
 
 
 @pytest.mark.parametrize("mode", ["pass", "trickle", "bighead", "cut", "garbage"])
@@ -102,7 +61,7 @@ def test_every_public_call_ends_by_its_deadline(open_small, redis_server, mode):
         b = open_small("b", remote=cfg(proxy.url()))
         assert b.stats()["remote"]["breaker"] == "closed"
         proxy.mode = mode
-        calls = _calls(b, t, k_want, v_want)
+        calls = public_calls(b, t, k_want, v_want)
         for _ in range(2):
             for name, fn in calls.items():
                 elapsed, out = timed(fn)
@@ -141,13 +100,6 @@ def _status(field: str) -> int:
     raise AssertionError(field)
 
 
-def _keys(t: list[int]) -> list[bytes]:
-    parent, out = chain_seed(SMALL.fingerprint, None), []
-    for i in range(0, len(t), C):
-        parent = chunk_hash(parent, np.asarray(t[i:i + C], dtype=np.uint32))
-        out.append(parent)
-    return out
-
 
 def test_junk_padded_values_are_misses_in_bounded_memory(open_small, redis_server):
     a = open_small("a", remote=redis_server.url)
@@ -155,7 +107,7 @@ def test_junk_padded_values_are_misses_in_bounded_memory(open_small, redis_serve
     put_causal(a, t)
     a.flush(remote=True)
     r = redis.Redis(port=redis_server.port)
-    for key in _keys(t):  # 64 MB of zeros appended to every chunk's value
+    for key in chain_keys(t, C):  # 64 MB of zeros appended to every chunk's value
         rk = b"kvstore:" + key.hex().encode()
         r.setrange(rk, r.strlen(rk) + (64 << 20), b"x")
     b = open_small("b", remote=cfg(redis_server.url, deadline_s=5.0, timeout_s=5.0))
@@ -193,7 +145,7 @@ def _zstd_bomb(key: bytes, tokens: np.ndarray, inflated: int) -> bytes:
 
 def test_a_zstd_bomb_is_a_miss_in_bounded_memory(open_small, redis_server):
     t = toks(3, C)
-    key = _keys(t)[0]
+    key = chain_keys(t, C)[0]
     value = _zstd_bomb(key, np.asarray(t, dtype=np.uint32), 100 << 20)
     h = rv.parse_header(value, key=key, tokens=np.asarray(t), num_layers=SMALL.num_layers,
                         raw_layer_bytes_per_token=SMALL.layer_token_bytes, layout=SMALL)
