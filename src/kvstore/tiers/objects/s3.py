@@ -62,7 +62,7 @@ class Credentials:
 class Reply:
     status: int
     headers: Mapping[str, str]  # lower-case names
-    body: bytes
+    body: bytes | bytearray
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name)
@@ -185,11 +185,20 @@ class _Conn:
             headers[name.strip().lower()] = value.strip()
         return int(parts[1]), headers
 
-    def read_exact(self, n: int, expires: float) -> bytes:
-        while len(self.buf) < n:
-            self._fill(expires, n)
-        out = bytes(self.buf[:n])
-        del self.buf[:n]
+    def read_exact(self, n: int, expires: float) -> bytearray:
+        """``n`` bytes: those already buffered, the rest received straight into the result
+        (one copy out of the kernel; a value is megabytes)."""
+        out = bytearray(n)
+        have = min(n, len(self.buf))
+        out[:have] = self.buf[:have]
+        del self.buf[:have]
+        view = memoryview(out)
+        while have < n:
+            self.sock.settimeout(self._left(expires))
+            got = self.sock.recv_into(view[have:], min(n - have, 1 << 20))
+            if not got:
+                raise S3Error("the server closed the connection mid-reply")
+            have += got
         return out
 
     def read_chunked(self, max_bytes: int, expires: float) -> bytes:
@@ -213,7 +222,7 @@ class _Conn:
                         del self.buf[:end + 2]
                 del self.buf[:2]
                 return bytes(out)
-            out += self.read_exact(size + 2, expires)[:size]
+            out += memoryview(self.read_exact(size + 2, expires))[:size]
 
     def close(self) -> None:
         try:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
@@ -178,8 +178,11 @@ class ObjectTier:
         """A context manager bounding the requests of one public call by ``deadline_s``."""
         return call_deadline(self.cfg.deadline_s)
 
-    def _one(self, method: str, name: str | None, kw: dict, expires: float) -> Reply | None:
-        """One request by ``expires``; None if it failed (counted, and against the breaker)."""
+    def _one(self, method: str, name: str | None, kw: dict, expires: float,
+             then: Callable[[int, Reply], object] | None = None, i: int = 0) -> object:
+        """One request by ``expires``; None if it failed (counted, and against the breaker).
+        ``then``: applied to the reply in the worker thread (verification and decoding
+        overlap the other requests' transfers), its result returned instead."""
         if time.monotonic() >= expires:
             self.count("deadline_skipped")
             return None
@@ -203,12 +206,16 @@ class ObjectTier:
             self.breaker.failure(S3Error(f"HTTP {r.status} {_error_code(r)}"))
             return None
         self.breaker.success()
-        return r
+        if r.status in (200, 206):
+            self.count("fetched_bytes", len(r.body))
+        return r if then is None else then(i, r)
 
     def _requests(self, reqs: Sequence[tuple[str, str | None, dict]], *,
-                  observe: bool = True, probe: bool = False) -> list[Reply | None]:
+                  observe: bool = True, probe: bool = False,
+                  then: Callable[[int, Reply], object] | None = None) -> list:
         """The requests (method, object name, request options), in parallel, each ending by
-        the public call's deadline; a reply per request (None: failed or not in time)."""
+        the public call's deadline; a reply per request (None: failed or not in time), or
+        what ``then(i, reply)`` made of request i's reply in the worker thread."""
         if not reqs:
             return []
         expires = call_expires()
@@ -219,8 +226,9 @@ class ObjectTier:
             return [None] * len(reqs)
         assert self._pool is not None
         t0 = time.perf_counter()
-        futs = [self._pool.submit(self._one, m, n, kw, expires) for m, n, kw in reqs]
-        out: list[Reply | None] = []
+        futs = [self._pool.submit(self._one, m, n, kw, expires, then, i)
+                for i, (m, n, kw) in enumerate(reqs)]
+        out: list = []
         for f in futs:
             try:  # each request ends by ``expires`` on its own; this wait only backs it up
                 out.append(f.result(timeout=max(0.0, expires - time.monotonic()) + 1.0))
@@ -228,10 +236,9 @@ class ObjectTier:
                 self.count("timeouts")
                 out.append(None)
         dt = time.perf_counter() - t0
-        nbytes = sum(len(r.body) for r in out if r is not None and r.status in (200, 206))
         if observe:
+            nbytes = sum(_reply_bytes(r) for r in out)
             self.estimate.observe(nbytes, dt, probe=probe)
-        self.count("fetched_bytes", nbytes)
         return out
 
     def _bad(self, r: Reply | None) -> None:
@@ -347,52 +354,87 @@ class ObjectTier:
         parallel."""
         lay = self.layout
         caps = [rv.max_value_bytes(len(t), lay) for _, t in items]
-        replies = self._requests([self._ranged(on.value_name(self._prefix, k), 0, cap - 1)
-                                  for (k, _), cap in zip(items, caps, strict=True)])
-        out: list[tuple[np.ndarray, rv.Header] | None] = []
-        used = []
-        for (k, t), r in zip(items, replies, strict=True):
-            if r is None or r.status not in (200, 206):
-                self._bad(r)
-                out.append(None)
-                continue
+
+        def verify(i: int, r: Reply) -> tuple[np.ndarray, rv.Header] | Reply | rv.BadValue:
+            """In the worker: the verified, decoded extent; the reply if it is not one."""
+            if r.status not in (200, 206):
+                return r
+            k, t = items[i]
             try:
                 total = self._total(r)
                 if total != len(r.body):
                     raise rv.BadValue(f"an object of {total} bytes; a value of these tokens "
                                       f"has at most {len(r.body)}")
                 h = rv.checked_header(r.body, total, k, t, lay)
-                out.append((rv.decode(h, r.body), h))
-            except rv.BadValue:
-                self.count("bad_values")
-                out.append(None)
+                return rv.decode(h, r.body), h
+            except rv.BadValue as e:
+                return e
+
+        got = self._requests([self._ranged(on.value_name(self._prefix, k), 0, cap - 1)
+                              for (k, _), cap in zip(items, caps, strict=True)], then=verify)
+        out: list[tuple[np.ndarray, rv.Header] | None] = []
+        used = []
+        for (k, _), g in zip(items, got, strict=True):
+            if isinstance(g, tuple):
+                out.append(g)
+                used.append(k)
+                self.count("fetched_chunks")
                 continue
-            used.append(k)
-            self.count("fetched_chunks")
+            if isinstance(g, rv.BadValue):
+                self.count("bad_values")
+            else:
+                self._bad(g)
+            out.append(None)
         self._renew(used)
         return out
 
     def layers(self, items: Sequence[tuple[bytes, rv.Header]], layers: Sequence[int]
                ) -> dict[int, list[np.ndarray | None]]:
         """The verified raw bytes of each of ``layers`` of each (key, header): one ranged GET
-        per chunk and layer, in parallel (layer -> one entry per item, None where unusable)."""
-        pairs = [(i, layer) for layer in layers for i in range(len(items))]
+        per chunk of each run of consecutive layers (their payloads lie next to each other),
+        in parallel, each layer verified and decoded in the worker that fetched it (layer ->
+        one entry per item, None where unusable)."""
+        runs: list[list[int]] = []
+        for layer in sorted(set(layers)):
+            if runs and runs[-1][-1] == layer - 1:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        pairs = [(i, run) for run in runs for i in range(len(items))]
         reqs = []
-        for i, layer in pairs:
-            a, b = items[i][1].layer_range(layer)
+        for i, run in pairs:
+            a, b = items[i][1].layer_range(run[0])[0], items[i][1].layer_range(run[-1])[1]
             reqs.append(self._ranged(on.value_name(self._prefix, items[i][0]), a, b))
-        replies = self._requests(reqs)
+
+        def verify(j: int, r: Reply) -> list[np.ndarray | None] | Reply:
+            """In the worker: each layer of the run, verified and decoded (None: refused)."""
+            i, run = pairs[j]
+            h = items[i][1]
+            if r.status != 206 or len(r.body) != h.layer_range(run[-1])[1] + 1 \
+                    - h.layer_range(run[0])[0]:
+                return r
+            base, parts = h.layer_range(run[0])[0], []
+            for layer in run:
+                a, b = h.layer_range(layer)
+                try:
+                    parts.append(rv.decode_layer(h, layer, memoryview(r.body)[a - base:b + 1
+                                                                              - base]))
+                except rv.BadValue:
+                    parts.append(None)
+            return parts
+
+        got = self._requests(reqs, then=verify)
         out: dict[int, list[np.ndarray | None]] = {layer: [] for layer in layers}
-        for (i, layer), r in zip(pairs, replies, strict=True):
-            try:
-                if r is None or r.status != 206:
-                    raise rv.BadValue("not answered with the range asked for")
-                out[layer].append(rv.decode_layer(items[i][1], layer, r.body))
-            except rv.BadValue:
-                self._bad(r)
-                out[layer].append(None)
-                continue
-            self.count("fetched_layers")
+        for (_, run), g in zip(pairs, got, strict=True):
+            if isinstance(g, list):  # fetched: each layer verified on its own
+                bad = sum(p is None for p in g)
+                self.count("bad_values", bad)
+                self.count("fetched_layers", len(g) - bad)
+            else:  # failed, absent, or not the range asked for
+                self._bad(g)
+                g = [None] * len(run)
+            for layer, part in zip(run, g, strict=True):
+                out[layer].append(part)
         return out
 
     def probe(self, found: Sequence[tuple[bytes, rv.Header]]) -> None:
@@ -512,6 +554,17 @@ class ObjectTier:
         return {"url": self.cfg.shown, **c, "link": self.estimate.stats(),
                 "breaker": b["state"], "breaker_stats": b, "last_sweep": last,
                 "last_sweep_error": err, "renew_queue": self._renewals.pending}
+
+
+def _reply_bytes(got: object) -> int:
+    """Payload bytes a request received: a reply's body, a verified extent or layers."""
+    if isinstance(got, Reply):
+        return len(got.body) if got.status in (200, 206) else 0
+    if isinstance(got, tuple):
+        return got[0].nbytes
+    if isinstance(got, list):
+        return sum(p.nbytes for p in got if p is not None)
+    return 0
 
 
 def _error_code(r: Reply) -> str:
