@@ -39,8 +39,7 @@ SMOLLM2 = kvstore.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="fl
 
 def _raw_client(url: str) -> tuple[S3Client, str]:
     c = kvstore.ObjectsConfig(url=url)
-    return S3Client(endpoint=c.endpoint, bucket=c.bucket, region=c.region,
-                    creds=c.credentials(), timeout_s=10.0), c.prefix
+    return c.client(timeout_s=10.0), c.prefix
 
 
 def bench_get(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, object]:

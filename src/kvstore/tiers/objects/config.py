@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from kvstore.tiers.objects.s3 import Credentials, Endpoint
+from kvstore.tiers.objects.s3 import Credentials, Endpoint, S3Client
 from kvstore.tiers.remote.config import check_link_options
 
 URL_OPTIONS = ("endpoint", "region", "profile", "ca_file")
@@ -162,6 +162,13 @@ class ObjectsConfig:
     def shown(self) -> str:
         """The URL as messages show it (it holds no secret)."""
         return self.url
+
+    def client(self, timeout_s: float | None = None) -> S3Client:
+        """A client of the URL's bucket, signing with :meth:`credentials` (read now); each
+        socket operation bounded by ``timeout_s`` (default: the config's)."""
+        return S3Client(endpoint=self.endpoint, bucket=self.bucket, region=self.region,
+                        creds=self.credentials(),
+                        timeout_s=self.timeout_s if timeout_s is None else timeout_s)
 
     def credentials(self) -> Credentials:
         """The credentials to sign with (read when the store opens the tier)."""

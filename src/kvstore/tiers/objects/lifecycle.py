@@ -155,8 +155,7 @@ def sweep_objects(objects: str | ObjectsConfig, *, ttl_s: float | None = None,
     if ttl_s is not None or max_bytes is not None:
         cfg = replace(cfg, ttl_s=cfg.ttl_s if ttl_s is None else ttl_s,
                       max_bytes=cfg.max_bytes if max_bytes is None else max_bytes)
-    client = S3Client(endpoint=cfg.endpoint, bucket=cfg.bucket, region=cfg.region,
-                      creds=cfg.credentials(), timeout_s=cfg.timeout_s)
+    client = cfg.client()
     try:
         return sweep(client, cfg.prefix, ttl_s=cfg.ttl_s, max_bytes=cfg.max_bytes,
                                deadline_s=cfg.deadline_s)

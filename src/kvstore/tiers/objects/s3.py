@@ -201,6 +201,19 @@ class _Conn:
             have += got
         return out
 
+    def read_to_close(self, max_bytes: int, expires: float) -> bytes:
+        """What the server sends until it closes the connection (a reply without a length)."""
+        while True:
+            if len(self.buf) > max_bytes:
+                raise ReplyTooLarge(f"a reply longer than {max_bytes} bytes")
+            self.sock.settimeout(self._left(expires))
+            data = self.sock.recv(1 << 20)
+            if not data:
+                out = bytes(self.buf)
+                self.buf.clear()
+                return out
+            self.buf += data
+
     def read_chunked(self, max_bytes: int, expires: float) -> bytes:
         out = bytearray()
         while True:
@@ -253,10 +266,14 @@ class S3Client:
         base = "/" if self.endpoint.virtual else f"/{self.bucket}/"
         return _uri(base + key) if key or self.endpoint.virtual else _uri(f"/{self.bucket}")
 
-    def _take(self, expires: float) -> _Conn:
+    def _take(self, expires: float) -> tuple[_Conn, bool]:
+        """A connection, and whether it was kept alive from an earlier request."""
         with self._lock:
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop(), True
+        return self._connect(expires), False
+
+    def _connect(self, expires: float) -> _Conn:
         return _Conn(self.endpoint, self._server_host, self.timeout_s, expires, self._tls)
 
     def _give(self, conn: _Conn) -> None:
@@ -289,22 +306,27 @@ class S3Client:
         target = path + (f"?{q}" if q else "")
         head = f"{method} {target} HTTP/1.1\r\n" + "".join(
             f"{k}: {v}\r\n" for k, v in signed.items()) + "\r\n"
+        wire = head.encode()
+
+        def exchange(conn: _Conn) -> tuple[int, dict[str, str]]:
+            if len(body) < 65536:  # one send for a small request
+                conn.send(wire + body, expires)
+            else:
+                conn.send(wire, expires)
+                conn.send(body, expires)
+            return conn.read_head(expires)
+
         conn = None
         try:
-            conn = self._take(expires)
+            conn, kept = self._take(expires)
             try:
-                conn.send(head.encode() + body if len(body) < 65536 else head.encode(), expires)
-                if len(body) >= 65536:
-                    conn.send(body, expires)
-                status, rh = conn.read_head(expires)
+                status, rh = exchange(conn)
             except (S3Error, OSError):
-                if conn.buf or time.monotonic() >= expires:
+                if not kept or conn.buf or time.monotonic() >= expires:
                     raise
                 conn.close()  # a kept-alive connection the server had closed: once more
-                conn = _Conn(self.endpoint, self._server_host, self.timeout_s, expires,
-                             self._tls)
-                conn.send(head.encode() + body, expires)
-                status, rh = conn.read_head(expires)
+                conn = self._connect(expires)
+                status, rh = exchange(conn)
             if not 200 <= status < 300:
                 max_bytes = ERROR_BYTES
             if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
@@ -320,15 +342,7 @@ class S3Client:
                                         f"with at most {max_bytes}")
                 data = conn.read_exact(n, expires)
             else:  # until the server closes
-                while True:
-                    try:
-                        conn._fill(expires, max_bytes + 1)
-                    except S3Error as e:
-                        if isinstance(e, ReplyTooLarge | S3Timeout):
-                            raise
-                        break
-                data = bytes(conn.buf)
-                conn.buf.clear()
+                data = conn.read_to_close(max_bytes, expires)
                 rh["connection"] = "close"
         except TimeoutError as e:
             if conn is not None:

@@ -118,9 +118,7 @@ class ObjectTier:
         """Check the bucket at open (creating it if it does not exist): refused credentials
         are :class:`ObjectsAuthError`; an endpoint that does not answer only opens the breaker
         (the store works from its other tiers meanwhile). Starts the background sweeper."""
-        self._client = S3Client(endpoint=self.cfg.endpoint, bucket=self.cfg.bucket,
-                                region=self.cfg.region, creds=self.cfg.credentials(),
-                                timeout_s=self.cfg.timeout_s)
+        self._client = self.cfg.client()
         self._pool = ThreadPoolExecutor(self.cfg.parallel, thread_name_prefix="kvstore-objects")
         try:
             r = self._client.request("HEAD", None, max_bytes=SMALL,
@@ -128,8 +126,6 @@ class ObjectTier:
             if r.status == 404:
                 r = self._client.request("PUT", None, max_bytes=SMALL,
                                          expires=time.monotonic() + self.cfg.deadline_s)
-                if r.status == 409:  # created by another store meanwhile
-                    r = Reply(200, r.headers, b"")
         except S3Error as e:
             self.count("call_errors")
             self.breaker.trip(e)
@@ -137,7 +133,7 @@ class ObjectTier:
             if r.status == 403:
                 raise ObjectsAuthError(f"objects {self.cfg.shown}: the service refused the "
                                        f"credentials (HTTP 403): {_error_code(r)}")
-            if not 200 <= r.status < 300:
+            if not 200 <= r.status < 300 and r.status != 409:  # 409: another store made it
                 raise ObjectsSetupError(f"objects {self.cfg.shown}: bucket "
                                         f"{self.cfg.bucket!r} cannot be used (HTTP {r.status} "
                                         f"{_error_code(r)})")
