@@ -64,3 +64,25 @@ def public_calls(store, t, k_want, v_want):
         return True
 
     return {"match": match, "get": get, "load_layers": load, "prefetch": prefetch}
+
+
+def assert_calls_bounded(store, section: str, mode: str, t, k_want, v_want,
+                         limit_s: float) -> dict[str, object]:
+    """Each public call, twice over, returns within ``limit_s`` whatever the server does
+    (``mode``); through a server that behaves (``"pass"``) each is served and nothing failed,
+    otherwise nothing was fetched or filled and the breaker opened after failed round trips.
+    Returns ``stats()[section]``."""
+    for _ in range(2):
+        for name, fn in public_calls(store, t, k_want, v_want).items():
+            elapsed, out = timed(fn)
+            assert elapsed < limit_s, (mode, name, elapsed)
+            if mode == "pass":
+                assert out is not None and not isinstance(out, KeyError), (name, out)
+    st = store.stats()[section]
+    if mode == "pass":
+        assert st["breaker"] == "closed" and st["call_errors"] == 0
+        return st
+    assert st["fetched_chunks"] == 0 and store.stats()["disk"]["chunks"] == 0
+    assert st["breaker"] == "open", st  # slow calls count like failed ones
+    assert st["call_errors"] >= 3 and st["refused_calls"] >= 1
+    return st

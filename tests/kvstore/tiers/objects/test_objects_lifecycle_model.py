@@ -20,7 +20,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 import kvstore
 from kvstore.tiers.objects import lifecycle
-from kvstore.tiers.objects.s3 import S3Client
 from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 from tests.support.shared_tier_calls import chain_keys
 
@@ -43,8 +42,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.contexts: set[tuple[int, ...]] = set()
         self.dirs = itertools.count()
         cfg = kvstore.ObjectsConfig(url=self.url)
-        self.client = S3Client(endpoint=cfg.endpoint, bucket=cfg.bucket, region=cfg.region,
-                               creds=cfg.credentials(), timeout_s=10.0)
+        self.client = cfg.client(timeout_s=10.0)
         self.prefix = cfg.prefix
 
     def _open(self, **kw):
