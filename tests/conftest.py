@@ -58,3 +58,13 @@ def bucket_url(weed, monkeypatch):
         return weed.url(BUCKET, f"{base}/{prefix}", **params)
 
     return _url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_fork_server():
+    """The vLLM tests' fork server (tests/support/vllm_runner.py), started by their first
+    engine in this test process, stopped when the session ends."""
+    yield
+    from tests.support.vllm_runner import LAUNCHER
+
+    LAUNCHER.close()

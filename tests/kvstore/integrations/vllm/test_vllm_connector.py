@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from engine.hf_export import hf_model_dir
 from kvstore.integrations.vllm.scheduler import PAD
 from tests.support.paths import ROOT
 from tests.support.seaweed import BUCKET, credentials
+from tests.support.vllm_runner import LAUNCHER
 
 B = 128  # vLLM's CPU block size
 STORE_SIZES = {"dram_bytes": 256 << 20, "disk_bytes": 1 << 30}
@@ -66,15 +65,13 @@ def run_engine(tmp_path: Path, model_dir: str, requests: list[dict], *,
     job = tmp_path / f"job-{len(list(tmp_path.glob('job-*')))}.json"
     job.write_text(json.dumps({"model": model_dir, "connector": connector,
                                "multiprocessing": multiprocessing, "requests": requests}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "tests.support.vllm_runner", str(job)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"engine failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    results = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines()
+    rc, out, err = LAUNCHER.start(job).result()
+    assert rc == 0, f"engine failed:\n{out[-3000:]}\n{err[-6000:]}"
+    results = [json.loads(line[len("RESULT "):]) for line in out.splitlines()
                if line.startswith("RESULT ")]
-    assert len(results) == len(requests), r.stdout[-3000:]
+    assert len(results) == len(requests), out[-3000:]
     for res in results:
-        res["log"] = r.stdout + r.stderr  # vLLM's log handler writes to stdout
+        res["log"] = out + err  # vLLM's log handler writes to stdout
     return results
 
 

@@ -12,11 +12,8 @@ the same kernels run).
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import pytest
 
 import kvstore
 from engine import hybrid_models
-from tests.support.paths import ROOT
+from tests.support.vllm_runner import LAUNCHER
 
 # model, dtype, vLLM's prefix cache, the logprob tolerance of another prefill split. LFM2 runs
 # with vLLM's prefix cache off: with it on, vLLM itself is not exact on this CPU build (the same
@@ -49,20 +46,12 @@ def start_engine(tmp_path: Path, name: str, requests: list[dict], store: Path | 
         "max_model_len": 2048, "kv_cache_bytes": 128 << 20, "logprobs": True,
         "connector": None if store is None else {"store_dir": str(store), **extra},
         "requests": requests}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.vllm_runner", str(job)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    running = LAUNCHER.start(job)
 
     def result() -> tuple[list[dict], str]:
-        try:
-            out, err = proc.communicate(timeout=900)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        rc, out, err = running.result()
         log = out + err
-        if proc.returncode != 0:
+        if rc != 0:
             return [], log
         return [json.loads(line[len("RESULT "):]) for line in out.splitlines()
                 if line.startswith("RESULT ")], log
