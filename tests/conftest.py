@@ -68,3 +68,13 @@ def vllm_fork_server():
     from tests.support.vllm_runner import LAUNCHER
 
     LAUNCHER.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def writers_fork_server():
+    """The crash and tamper tests' writer processes' fork server (tests/support/forked.py),
+    started by their first writer in this test process, stopped when the session ends."""
+    yield
+    from tests.support.forked import WRITERS
+
+    WRITERS.close()

@@ -17,7 +17,6 @@ import queue
 import random
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ import torch
 
 import kvstore
 from tests.support.crash_writer import context
+from tests.support.forked import WRITERS
 from tests.support.kvgen import SMALL, causal_kv
 from tests.support.paths import ROOT
 
@@ -35,11 +35,9 @@ class Writer:
 
     def __init__(self, path, seed, slots, max_tokens):
         self.seed = seed
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.shared_writer", str(path), str(seed),
-             str(slots), str(max_tokens)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
+        # forked from a warm Python (tests/support/forked.py), a process of its own
+        self.proc = WRITERS.popen("tests.support.shared_writer", [path, seed, slots, max_tokens],
+                                  cwd=ROOT, stdin=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.acked: list[int] = []
         self.bad: list[str] = []

@@ -7,8 +7,6 @@ slot reuse under way) whatever is servable is exact and the newest acknowledged 
 
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,6 +15,7 @@ import kvstore
 from kvstore.format.hashing import as_tokens, chain_seed, chunk_hash
 from kvstore.tools.verify import verify_path
 from tests.support.crash_writer import context
+from tests.support.forked import WRITERS
 from tests.support.kvgen import SMALL, get_is_exact, lcp
 from tests.support.paths import ROOT
 
@@ -24,11 +23,8 @@ TRIALS = 8  # per mode, two kills each; two modes -> 32 kills
 
 
 def _run_and_kill(path, seed, slots, max_tokens, rng, index=None):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.crash_writer", str(path), str(seed), str(slots),
-         str(max_tokens)] + ([index] if index else []),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    proc = WRITERS.popen("tests.support.crash_writer",
+                         [path, seed, slots, max_tokens] + ([index] if index else []), cwd=ROOT)
     line = proc.stdout.readline()
     assert line.strip() == "ready", proc.stderr.read()
     time.sleep(rng.uniform(0.0, 0.6))
