@@ -57,7 +57,9 @@ def run_point(trace, method: Method | str, cost, *, bound: bool = True) -> dict[
     s = summarize(rows(label, jobs), stats)
     out.update(ttft_turn2plus_mean_s=s["ttft_s_turn2plus"]["mean"], gpu_s=s["gpu_s"],
                dram_hit_rate=s["dram_hit_rate"], store=None if ex.store is None
-               else dataclasses.asdict(ex.store.counters))
+               else dataclasses.asdict(ex.store.counters),
+               return_prediction=ex.predictions.summary(),
+               reused_tokens=sum(j.reused + j.recomputed for j in jobs))
     return out
 
 
@@ -99,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             r = run_point(trace, m if m.startswith("oracle:") else Method.parse(m), cost,
                           bound=not args.no_bound)
             points.append(r)
+            st = r["store"] or {}
+            pred = r["return_prediction"] or {}
             print(f"disk {disk / 1e12:g} TB {r['method']:>16}: hit {r['hit_rate']:.3f} "
                   f"bound {r.get('bound_hit_rate', float('nan')):.3f} "
+                  f"written {st.get('disk_bytes_written', 0) / 1e12:.2f} TB "
+                  f"auc {pred.get('auc', float('nan')):.3f} "
                   f"({r['seconds']:.0f}+{r.get('bound_seconds', 0):.0f} s)", flush=True)
     ttft = []
     if args.ttft:

@@ -7,6 +7,7 @@ from kvstore.errors import (
     HybridLayers,
     KVStoreError,
     LayoutMismatch,
+    PinRefused,
     RotatedKeys,
     StoreClosed,
     StoreForked,
@@ -26,6 +27,7 @@ __all__ = [
     "StoreTampered",
     "CorruptData",
     "CapacityError",
+    "PinRefused",
     "StoreClosed",
     "StoreForked",
     "FormatError",
@@ -37,9 +39,11 @@ __all__ = [
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.eviction.jobs import Job  # noqa: E402
 from kvstore.format.disk_throttle import ReadThrottle  # noqa: E402
+from kvstore.format.records import PinRecord  # noqa: E402
 from kvstore.pipelines.layer_load import LayerLoad  # noqa: E402
 from kvstore.pipelines.pages import Pages  # noqa: E402
 from kvstore.pipelines.saving import SaveHandle  # noqa: E402
+from kvstore.residency.retention import ContextInfo  # noqa: E402
 from kvstore.store.facade import Store  # noqa: E402
 from kvstore.store.opening import open_store  # noqa: E402
 from kvstore.tiers.objects import (  # noqa: E402
@@ -54,5 +58,5 @@ open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sq
 
 __all__ += ["ObjectsAuthError", "ObjectsConfig", "ObjectsSetupError", "sweep_objects",
             "RemoteAuthError", "RemoteConfig", "RemoteSetupError", "Job", "LayerLoad",
-            "Pages", "ReadThrottle", "SaveHandle", "Store",
+            "Pages", "ReadThrottle", "SaveHandle", "Store", "PinRecord", "ContextInfo",
             "StoreConfig", "open", "open_store"]

@@ -4,11 +4,14 @@
 chunk's bytes live); the other sizes and the policy belong to each process (its DRAM tier, its
 execution buffers, its write buffer, its eviction order), and may differ between processes.
 So are ``codecs`` (which codec each tier stores new chunks through): every chunk records the
-codec it was stored with, so a process with another config still reads it right.
+codec it was stored with, so a process with another config still reads it right. The caps on
+pins (``pin_namespace_fraction``, ``pin_total_fraction``) are checked by the process that pins,
+against every process's pins (the catalog holds them).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -28,6 +31,9 @@ DEFAULT_DISK_BYTES = 16 << 30  # 16 GiB
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_WRITE_BUFFER_BYTES = 256 << 20  # 256 MiB
 DEFAULT_HBM_BYTES = 1 << 30  # 1 GiB
+DEFAULT_PIN_NAMESPACE_FRACTION = 0.25  # of the disk tier's slots, per namespace
+DEFAULT_PIN_TOTAL_FRACTION = 0.5  # of the disk tier's slots, every namespace together
+FRACTIONS = ("pin_namespace_fraction", "pin_total_fraction")
 
 SIZES = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
 
@@ -41,6 +47,15 @@ def check_size(name: str, v: object) -> int | None:
     if v < 0:
         raise ValueError(f"{name} must be >= 0, got {v}")
     return int(v)
+
+
+def check_fraction(name: str, v: object) -> float:
+    """A share of a capacity: a real number in (0, 1]."""
+    if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a number in (0, 1], got {type(v).__name__}")
+    if not (math.isfinite(v) and 0 < v <= 1):
+        raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+    return float(v)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +74,11 @@ class StoreConfig:
     # fixed encoded size, whose smaller slots hold more chunks and keep a context's coded
     # chunks contiguous (chunks that codec cannot take cannot be stored). Fixed at creation.
     slot_codec: str = "none"
+    # Retention hints (Store.pin): the share of the disk tier's slots the pinned contexts of
+    # one namespace may take, and that every namespace's pins together may take (each in
+    # (0, 1]; a pin beyond either is refused with PinRefused).
+    pin_namespace_fraction: float = DEFAULT_PIN_NAMESPACE_FRACTION
+    pin_total_fraction: float = DEFAULT_PIN_TOTAL_FRACTION
 
     def __post_init__(self) -> None:
         for name in ("chunk_tokens", *SIZES):
@@ -70,6 +90,8 @@ class StoreConfig:
             if v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
             object.__setattr__(self, name, int(v))
+        for name in FRACTIONS:
+            object.__setattr__(self, name, check_fraction(name, getattr(self, name)))
         make_policy(self.policy)
         object.__setattr__(self, "codecs", check_codecs(self.codecs))
         tier_codecs.check_slot_codec(self.slot_codec)
@@ -138,7 +160,17 @@ class StoreConfig:
             d["codecs"] = dict(self.codecs)
         if self.slot_codec == "none":
             del d["slot_codec"]  # raw slots: metadata as before
+        for name, default in (("pin_namespace_fraction", DEFAULT_PIN_NAMESPACE_FRACTION),
+                              ("pin_total_fraction", DEFAULT_PIN_TOTAL_FRACTION)):
+            if d[name] == default:
+                del d[name]  # the default caps: metadata as before
         return d
+
+    def pin_cap_slots(self, total_slots: int) -> tuple[int, int]:
+        """(slots one namespace's pins may take, slots every namespace's pins may take) of a
+        disk tier of ``total_slots``."""
+        return (math.floor(self.pin_namespace_fraction * total_slots),
+                math.floor(self.pin_total_fraction * total_slots))
 
     @classmethod
     def from_dict(cls, d: object) -> StoreConfig:

@@ -29,6 +29,13 @@ class CapacityError(KVStoreError):
     """The data cannot fit the store's configured capacity."""
 
 
+class PinRefused(CapacityError):
+    """A pin (``Store.pin``) that cannot fit: the context, or the namespace's pins with it, or
+    every namespace's pins with it, would take more of the disk tier than the store's caps
+    allow (``pin_namespace_fraction``, ``pin_total_fraction``). Nothing was pinned; the
+    message says which cap and by how much."""
+
+
 class StoreClosed(KVStoreError):
     """The store was used after close()."""
 

@@ -135,7 +135,8 @@ def run_method(trace: Trace, method: Method, cfg: ReplayConfig, *, model=None,
             ex = SimulatedExecutor(method, cfg.cost)
             jobs, stats = serve(trace, ex, on_job_done=tick)
             store = None if ex.store is None else {
-                **asdict(ex.store.counters), "windows": asdict(ex.store.windows)}
+                **asdict(ex.store.counters), "windows": asdict(ex.store.windows),
+                "return_prediction": ex.predictions.summary()}
             cost = cfg.cost.cost(gpu_s=stats.gpu_s, wall_s=stats.makespan_s,
                                  cache=method.caches)
         elif cfg.engine == "vllm":

@@ -53,6 +53,7 @@ from kvstore.eviction.policies import (
     ReturnTracker,
     make_policy,
 )
+from kvstore.eviction.return_predictor import TurnFeatures
 from kvstore.residency.victims import choose_victims
 
 _RUNNING = Queued(position=-1, in_window=True)
@@ -69,6 +70,7 @@ class SimEntry:
     stats: AccessStats
     in_dram: bool = False
     queued: Queued | None = None
+    on_disk: bool = True  # False: kept in DRAM only (``writes_to_disk`` said no)
 
 
 @dataclass(slots=True)
@@ -83,6 +85,10 @@ class SimCounters:
     dropped: int = 0
     bypassed: int = 0  # saves refused by admission (nothing evicted for them)
     kept_back: int = 0  # victims put back because the save fit without them
+    disk_bytes_written: int = 0  # saves written to disk
+    dram_only: int = 0  # saves kept in DRAM only (the policy's ``writes_to_disk`` said no)
+    pinned: int = 0  # saves with a retention hint (ttl_s)
+    refused_for_pins: int = 0  # saves that only evicting pinned contexts would have fit
 
 
 @dataclass
@@ -132,6 +138,7 @@ class SimStore:
         self._budget = 0.0  # prefetch bytes the disk could still move since the last advance
         self._now = 0.0  # the prefetcher's clock (advance() only)
         self._wall = 0.0  # the latest time seen (advance() or put(now=)): what learners see
+        self._pins: dict[Hashable, float] = {}  # retention hints: key -> kept until (wall)
 
     # ------------------------------------------------------------------ inspection
     def __contains__(self, key: Hashable) -> bool:
@@ -178,10 +185,14 @@ class SimStore:
         if e is None:
             return
         e.queued = self._queued(key)
-        prio = self._priority(e)
-        self._disk_heap.push(key, prio)
+        self._push(e, self._priority(e))
+
+    def _push(self, e: SimEntry, prio: Priority) -> None:
+        """``e``'s new priority, in the heap of each tier that holds it."""
+        if e.on_disk:
+            self._disk_heap.push(e.key, prio)
         if e.in_dram:
-            self._dram_heap.push(key, prio)
+            self._dram_heap.push(e.key, prio)
 
     def _derive_windows(self) -> None:
         n = len(self._entries)
@@ -203,10 +214,12 @@ class SimStore:
             self._dram_heap.remove(e.key)
 
     def _remove(self, key: Hashable) -> None:
+        self._pins.pop(key, None)
         e = self._entries.pop(key)
         self._dram_drop(e)
-        self._disk_heap.remove(key)
-        self.disk_used -= e.nbytes
+        if e.on_disk:
+            self._disk_heap.remove(key)
+            self.disk_used -= e.nbytes
 
     def _dram_insert(self, e: SimEntry, *, only_if_below: Priority | None = None) -> bool:
         """Cache ``e`` in DRAM, evicting by priority; with ``only_if_below``, evict only entries
@@ -228,6 +241,9 @@ class SimStore:
             ve.in_dram = False
             self.dram_used -= ve.nbytes
             evicted.append(ve)
+        for ve in evicted:
+            if not ve.on_disk:  # kept in DRAM only: gone for good
+                del self._entries[ve.key]
         self.counters.dram_evictions += len(evicted)
         e.in_dram = True
         self.dram_used += e.nbytes
@@ -252,21 +268,23 @@ class SimStore:
             e.stats.spent = True
             e.queued = self._queued(key)
         tier = "dram" if e.in_dram else "disk"
-        prio = self._priority(e)
-        self._disk_heap.push(key, prio)
-        if e.in_dram:
-            self._dram_heap.push(key, prio)
-        else:
+        self._push(e, self._priority(e))
+        if not e.in_dram:
             self._dram_insert(e)
         return tier
 
     def put(self, key: Hashable, tokens: int, *, now: float | None = None,
-            next_use: float | None | object = UNKNOWN) -> bool:
+            next_use: float | None | object = UNKNOWN,
+            features: TurnFeatures | None = None, ttl_s: float | None = None) -> bool:
         """Save the context of ``key`` as ``tokens`` tokens (replacing what was stored), evicting
         other contexts from disk as the policy orders. False if it cannot fit at all, or if the
         policy's admission refused it. ``now``: the wall clock (default: the latest
         :meth:`advance`); ``next_use``: when it is needed next, None never (``belady`` only;
-        left unknown, :meth:`finish` gives it and this save is admitted without question)."""
+        left unknown, :meth:`finish` gives it and this save is admitted without question);
+        ``features``: what the turn it ends looked like (``learned`` predicts from them; a save
+        it predicts not worth the disk is kept in DRAM only); ``ttl_s``: a retention hint (the
+        store's ``pin(ttl_s=)``): the disk keeps it at least that long, whatever the policy
+        ranks (a save that would need to evict pinned contexts is refused)."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
             raise ValueError(f"tokens must be a positive int, got {tokens!r}")
         nbytes = tokens * self.token_bytes
@@ -286,7 +304,7 @@ class SimStore:
         turns = self._turns.get(key, 0) + 1
         self._turns[key] = turns
         if self._tracker is not None:
-            self._tracker.saved(key, self._wall, turns)
+            self._tracker.saved(key, self._wall, turns, features=features)
             self._pol.now = self._wall
         old = self._entries.get(key)
         if nbytes > self.disk_bytes:
@@ -300,17 +318,41 @@ class SimStore:
         # A new context, as in the store (each turn's put is a new session record).
         e = SimEntry(key=key, tokens=tokens, nbytes=nbytes,
                      stats=AccessStats(inserted=clock, last_access=clock, tokens=tokens,
-                                       turns=turns, saved_at=self._wall, key=key))
+                                       turns=turns, saved_at=self._wall, key=key,
+                                       features=features))
         e.queued = self._queued(key)
+        if not self._pol.writes_to_disk(e.stats):
+            return self._put_dram_only(e, judge)
         if not self._evict_for(e, judge):
             self.counters.bypassed += 1
             return False
         self._entries[key] = e
         self.disk_used += nbytes
+        self.counters.disk_bytes_written += nbytes
+        if ttl_s is not None:
+            self._pins[key] = self._wall + ttl_s
+            self.counters.pinned += 1
         prio = self._priority(e)
         self._disk_heap.push(key, prio)
         self._dram_insert(e, only_if_below=prio if judge else None)
         self._derive_windows()
+        return True
+
+    def _pinned(self) -> set[Hashable]:
+        """The contexts whose retention hint still holds (expired ones are forgotten)."""
+        for k in [k for k, until in self._pins.items() if until <= self._wall]:
+            del self._pins[k]
+        return set(self._pins)
+
+    def _put_dram_only(self, e: SimEntry, judge: bool) -> bool:
+        """Keep ``e`` in DRAM only (evicting, with admission, only what ranks below it)."""
+        e.on_disk = False
+        self._entries[e.key] = e
+        if not self._dram_insert(e, only_if_below=self._priority(e) if judge else None):
+            del self._entries[e.key]
+            self.counters.bypassed += 1
+            return False
+        self.counters.dram_only += 1
         return True
 
     def _evict_for(self, e: SimEntry, judge: bool) -> bool:
@@ -323,11 +365,15 @@ class SimStore:
             self._refresh()  # priorities matter only when something must leave
         pol = self._pol
         mine = self._priority(e) if judge else None
+        pinned = self._pinned()
         choice = choose_victims(self._disk_heap, need, _BytesFreed(self._entries), mine=mine,
-                                size_aware=pol.size_aware)
+                                size_aware=pol.size_aware, skip=pinned)
         if choice is None:
             return False
-        assert choice.freed >= need, "a context fits the disk (put() checked)"
+        if choice.freed < need:
+            assert pinned, "a context fits the disk (put() checked)"
+            self.counters.refused_for_pins += 1
+            return False
         self.counters.kept_back += choice.kept_back
         victims = [self._entries[k] for k in choice.victims]
         for ve in victims:
@@ -357,10 +403,7 @@ class SimStore:
         if plain:
             b = self._pol.benefits_of([e.stats for e in plain])
             for e, x in zip(plain, b.tolist(), strict=True):
-                prio = (0, x)
-                self._disk_heap.push(e.key, prio)
-                if e.in_dram:
-                    self._dram_heap.push(e.key, prio)
+                self._push(e, (0, x))
 
     def drop(self, key: Hashable) -> bool:
         """Invalidate a stored context (e.g. positions baked in and the history truncated)."""

@@ -10,7 +10,8 @@ from engine.replay.costs import CostModel
 from engine.replay.offline import RequestLog
 from engine.replay.server import Job, Method
 from engine.replay.simstore import SimStore
-from kvstore.eviction.policies import make_policy
+from kvstore.eviction.policies import LearnedReturn, make_policy
+from kvstore.eviction.return_predictor import TurnFeatures, auc
 
 
 class CostLimits:
@@ -57,9 +58,10 @@ def place_load(cost: CostModel, job: Job, tier: str, stored: int, begin: float, 
 class SimulatedExecutor(CostLimits):
     """Thread-safety: none (the server's one thread)."""
 
-    def __init__(self, method: Method, cost: CostModel, *, log: RequestLog | None = None
-                 ) -> None:
+    def __init__(self, method: Method, cost: CostModel, *, log: RequestLog | None = None,
+                 hints: bool = True) -> None:
         self.method = method
+        self.hints = hints  # the turns' retention hints (TurnSpec.ttl_s) reach the store
         self.cost = cost
         self.store: SimStore | None = None
         if method.caches:
@@ -69,6 +71,8 @@ class SimulatedExecutor(CostLimits):
                                   disk_bandwidth=cost.disk_to_dram_bps, log=log)
         self._link_free = 0.0  # when the load link (DRAM/disk -> accelerator) is next free
         self._prev_start = 0.0  # start of the latest prefill
+        self.predictions = ReturnPredictions()
+        self._saved_at: dict[int, float] = {}
 
     def arrive(self, job: Job) -> None:
         if self.store is not None:
@@ -115,6 +119,50 @@ class SimulatedExecutor(CostLimits):
 
     def finish(self, job: Job, next_arrival: float | None) -> None:
         if self.store is not None:
+            features = None
+            if isinstance(self.store.policy, LearnedReturn):
+                features = self._features(job)
+                self.predictions.add(self.store.policy, features, job)
+            ttl = job.conv.turns[job.turn].ttl_s if self.hints else None
             self.store.put(job.conv.index, job.context_after, now=job.finish_s,
-                           next_use=next_arrival)
+                           next_use=next_arrival, features=features, ttl_s=ttl)
             self.store.finish(job.conv.index, next_arrival)
+
+    def _features(self, job: Job) -> TurnFeatures:
+        """What a store sees of the turn that ended: its position, lengths, the time since
+        the conversation's previous save, the ids at the ends of what it added."""
+        key = job.conv.index
+        spec = job.conv.turns[job.turn]
+        prev = self._saved_at.get(key)
+        self._saved_at[key] = job.finish_s
+        return self.store.policy.predictor.features(  # type: ignore[union-attr]
+            turns=job.turn + 1, new_tokens=spec.user_len + spec.reply_len,
+            history_tokens=job.context_after,
+            gap_s=None if prev is None else job.finish_s - prev, head=spec.head, tail=spec.tail)
+
+
+class ReturnPredictions:
+    """The learned policy's predictions as it made them (before the label was known) against
+    what the trace holds: whether each conversation had another turn."""
+
+    def __init__(self) -> None:
+        self.scores: list[float] = []
+        self.labels: list[int] = []
+        self.turns: list[int] = []
+
+    def add(self, policy: LearnedReturn, features: TurnFeatures, job: Job) -> None:
+        if not policy.predictor.ready:
+            return  # the policy falls back to the rate per turn count until then
+        self.scores.append(policy.predictor.predict(
+            features, policy.model.return_rate(job.turn + 1)))
+        self.labels.append(int(job.turn + 1 < len(job.conv.turns)))
+        self.turns.append(job.turn + 1)
+
+    def summary(self) -> dict[str, float] | None:
+        """AUC of the predictions, and of the rate per turn count alone (the ``reuse``
+        policy's feature) on the same saves."""
+        if not self.scores:
+            return None
+        return {"predictions": len(self.scores), "auc": auc(self.labels, self.scores),
+                "auc_turns_only": auc(self.labels, self.turns),
+                "continue_rate": sum(self.labels) / len(self.labels)}

@@ -9,7 +9,7 @@ trace see the same arrivals and think times whatever their speed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -66,6 +66,13 @@ class TurnSpec:
     think_s: float  # after this turn's reply, before the next turn arrives
     user_ids: tuple[int, ...] | None = None  # real mode only
     reply_ids: tuple[int, ...] | None = None
+    # what a store sees of the turn's content: the ids at the head of the user message and at
+    # the tail of the reply (kvstore.eviction.return_predictor.CONTENT_TOKENS each)
+    head: tuple[int, ...] = ()
+    tail: tuple[int, ...] = ()
+    # a retention hint the caller gives with this turn's save (an agent framework that knows
+    # its tool call returns within this long: kvstore's Store.pin(ttl_s=)); None: none
+    ttl_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +143,11 @@ def build_trace(table, config: WorkloadConfig, *, context_window: int,
     arrivals = np.cumsum(gaps) - gaps[0] if len(chosen) else gaps
     thinks = rng.exponential(config.think_s, size=sum(n for _, n in chosen)) \
         if config.think_s > 0 else np.zeros(sum(n for _, n in chosen))
+    rows = [r for s, n in chosen for r in range(s, s + n)]
+    sub = table.take(rows)
+    heads = _ends(sub.column("user_ids"), first=True)
+    tails = _ends(sub.column("reply_ids"), first=False)
     if with_ids:
-        rows = [r for s, n in chosen for r in range(s, s + n)]
-        sub = table.take(rows)
         uids, rids = sub.column("user_ids").to_pylist(), sub.column("reply_ids").to_pylist()
     ids_at = 0
     think_at = 0
@@ -150,10 +159,49 @@ def build_trace(table, config: WorkloadConfig, *, context_window: int,
             ui = ri = None
             if with_ids:
                 ui, ri = tuple(uids[ids_at]), tuple(rids[ids_at])
-                ids_at += 1
             turns.append(TurnSpec(user_len=int(user_len[r]), reply_len=int(reply_len[r]),
-                                  think_s=float(thinks[think_at]), user_ids=ui, reply_ids=ri))
+                                  think_s=float(thinks[think_at]), user_ids=ui, reply_ids=ri,
+                                  head=heads[ids_at], tail=tails[ids_at]))
+            ids_at += 1
             think_at += 1
         out.append(ConvSpec(index=int(conv[s]), conv_id=str(conv_ids[s]), arrival_s=float(t0),
                             turns=tuple(turns)))
     return Trace(config=config, context_window=window, conversations=tuple(out), cut_turns=cut)
+
+
+def with_tool_calls(trace: Trace, *, fraction: float, pause_s: float, seed: int = 0) -> Trace:
+    """An agent-like workload from ``trace``: a ``fraction`` of its conversations (drawn from
+    ``seed``) are agents whose next turn comes when a tool call returns, ``pause_s`` × U(0.5,
+    1.5) after the reply, instead of a user's think time; every turn of theirs but the last
+    carries a retention hint of 1.5 × ``pause_s`` (the tool call's timeout, which the agent
+    framework knows). The other conversations are left as they are."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+    if not pause_s > 0:
+        raise ValueError(f"pause_s must be > 0, got {pause_s!r}")
+    rng = np.random.default_rng(seed)
+    convs = []
+    for c in trace.conversations:
+        if rng.random() >= fraction:
+            convs.append(c)
+            continue
+        n = len(c.turns)
+        turns = tuple(replace(t, think_s=float(pause_s * rng.uniform(0.5, 1.5)),
+                              ttl_s=1.5 * pause_s if i < n - 1 else None)
+                      for i, t in enumerate(c.turns))
+        convs.append(replace(c, turns=turns))
+    return replace(trace, conversations=tuple(convs))
+
+
+def _ends(column, *, first: bool) -> list[tuple[int, ...]]:
+    """Per row of a list column of token ids: its first (or last) ``CONTENT_TOKENS`` ids."""
+    from kvstore.eviction.return_predictor import CONTENT_TOKENS
+
+    arr = column.combine_chunks()
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy()
+    out = []
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+        lo, hi = (a, min(b, a + CONTENT_TOKENS)) if first else (max(a, b - CONTENT_TOKENS), b)
+        out.append(tuple(values[lo:hi].tolist()))
+    return out

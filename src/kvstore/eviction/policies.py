@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.eviction.return_predictor import ReturnPredictor, TurnFeatures
+
 
 @dataclass(slots=True)
 class AccessStats:
@@ -42,7 +44,9 @@ class AccessStats:
     conversation's turns so far, the wall-clock time of its latest save (``saved_at``, s) and
     whether its one pending read already happened (``spent``: the running job holds it).
     ``key``: the owner's key for the entry, where it sets one (simulation oracles look up what
-    they know of its future by it; the online policies never read it)."""
+    they know of its future by it; the online policies never read it). ``features``: what the
+    turn its save ended looked like (``learned`` predicts its return from them); ``q``,
+    ``q_seen``: that prediction and how many labels the predictor had seen when it made it."""
 
     inserted: int
     last_access: int
@@ -52,6 +56,9 @@ class AccessStats:
     saved_at: float | None = None
     spent: bool = False
     key: Hashable | None = None
+    features: TurnFeatures | None = None
+    q: float | None = None
+    q_seen: int = -1
 
     def touch(self, clock: int) -> None:
         self.last_access = clock
@@ -90,6 +97,10 @@ class EvictionPolicy(ABC):
     def admits_now(self) -> bool:
         """Whether a save may be refused now (``admission``, and what it needs is known)."""
         return self.admission
+
+    def writes_to_disk(self, stats: AccessStats) -> bool:
+        """Whether a save is worth its disk write (else the owner keeps it in DRAM only)."""
+        return True
 
 
 class LRU(EvictionPolicy):
@@ -161,7 +172,8 @@ class ReturnModel:
     owning tier serializes access.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, predictor: ReturnPredictor | None = None) -> None:
+        self.predictor = predictor  # learns whether a conversation returns from its last turn
         self._gaps: list[float] = []
         self._sorted = np.empty(0)
         self._suffix = np.empty(1)
@@ -238,16 +250,23 @@ class ReturnModel:
         k = len(self._sorted) - i
         return 0.0 if k == 0 else float(self._suffix[i]) / k - t
 
+    @property
+    def pooled_rate(self) -> float:
+        """P(the conversation has another turn), over every turn count (1 before any)."""
+        tot = self._total_returns + self._total_ends
+        return self._total_returns / tot if tot else 1.0
+
     def return_rate(self, turns: int) -> float:
         """P(the conversation has another turn | it has had ``turns``)."""
-        tot = self._total_returns + self._total_ends
-        pooled = self._total_returns / tot if tot else 1.0
+        pooled = self.pooled_rate
         b = self.bucket(turns)
         r, e = self._returns.get(b, 0), self._ends.get(b, 0)
         return (r + pooled) / (r + e + 1)
 
-    def arrays(self, idle_s: np.ndarray, turns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`p_return` and :meth:`remaining_s` for many contexts at once."""
+    def arrays(self, idle_s: np.ndarray, turns: np.ndarray, q: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`p_return` and :meth:`remaining_s` for many contexts at once (``q``: each
+        one's return rate where the owner predicted it, NaN where not: the rate per turns)."""
         self._build()
         srt, n = self._sorted, len(self._sorted)
         i = np.searchsorted(srt, idle_s, side="right")
@@ -256,16 +275,24 @@ class ReturnModel:
         rem = np.where(k > 0, self._suffix[i] / np.maximum(k, 1) - idle_s, 0.0)
         if len(turns):  # one rate per distinct turn count
             uniq, inv = np.unique(np.asarray(turns, dtype=np.int64), return_inverse=True)
-            q = np.array([self.return_rate(int(t)) for t in uniq])[inv]
+            rates = np.array([self.return_rate(int(t)) for t in uniq])[inv]
         else:
-            q = np.empty(0)
+            rates = np.empty(0)
+        if q is None:
+            q = rates
+        else:
+            assert q.shape == rates.shape, (q.shape, rates.shape)
+            q = np.where(np.isnan(q), rates, q)
         sq = q * surv
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.where(sq > 0, sq / (sq + 1.0 - q), 0.0)
         return p, rem
 
-    def p_return(self, idle_s: float, turns: int) -> float:
-        q = self.return_rate(turns)
+    def p_return(self, idle_s: float, turns: int, q: float | None = None) -> float:
+        """``q``: the conversation's return rate where the owner predicted it (else the rate
+        at ``turns``)."""
+        if q is None:
+            q = self.return_rate(turns)
         s = q * self.survival(idle_s)
         return s / (s + 1.0 - q) if s > 0 else 0.0
 
@@ -276,19 +303,32 @@ class ReturnTracker:
 
     * ``saved(key, now, turns)``: a context was saved (``learn=False``: its history is unknown,
       e.g. found on disk at open; it is ranked, never counted as an end or a return);
+      ``features``: what its last turn looked like, for a model with a ``predictor``;
     * ``returned(key, now)``: its conversation came back: one think-time sample of
       ``now - saved_at`` at its turns (an end counted too early is taken back); returns those
       turns (None for a key it does not know);
     * ``sweep(now)``: saves idle longer than every think time seen count as ends (once).
 
-    Memory: one small tuple per tracked key until it returns (a conversation that ended stays,
-    so a late return can take its end back). Thread-safety: none; the owner serializes access.
+    The predictor learns each save's label once the save is older than every think time seen
+    (the sweep), in the order of the saves, whether it returned (1) or not (0): labelled as the
+    returns come in, it would see every return at once and every end only a horizon later,
+    and learn that everything returns. A return after its end was labelled is labelled 1 at
+    once (the step towards it outweighs the earlier one). A save superseded without a return
+    (the owner re-tracked it teaching nothing) or forgotten is never labelled.
+
+    Memory: one small tuple (and the features, where given) per tracked key until it returns
+    (a conversation that ended stays, so a late return can take its end back). Thread-safety:
+    none; the owner serializes access.
     """
 
     def __init__(self, model: ReturnModel) -> None:
         self.model = model
         self._seen: dict[Hashable, tuple[float, int, bool, bool]] = {}  # at, turns, ended, learn
         self._by_time: deque[tuple[float, Hashable]] = deque()
+        # the predictor's labels: [saved at, features, label or None while unknown, turns], in
+        # save order; a key's latest one until its conversation returns
+        self._labels: deque[list] = deque()
+        self._latest: dict[Hashable, list] = {}
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._seen
@@ -298,24 +338,42 @@ class ReturnTracker:
         s = self._seen.get(key)
         return None if s is None else (s[0], s[1])
 
-    def saved(self, key: Hashable, now: float, turns: int, *, learn: bool = True) -> None:
+    def saved(self, key: Hashable, now: float, turns: int, *, learn: bool = True,
+              features: TurnFeatures | None = None) -> None:
         self._seen[key] = (now, turns, False, learn)
         if learn:
             self._by_time.append((now, key))
+        self._unlabel(key)
+        if learn and features is not None and self.model.predictor is not None:
+            item = [now, features, None, turns]
+            self._labels.append(item)
+            self._latest[key] = item
+
+    def _unlabel(self, key: Hashable) -> None:
+        item = self._latest.pop(key, None)
+        if item is not None and item[2] is None:
+            item[2] = -1  # never labelled
 
     def returned(self, key: Hashable, now: float) -> int | None:
         s = self._seen.pop(key, None)
         if s is None:
             return None
         at, turns, ended, learn = s
+        item = self._latest.pop(key, None)
         if learn:
             if ended:  # counted as an end too early: it was a long think
                 self.model.ended(turns, -1)
             self.model.returned(now - at, turns)
+        if item is not None:
+            if item[2] == 0:  # labelled an end already
+                self.model.predictor.observe(  # type: ignore[union-attr]
+                    item[1], 1, self.model.return_rate(item[3]))
+            item[2] = 1
         return turns
 
     def forget(self, key: Hashable) -> None:
         self._seen.pop(key, None)
+        self._unlabel(key)
 
     def sweep(self, now: float) -> None:
         horizon = self.model.horizon_s
@@ -326,6 +384,15 @@ class ReturnTracker:
             if s is not None and s[0] == at and not s[2] and s[3]:  # a teaching save
                 self.model.ended(s[1])
                 self._seen[k] = (at, s[1], True, s[3])
+        labels = self._labels
+        while labels and now - labels[0][0] > horizon:
+            item = labels.popleft()
+            if item[2] == -1:
+                continue
+            if item[2] is None:
+                item[2] = 0  # stays the key's latest: a late return relabels it
+            self.model.predictor.observe(  # type: ignore[union-attr]
+                item[1], item[2], self.model.return_rate(item[3]))
 
 
 class ReuseProbability(EvictionPolicy):
@@ -363,23 +430,32 @@ class ReuseProbability(EvictionPolicy):
         if stats.saved_at is None or stats.tokens <= 0:
             return 0.0
         idle = max(0.0, self.now - stats.saved_at)
-        p = self.model.p_return(idle, max(stats.turns, 1))
+        p = self.model.p_return(idle, max(stats.turns, 1), self.q_of(stats))
         if p <= 0.0:
             return 0.0
         v = 1.0 if self.value is None else self.value(stats.tokens)
         return p * v / (stats.tokens * (self.model.remaining_s(idle) + 1.0))
 
+    def q_of(self, stats: AccessStats) -> float | None:
+        """The context's own return rate, where the policy predicts one (None: the model's
+        rate at its turns)."""
+        return None
+
     def benefits_of(self, stats: list[AccessStats]) -> np.ndarray:
         """:meth:`benefit` for many unqueued, unspent contexts with ``saved_at`` set."""
+        qs = [self.q_of(s) for s in stats]
+        q = None if all(x is None for x in qs) else \
+            np.array([math.nan if x is None else x for x in qs], dtype=np.float64)
         return self.benefits(np.array([s.saved_at for s in stats], dtype=np.float64),
                              np.array([s.turns for s in stats], dtype=np.int64),
-                             np.array([s.tokens for s in stats], dtype=np.float64))
+                             np.array([s.tokens for s in stats], dtype=np.float64), q)
 
-    def benefits(self, saved_at: np.ndarray, turns: np.ndarray, tokens: np.ndarray
-                 ) -> np.ndarray:
-        """:meth:`benefit` for many unqueued, unspent contexts at once (``self.now``)."""
+    def benefits(self, saved_at: np.ndarray, turns: np.ndarray, tokens: np.ndarray,
+                 q: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`benefit` for many unqueued, unspent contexts at once (``self.now``; ``q``:
+        as :meth:`ReturnModel.arrays` takes it)."""
         idle = np.maximum(0.0, self.now - saved_at)
-        p, rem = self.model.arrays(idle, np.maximum(turns, 1))
+        p, rem = self.model.arrays(idle, np.maximum(turns, 1), q)
         v = 1.0 if self.value is None else np.array([self.value(int(t)) for t in tokens])
         return p * v / (tokens * (rem + 1.0))
 
@@ -399,9 +475,51 @@ class ReuseProbability(EvictionPolicy):
         return self.model.ready  # without statistics it is LRU, which admits every save
 
 
+class LearnedReturn(ReuseProbability):
+    """``reuse`` with each context's return rate predicted from its last turn
+    (:class:`~kvstore.eviction.return_predictor.ReturnPredictor`, learned online from the
+    same returns and ends as the think times), instead of the rate at its turn count; a
+    context saved without features, or before the predictor has ``min_labels`` labels, gets
+    the rate at its turns. A prediction is remade once the predictor has seen a tenth more
+    labels than when it was made.
+
+    Admission beyond ``reuse``'s (:meth:`writes_to_disk`): a save whose predicted rate is below
+    ``disk_min_rate`` × the pooled return rate is kept in DRAM only (a quick return still hits;
+    the disk is not written for a conversation that probably ended). Thread-safety: none; the
+    owning tier serializes access.
+    """
+
+    name = "learned"
+
+    def __init__(self, model: ReturnModel | None = None, value=None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 predictor: ReturnPredictor | None = None, disk_min_rate: float = 0.5) -> None:
+        if not 0.0 <= disk_min_rate <= 1.0:
+            raise ValueError(f"disk_min_rate must be in [0, 1], got {disk_min_rate!r}")
+        model = model if model is not None else ReturnModel()
+        if model.predictor is None:
+            model.predictor = predictor if predictor is not None else ReturnPredictor()
+        super().__init__(model, value, clock=clock)
+        self.predictor: ReturnPredictor = model.predictor
+        self.disk_min_rate = float(disk_min_rate)
+
+    def q_of(self, stats: AccessStats) -> float | None:
+        pr = self.predictor
+        if stats.features is None or not pr.ready:
+            return None
+        if stats.q is None or stats.q_seen * 1.1 < pr.seen:
+            stats.q = pr.predict(stats.features, self.model.return_rate(max(stats.turns, 1)))
+            stats.q_seen = pr.seen
+        return stats.q
+
+    def writes_to_disk(self, stats: AccessStats) -> bool:
+        q = self.q_of(stats)
+        return q is None or q >= self.disk_min_rate * self.model.pooled_rate
+
+
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "scheduler": SchedulerAware, "lru": LRU, "fifo": FIFO, "belady": Belady,
-    "reuse": ReuseProbability,
+    "reuse": ReuseProbability, "learned": LearnedReturn,
 }
 
 

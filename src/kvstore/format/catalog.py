@@ -1,4 +1,5 @@
-"""The LMDB catalog: chunk and context records, reservations, index entries, store metadata.
+"""The LMDB catalog: chunk and context records, reservations, index entries, pins, store
+metadata.
 
 The catalog is the only writer of metadata and the truth every process of a store shares (LMDB
 locks it across processes: many readers, one write transaction at a time). Write transactions
@@ -27,7 +28,13 @@ from kvstore.format.catalog_check import check_data_file
 from kvstore.format.directory import Dir, UnsafePath
 from kvstore.format.hashing import HASH_BYTES
 from kvstore.format.range_locks import held_by_other
-from kvstore.format.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
+from kvstore.format.records import (
+    ChunkRecord,
+    ContextRecord,
+    IndexEntry,
+    PinRecord,
+    Reservation,
+)
 
 FORMAT_VERSION = 2
 CATALOG = "catalog"
@@ -36,7 +43,10 @@ LOCK_FILE = "lock.mdb"
 # change-log entries kept (about 70 bytes each); a process further behind reloads everything
 LOG_KEEP = 1 << 16
 HEADROOM = 256 << 10  # bytes of catalog file kept allocated ahead of use (see Catalog.write)
-TABLES = ("meta", "chunks", "contexts", "reservations", "indexes", "log")
+TABLES = ("meta", "chunks", "contexts", "reservations", "indexes", "log", "pins")
+# Tables a store made before them lacks: a read-only open finds none (no records of that kind),
+# a writable one creates them.
+OPTIONAL_TABLES = ("pins",)
 _KINDS = {b"C": "chunks", b"X": "contexts", b"I": "indexes"}
 # The catalog directories (device, inode) this process has open. A second open in one process
 # is refused before anything touches lock.mdb: closing any descriptor of that file drops the
@@ -170,6 +180,24 @@ class ReadTxn:
             if entry is not None:
                 yield k, entry
 
+    def pin(self, key: bytes) -> PinRecord | None:
+        """The pin of context ``key`` (live or expired), or None."""
+        if self._dbs.get("pins") is None:
+            return None
+        raw = self._get("pins", key)
+        return None if raw is None else self._decode("pins", PinRecord.decode, key, raw)
+
+    def pins(self) -> dict[bytes, PinRecord]:
+        """Every readable pin record by context key (live or expired; the caller tells)."""
+        if self._dbs.get("pins") is None:
+            return {}
+        out = {}
+        for k, v in self._items("pins"):
+            rec = self._decode("pins", PinRecord.decode, k, v)
+            if rec is not None:
+                out[k] = rec
+        return out
+
     def reservations(self) -> list[Reservation]:
         out = []
         for k, v in self._items("reservations"):
@@ -250,6 +278,17 @@ class WriteTxn(ReadTxn):
     def delete_index(self, key: bytes) -> None:
         if self._txn.delete(key, db=self._dbs["indexes"]):
             self._log("indexes", key)
+
+    def put_pin(self, rec: PinRecord) -> None:
+        """Pins are read from the catalog where they are used (in the transaction that
+        evicts), never mirrored: they are not in the change log."""
+        self._txn.put(rec.key, rec.encode(), db=self._dbs["pins"])
+
+    def delete_pin(self, key: bytes) -> bool:
+        """Delete context ``key``'s pin; whether there was one."""
+        if self._dbs.get("pins") is None:
+            return False
+        return bool(self._txn.delete(key, db=self._dbs["pins"]))
 
     def put_reservation(self, res: Reservation) -> None:
         self._txn.put(res.key, res.encode(), db=self._dbs["reservations"])
@@ -444,7 +483,8 @@ class Catalog:
         try:
             return self._env.open_db(name.encode(), create=create)
         except lmdb.NotFoundError:
-            if name == "sessions" or (name != "meta" and self._format() == 1):
+            if name == "sessions" or name in OPTIONAL_TABLES \
+                    or (name != "meta" and self._format() == 1):
                 return None  # absent in this format (checked by the opener)
             raise FormatError(f"catalog at {self.path!r} has no {name!r} table") from None
         except lmdb.Error as e:

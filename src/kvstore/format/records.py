@@ -6,6 +6,7 @@ checks version and lengths before building a record and raises :class:`FormatErr
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ _CONTEXT = struct.Struct("<BQQQI")  # version, n_tokens, created, last_access, n
 _RESERVATION = struct.Struct("<BII")  # version, n_slots, n_held
 _INDEX_V1 = struct.Struct("<BQ")  # version 1: bytes of the context's index directory
 _INDEX = struct.Struct("<BQQ")  # version 2: + tag (the directory's unique suffix)
+_PIN = struct.Struct("<BBddQQH")  # version, flags, expires, created, nbytes, n_tokens, ns len
+_PIN_HAS_NS, _PIN_HAS_EXPIRY = 1, 2
+MAX_NAMESPACE_BYTES = 4096  # a pin record's namespace (UTF-8)
 OWNER_BYTES = 16
 MAX_SLOT = (1 << 32) - 1  # slots are stored as uint32
 _U4 = np.dtype("<u4")
@@ -382,3 +386,50 @@ class IndexEntry:
         except struct.error:
             raise FormatError(f"index entry {key.hex()} is malformed") from None
         return cls(nbytes, tag)
+
+
+@dataclass(frozen=True, slots=True)
+class PinRecord:
+    """A retention hint on one stored context (``Store.pin``), keyed in the catalog by the
+    context's key (the chain address of its last chunk, which its namespace seeds).
+
+    ``namespace``: the context's namespace as the caller named it (None: the default one; the
+    catalog stores no other record of namespace names). ``expires``: wall-clock seconds since
+    the epoch after which the pin no longer holds (None: until ``unpin``). ``nbytes``: the
+    disk bytes its chunks take (one disk slot each) when it was pinned; ``n_tokens`` its
+    length; ``created`` the wall-clock time of the pin."""
+
+    key: bytes
+    namespace: str | None
+    expires: float | None
+    nbytes: int
+    n_tokens: int
+    created: float
+
+    def live(self, now: float) -> bool:
+        """Whether the pin holds at wall-clock time ``now``."""
+        return self.expires is None or now < self.expires
+
+    def encode(self) -> bytes:
+        ns = b"" if self.namespace is None else self.namespace.encode("utf-8")
+        flags = (_PIN_HAS_NS if self.namespace is not None else 0) | \
+            (_PIN_HAS_EXPIRY if self.expires is not None else 0)
+        return _PIN.pack(1, flags, 0.0 if self.expires is None else self.expires,
+                         self.created, self.nbytes, self.n_tokens, len(ns)) + ns
+
+    @classmethod
+    def decode(cls, key: bytes, raw: bytes) -> PinRecord:
+        try:
+            ver, flags, expires, created, nbytes, n, nl = _PIN.unpack_from(raw)
+        except struct.error as e:
+            raise FormatError(f"pin record {key.hex()} is truncated: {e}") from None
+        if ver != 1 or len(key) != HASH_BYTES or len(raw) != _PIN.size + nl \
+                or flags & ~(_PIN_HAS_NS | _PIN_HAS_EXPIRY) or nl > MAX_NAMESPACE_BYTES \
+                or (nl and not flags & _PIN_HAS_NS) or n == 0 \
+                or not all(map(math.isfinite, (expires, created))):
+            raise FormatError(f"pin record {key.hex()} is malformed")
+        try:
+            ns = raw[_PIN.size:].decode("utf-8") if flags & _PIN_HAS_NS else None
+        except UnicodeDecodeError:
+            raise FormatError(f"pin record {key.hex()} names no UTF-8 namespace") from None
+        return cls(key, ns, expires if flags & _PIN_HAS_EXPIRY else None, nbytes, n, created)

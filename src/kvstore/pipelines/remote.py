@@ -22,7 +22,8 @@ A remote failure never raises from ``match``/``get``: the chunk is a miss (a ``g
 that only the remote could have served raises ``KeyError`` like any miss), and it is counted in
 ``stats()["remote"]``. Each public call's remote round trips end by one deadline
 (``RemoteConfig.deadline_s``, :mod:`kvstore.tiers.remote.deadline`): what has not arrived by then is
-a miss too. Local eviction never deletes a remote copy.
+a miss too. Local eviction never deletes a remote copy; ``Store.delete`` does
+(:meth:`RemoteLink.delete`: ``DEL``, and ``SREM`` of a partial chunk's kids entry).
 
 Thread-safety: every method may be called from any thread at once; no method holds the store's
 metadata lock during a remote call.
@@ -80,6 +81,8 @@ class LinkCounters:
     coded_writes: int = 0  # chunks written through the remote codec (not "none")
     raw_fallback_writes: int = 0  # chunks the remote codec could not take, written raw
     lossy_source_writes: int = 0  # chunks stored lossily here, sent through their own codec
+    deleted_chunks: int = 0  # values Store.delete removed from the tier
+    delete_failed: int = 0  # ... it could not remove (the tier did not answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +150,11 @@ class ChunkServer(Protocol):
 
     def put(self, items: Sequence[tuple[bytes, bytes]],
             kids: Sequence[tuple[bytes, bytes, np.ndarray]] = ()) -> list[bool | None]: ...
+
+    def delete(self, keys: Sequence[bytes],
+               kids: Sequence[tuple[bytes, bytes, np.ndarray]] = ()) -> list[bool | None]:
+        """Delete each key's value (True deleted, False absent, None not answered), and the
+        kids entries (parent, key, tokens) of partial chunks."""
 
     def close(self) -> None: ...
 
@@ -590,6 +598,30 @@ class RemoteLink:
         """Block until every chunk queued for write-through so far was sent (or failed, as
         counted in stats). False on timeout."""
         return self._writes.wait(timeout)
+
+    # ------------------------------------------------------------------ deletes
+    def delete(self, chunks: list[tuple[bytes, bytes, np.ndarray]]) -> int:
+        """Delete the values of ``chunks`` ((key, parent key, token ids), chosen by
+        ``Store.delete``) from the tier, and the kids entries of the partial ones, in one
+        call bounded by the tier's deadline; returns how many values were deleted. A value
+        the tier does not answer for is counted in ``delete_failed``, never raised. The
+        values' keys are chain hashes seeded by their namespace: another namespace's values
+        are other keys."""
+        if not chunks:
+            return 0
+        c = self.core.config.chunk_tokens
+        keys = [k for k, _, _ in chunks]
+        with self._lock:  # not "just fetched" any more: a later put sends them again
+            for k in keys:
+                self._recent.pop(k, None)
+                self._lossy.pop(k, None)
+        kids = [(parent, k, toks) for k, parent, toks in chunks if len(toks) < c]
+        with self.tier.deadline():
+            got = self.tier.delete(keys, kids)
+        deleted = sum(1 for g in got if g)
+        self._count("deleted_chunks", deleted)
+        self._count("delete_failed", sum(1 for g in got if g is None))
+        return deleted
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, jobs: list[Job]) -> None:

@@ -5,7 +5,8 @@ A store has none, or one of each kind, tried in the order they were attached. Wh
 asks of such a tier is :class:`SharedTier`: how far it extends the local prefix of a context
 (``match``), the KV of a context it extends (``get``, ``layer_load``: fetched, verified, and
 filled into the local tiers in the background), what a put stored (``after_put``: written
-through in the background), prefetching for the scheduler's queue, and its lifecycle. A new
+through in the background), what a delete removed (``delete``), prefetching for the
+scheduler's queue, and its lifecycle. A new
 kind of shared tier is one module implementing it.
 """
 
@@ -53,6 +54,10 @@ class SharedTier(Protocol):
 
     def prefetch(self, jobs: list[Job]) -> None:
         """Fetch the KV of these queued jobs (in the background)."""
+
+    def delete(self, chunks: list[tuple[bytes, bytes, np.ndarray]]) -> int:
+        """Delete the values of these chunks, (key, parent key, token ids), now; returns how
+        many it deleted (failures are counted, never raised)."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Until what was queued for write-through so far is sent; False on timeout."""
@@ -126,6 +131,10 @@ class SharedTiers:
     def prefetch(self, jobs: list[Job]) -> None:
         for t in self._tiers:
             t.prefetch(jobs)
+
+    def delete(self, chunks: list[tuple[bytes, bytes, np.ndarray]]) -> int:
+        """Delete these chunks' values from every tier; how many values went, in all."""
+        return sum(t.delete(chunks) for t in self._tiers)
 
     def flush(self) -> None:
         """Until every tier sent what write-through queued and stored what it fetched."""

@@ -189,8 +189,8 @@ class Mirror:
     def drop_contexts(self, txn: WriteTxn, keys: Iterable[bytes],
                       keep: frozenset[bytes] | set[bytes] = frozenset(), *,
                       ahead: bool = True) -> tuple[int, list[tuple[bytes, IndexEntry]]]:
-        """Delete contexts ``keys`` (and their index entries) in ``txn`` together with the
-        chunks nothing else holds (``keep``: chunks other processes' puts hold). With
+        """Delete contexts ``keys`` (and their index entries and pins) in ``txn`` together with
+        the chunks nothing else holds (``keep``: chunks other processes' puts hold). With
         ``ahead`` they leave the view now (a decision later steps of the same transaction
         build on, such as evictions that free slots), else when the commit is caught up with
         (a put superseding them: its new context must appear in the same step, or a reader in
@@ -206,6 +206,7 @@ class Mirror:
         for k in keys:
             txn.delete_context(k)
             txn.delete_index(k)
+            txn.delete_pin(k)  # a pin goes with its context (none on a superseded one)
             if ahead:
                 self._forget_context(k)
         for c in freed:

@@ -17,6 +17,7 @@ disk read, a disk write, an fsync or a catalog commit. Lock order: a catalog wri
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ class Core:
     failed: BaseException | None = None  # no more writes: a commit failed ambiguously, or
     # the store was tampered with under this process (StoreTampered)
     forked_from: int | None = None  # the parent's pid, in a child forked after the open
+    # the wall clock pins expire by (seconds since the epoch; tests give another)
+    wall_clock: Callable[[], float] = time.time
 
     def forget_after_fork(self, parent: int) -> None:
         """In a child forked after this store's open (``os.register_at_fork``): every call
@@ -379,6 +382,11 @@ class Core:
             return assemble_stats(self, **parts)
 
     # ------------------------------------------------------------------ the store's calls
+    def note_problem(self, problem: str) -> None:
+        """A problem found outside the records (it lasts until the next full reload)."""
+        with self.mutex:
+            self.mirror.problems.append(problem)
+
     @property
     def problems(self) -> list[str]:
         """Integrity problems found when the records were last loaded. Any thread."""
@@ -393,28 +401,6 @@ class Core:
             self.check_open()
             self.mirror.catch_up()
             return boundaries.find(self.tree, toks, namespace, limit=limit, layout=self.layout)
-
-    def delete_context(self, toks: np.ndarray, namespace: str | None) -> tuple[bool, list]:
-        """Drop the context stored for exactly ``toks`` (with a boundary state, the one after
-        exactly ``toks``), durably: (whether there was one, its index directories to
-        remove). Any thread; a catalog write transaction, then the lock."""
-        with self.mutex:
-            self.check_writable()
-        with writing(self.catalog, self.mirror, self.mutex) as txn:
-            with self.mutex:
-                self.check_writable()
-                self.mirror.catch_up(txn)
-                if self.layout.boundary_state:
-                    found = boundaries.find(self.tree, toks, namespace, limit=len(toks),
-                                            layout=self.layout)
-                    if found is not None and found.position == len(toks):
-                        toks = found.tokens
-                ctx = self.tree.exact_context(toks, namespace)
-                dirs: list = []
-                if ctx is not None:
-                    keep = {k for r in txn.reservations() for k in r.held}
-                    _, dirs = self.mirror.drop_contexts(txn, [ctx.key], keep)
-        return ctx is not None, dirs
 
     def hold_prefix(self, toks: np.ndarray, namespace: str | None) -> list[bytes]:
         """The stored full chunks at the head of ``toks``, held (this process does not evict
@@ -559,10 +545,13 @@ class Core:
             self.closed = True
             return True
 
-    def persist_on_close(self) -> None:
+    def persist_on_close(self, meta: dict[str, object] | None = None) -> None:
         """At close (writable, no failed commit): drop this process's reservations left by
-        an abort that could not commit, and persist access times, in one transaction."""
+        an abort that could not commit, and persist access times (and ``meta``: the catalog
+        metadata the store keeps for its policy), in one transaction."""
         with self.catalog.write() as txn:
+            for name, value in (meta or {}).items():
+                txn.put_meta(name, value)
             for r in txn.reservations():
                 if self.owner is not None and r.owner == self.owner.id:
                     txn.delete_reservation(r.key)

@@ -10,21 +10,27 @@ chooses it and pins it (:meth:`Hints.prefetch_target`) and publishes it
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Callable
 
 from kvstore.eviction.jobs import Job, Windows
 from kvstore.eviction.policies import (
     AccessStats,
     EvictionPolicy,
+    LearnedReturn,
     Priority,
     Queued,
     ReuseProbability,
 )
+from kvstore.eviction.return_predictor import ReturnPredictor
 from kvstore.format.records import ChunkRecord, ContextRecord
 from kvstore.residency.core import Core
 from kvstore.residency.reuse_learning import PutLearner
 from kvstore.tiers.dram import Entry
 from kvstore.view.prefix_tree import Piece
+
+PREDICTOR_META = "return_predictor"  # catalog metadata: the learned policy's state
 
 
 class Hints:
@@ -59,6 +65,30 @@ class Hints:
 
     def context_queued(self, key: bytes) -> Queued | None:
         return self._queued(self._context_pos.get(key))
+
+    def policy_state(self) -> dict[str, object]:
+        """What the policy learned that outlives this process, as catalog metadata (the
+        ``learned`` policy's predictor, a few KB; the last process to close writes it)."""
+        if isinstance(self.policy, LearnedReturn):
+            return {PREDICTOR_META: base64.b64encode(self.policy.predictor.to_bytes()).decode()}
+        return {}
+
+    def restore_policy_state(self, meta: object | None) -> str | None:
+        """At open: the ``learned`` policy starts from the predictor a closed process saved
+        (``meta``: the catalog's :data:`PREDICTOR_META`). Returns a problem when it is not one
+        (the policy then starts afresh)."""
+        if meta is None or not isinstance(self.policy, LearnedReturn):
+            return None
+        try:
+            if isinstance(meta, Exception):
+                raise ValueError(str(meta))
+            if not isinstance(meta, str):
+                raise ValueError("not a string")
+            predictor = ReturnPredictor.from_bytes(base64.b64decode(meta, validate=True))
+        except (ValueError, binascii.Error) as e:
+            return f"catalog metadata {PREDICTOR_META!r} is not a return predictor ({e}): ignored"
+        self.policy.predictor = self.policy.model.predictor = predictor
+        return None
 
     def context_priority(self, rec: ContextRecord) -> Priority:
         if self.learner is not None:

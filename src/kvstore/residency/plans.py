@@ -42,6 +42,7 @@ from kvstore.format.records import ChunkRecord, ContextRecord, IndexEntry, Reser
 from kvstore.residency.catch_up import writing
 from kvstore.residency.core import Core
 from kvstore.residency.lookahead import Hints
+from kvstore.residency.retention import pinned_now
 from kvstore.residency.victims import SlotsFreed, choose_victims
 from kvstore.tiers.dram import Entry
 from kvstore.view.prefix_tree import served
@@ -235,7 +236,7 @@ class Plans:
         reservations = txn.reservations()
         reserved = {s for r in reservations for s in r.slots}
         held = {k for r in reservations for k in r.held} | {r.key for r in reused}
-        superseded = tree.prefix_contexts(toks, chain, namespace)
+        superseded = self._unpinned(txn, tree.prefix_contexts(toks, chain, namespace))
         if not self._make_room(txn, len(specs), reserved, held, dirs, mine=mine,
                                superseded=superseded):
             core.counters.bypassed_puts += 1
@@ -263,14 +264,23 @@ class Plans:
         return PutPlan(toks=toks, namespace=namespace, now=now, chain=chain, specs=specs,
                        reused=reused, reservation=res, staged=staged)
 
+    def _unpinned(self, txn: WriteTxn, superseded: list[bytes]) -> list[bytes]:
+        """The contexts among ``superseded`` no live pin holds: a pinned context stays a
+        context of its own when a put extends it (:mod:`kvstore.residency.retention`)."""
+        if not superseded:
+            return superseded
+        pinned = pinned_now(txn, self.core.tree, self.core.wall_clock())
+        return [k for k in superseded if k not in pinned]
+
     def _make_room(self, txn: WriteTxn, need: int, reserved: set[int], held: set[bytes],
                    dirs: list[tuple[bytes, IndexEntry]], *,
                    mine: Callable[[], Priority | None] | None = None,
                    superseded: Iterable[bytes] = ()) -> bool:
         """Evict whole contexts (least valuable first) until ``need`` slots are free and not
         reserved. With a queue-aware policy, contexts inside the look-ahead eviction window go
-        last. Refuses before evicting anything if not enough can be freed (held or pinned
-        chunks): CapacityError.
+        last. Contexts a live pin holds (:mod:`kvstore.residency.retention`, read in ``txn``)
+        are never victims. Refuses before evicting anything if not enough can be freed (chunks
+        of pinned contexts, chunks held, slots pinned by reads): CapacityError.
 
         A policy with ``admission`` or ``size_aware`` (``reuse``, ``belady``) chooses its
         victims first (:meth:`_choose_victims`, the simulator's rule) and may refuse the put
@@ -284,18 +294,22 @@ class Plans:
         if slots.available(reserved) >= need:
             return True
         self._hints.refresh()
+        pinned = pinned_now(txn, tree, core.wall_clock())
+        kept = held | {c for k in pinned for c in tree.contexts[k].chunks} if pinned else held
         reclaimable = slots.available(reserved) + sum(
             1 for k, r in tree.chunks.items()
-            if k not in held and k not in tree.held and not slots.pinned(r.slot))
+            if k not in kept and k not in tree.held and not slots.pinned(r.slot))
         if reclaimable < need:
             raise CapacityError(
                 f"need {need} free disk slots but at most {reclaimable} can be freed now (the "
-                f"rest hold chunks that puts, saves or layer-wise loads in progress use)")
+                f"rest hold chunks of pinned contexts (Store.pin), or that puts, saves or "
+                f"layer-wise loads in progress use)")
         pol = self._policy
         if pol.admission or pol.size_aware:
             replaced = set(superseded)
             victims = self._choose_victims(need - slots.available(reserved), held,
-                                           None if mine is None else mine(), replaced)
+                                           None if mine is None else mine(), replaced,
+                                           pinned)
             if victims is None:
                 return False
             evicted = [v for v in victims if v not in replaced]  # not the put's own turns
@@ -309,21 +323,31 @@ class Plans:
             core.counters.evicted_contexts += len(evicted)
             core.counters.evicted_chunks += freed
             return True
-        while slots.available(reserved) < need:
-            victim = tree.heap.peek()
-            if victim is None:
-                raise CapacityError(f"need {need} free disk slots, but only "
-                                    f"{slots.available(reserved)} can be freed")
-            if self._hints.exempt(victim):
-                core.counters.evicted_in_window += 1
-            core.counters.evicted_contexts += 1
-            freed, d = core.mirror.drop_contexts(txn, [victim], held)
-            core.counters.evicted_chunks += freed
-            dirs += d
+        passed: list[tuple[bytes, Priority]] = []  # pinned contexts the walk passed over
+        try:
+            while slots.available(reserved) < need:
+                victim = tree.heap.peek()
+                if victim is None:
+                    raise CapacityError(f"need {need} free disk slots, but only "
+                                        f"{slots.available(reserved)} can be freed")
+                if victim in pinned:
+                    passed.append((victim, tree.heap.peek_priority()))
+                    tree.heap.pop()
+                    continue
+                if self._hints.exempt(victim):
+                    core.counters.evicted_in_window += 1
+                core.counters.evicted_contexts += 1
+                freed, d = core.mirror.drop_contexts(txn, [victim], held)
+                core.counters.evicted_chunks += freed
+                dirs += d
+        finally:
+            for key, p in passed:  # back in the heap, in the order the walk took them
+                tree.heap.push(key, p)
         return True
 
     def _choose_victims(self, short: int, held: set[bytes], mine: Priority | None,
-                        superseded: set[bytes]) -> list[bytes] | None:
+                        superseded: set[bytes], pinned: set[bytes] = frozenset()
+                        ) -> list[bytes] | None:
         """The contexts to evict so that ``short`` more slots become free, by the one rule
         (:func:`kvstore.residency.victims.choose_victims`, which the replay's simulator uses
         too), a chunk freed once every context holding it is a victim, unless a put holds it
@@ -332,13 +356,15 @@ class Plans:
         the simulator replaces a conversation's context in place, and a next turn that does
         not end on a chunk boundary needs exactly the slot its old partial last chunk frees.
         None if admission refuses; CapacityError (nothing evicted) if all of them cannot free
-        enough. With the lock held; changes nothing but the heap's tie order and the
+        enough. Contexts in ``pinned`` are passed over (never victims, no admission check).
+        With the lock held; changes nothing but the heap's tie order and the
         ``kept_back_contexts`` counter."""
         freeing = SlotsFreed(self.core.tree, self.core.slots, held)
         replaced = [k for k in superseded if k in self.core.tree.contexts]
         freed = sum(freeing.add(k) for k in replaced)
         choice = choose_victims(self.core.tree.heap, short, freeing, mine=mine,
-                                size_aware=self._policy.size_aware, skip=superseded,
+                                size_aware=self._policy.size_aware,
+                                skip=superseded | pinned if pinned else superseded,
                                 freed=freed)
         if choice is None:
             return None
@@ -450,7 +476,8 @@ class Plans:
             core.mirror.touch(pieces[-1].rec.key)
             return []
         keep = set(plan.chain) | {k for r in others for k in r.held}
-        superseded = tree.prefix_contexts(plan.toks, plan.chain, plan.namespace)
+        superseded = self._unpinned(txn, tree.prefix_contexts(plan.toks, plan.chain,
+                                                              plan.namespace))
         for rec in new:
             txn.put_chunk(rec)
         txn.put_context(ContextRecord(plan.chain[-1], len(plan.toks), plan.now, plan.now,

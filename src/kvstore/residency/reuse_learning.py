@@ -25,7 +25,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore.eviction.policies import AccessStats, Queued, ReturnTracker, ReuseProbability
+from kvstore.eviction.policies import (
+    AccessStats,
+    LearnedReturn,
+    Queued,
+    ReturnTracker,
+    ReuseProbability,
+)
+from kvstore.eviction.return_predictor import CONTENT_TOKENS, TurnFeatures
 from kvstore.format.hashing import chunk_hash
 from kvstore.format.records import ContextRecord
 from kvstore.view.prefix_tree import ContextTree
@@ -42,6 +49,9 @@ class PutLearner:
         self._parent: dict[bytes, bytes] = {}  # context (partial last chunk) -> parent
         self._refreshed_at = -math.inf
         self._ranked_ready = False
+        # ``learned``: what each tracked context's last turn looked like (its put)
+        self._features: dict[bytes, TurnFeatures] | None = \
+            {} if isinstance(policy, LearnedReturn) else None
 
     def now(self) -> float:
         t = float(self.policy.clock())
@@ -57,13 +67,17 @@ class PutLearner:
             info = self.tracker.info(rec.key)
         at, turns = info  # type: ignore[misc]
         return AccessStats(inserted=rec.created, last_access=rec.last_access,
-                           tokens=rec.n_tokens, turns=turns, saved_at=at, key=rec.key)
+                           tokens=rec.n_tokens, turns=turns, saved_at=at, key=rec.key,
+                           features=None if self._features is None
+                           else self._features.get(rec.key))
 
     def _track(self, key: bytes, now: float, turns: int, *, learn: bool,
-               partial: tuple[bytes, int] | None = None) -> None:
+               partial: tuple[bytes, int] | None = None,
+               features: TurnFeatures | None = None) -> None:
         """``partial``: (parent, tokens) of the context's last chunk when it is not full (else
-        looked up in the tree, where a stored context's last chunk is)."""
-        self.tracker.saved(key, now, turns, learn=learn)
+        looked up in the tree, where a stored context's last chunk is); ``features``: what its
+        last turn looked like (``learned``)."""
+        self.tracker.saved(key, now, turns, learn=learn, features=features)
         if partial is None:
             last = self.tree.chunks.get(key)
             if last is not None and last.n_tokens < self.tree.chunk_tokens:
@@ -83,18 +97,18 @@ class PutLearner:
 
     # ------------------------------------------------------------------ puts
     def extended(self, toks: np.ndarray, chain: list[bytes], namespace: str | None
-                 ) -> list[bytes]:
+                 ) -> list[tuple[bytes, int]]:
         """Remembered contexts whose tokens are a strict prefix of ``toks`` (``chain``: its
-        chunks' addresses), stored or not."""
+        chunks' addresses), stored or not, with their lengths."""
         c = self.tree.chunk_tokens
         parent = self.tree.seed(namespace)
         out = []
         for i, key in enumerate(chain):
             if key in self.tracker and (i + 1) * c < len(toks):
-                out.append(key)  # a context ending with this full chunk
+                out.append((key, (i + 1) * c))  # a context ending with this full chunk
             for ctx, m in self._partial.get(parent, {}).items():
                 if i * c + m < len(toks) and chunk_hash(parent, toks[i * c : i * c + m]) == ctx:
-                    out.append(ctx)
+                    out.append((ctx, i * c + m))
             parent = key
         return out
 
@@ -112,10 +126,16 @@ class PutLearner:
         not a think time: all of them are tracked as teaching nothing (their turns carry)."""
         now = self.now()
         turns = 0
-        for key in self.extended(toks, chain, namespace):
+        prev_len = 0
+        prev_at: float | None = None
+        for key, n in self.extended(toks, chain, namespace):
+            if n > prev_len and (info := self.tracker.info(key)) is not None:
+                prev_len, prev_at = n, info[0]
             if learn:
                 t = self.tracker.returned(key, now)
                 self._untrack_partial(key)
+                if self._features is not None:
+                    self._features.pop(key, None)
             elif (info := self.tracker.info(key)) is not None:
                 t = info[1]
                 self.tracker.saved(key, *info, learn=False)  # stays, teaching nothing
@@ -125,10 +145,19 @@ class PutLearner:
         c = self.tree.chunk_tokens
         m = len(toks) - (len(chain) - 1) * c
         parent = chain[-2] if len(chain) > 1 else self.tree.seed(namespace)
+        features = None
+        if self._features is not None:
+            # the turn this put ends: what it added to the context it extends
+            new = toks[prev_len:]
+            features = self.policy.predictor.features(  # type: ignore[attr-defined]
+                turns=turns + 1, new_tokens=len(new), history_tokens=len(toks),
+                gap_s=None if prev_at is None else now - prev_at,
+                head=new[:CONTENT_TOKENS].tolist(), tail=new[-CONTENT_TOKENS:].tolist())
+            self._features[chain[-1]] = features
         self._track(chain[-1], now, turns + 1, learn=learn,
-                    partial=(parent, m) if m < c else None)
+                    partial=(parent, m) if m < c else None, features=features)
         return AccessStats(inserted=clock, last_access=clock, tokens=len(toks),
-                           turns=turns + 1, saved_at=now, key=chain[-1])
+                           turns=turns + 1, saved_at=now, key=chain[-1], features=features)
 
     def refused(self, kept: list[bytes], last: bytes) -> None:
         """Admission refused the put whose last chunk is ``last`` (planned by

@@ -16,19 +16,21 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
 import torch
 
 from kvstore.codecs import layer_codec
+from kvstore.errors import FormatError
 from kvstore.eviction.jobs import as_jobs
 from kvstore.eviction.policies import EvictionPolicy
 from kvstore.format import boundary_state, chunk_extent
 from kvstore.format.disk_throttle import ReadThrottle, TokenBucket
 from kvstore.format.hashing import as_tokens
 from kvstore.format.open_lock import DirLock
-from kvstore.format.records import ChunkRecord, ContextRecord
+from kvstore.format.records import ChunkRecord, ContextRecord, PinRecord
 from kvstore.index.context_dir import ContextIndexes
 from kvstore.index.lifecycle import ContextIndexStore, IndexFiles, check_keys, check_spec
 from kvstore.index.spec import IndexSpec
@@ -42,9 +44,11 @@ from kvstore.pipelines.remote import ChunkServer, RemoteLink
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
 from kvstore.pipelines.shared_tiers import SharedTiers
+from kvstore.residency import retention
 from kvstore.residency.core import Core
-from kvstore.residency.lookahead import Hints
+from kvstore.residency.lookahead import PREDICTOR_META, Hints
 from kvstore.residency.plans import Plans
+from kvstore.residency.retention import ContextInfo
 from kvstore.store.argument_checks import check_device, check_kv, check_out
 from kvstore.view import boundaries
 from kvstore.view.prefix_tree import Piece, served
@@ -122,6 +126,18 @@ class Store:
         """This process's eviction policy object (e.g. to give ``reuse`` a test clock)."""
         return self._hints.policy
 
+    def restore_policy_state(self) -> None:
+        """At open: what the policy learned in processes that closed (the ``learned``
+        policy's predictor); a damaged state is a problem (:meth:`problems`), and the policy
+        starts afresh. Not thread-safe: the opener calls it before the store is shared."""
+        try:
+            meta = self._core.catalog.get_meta(PREDICTOR_META)
+        except FormatError as e:
+            meta = e
+        problem = self._hints.restore_policy_state(meta)
+        if problem is not None:
+            self._core.note_problem(problem)
+
     @property
     def problems(self) -> list[str]:
         """Integrity problems found when the records were last loaded (what was not loaded)."""
@@ -175,16 +191,98 @@ class Store:
             self._indexes.attach(toks, namespace, keys, index)
         return True
 
-    def delete(self, tokens: object, *, namespace: str | None = None) -> bool:
-        """Remove the context stored for exactly ``tokens``; chunks other contexts share stay.
-        With a layout of sliding-window or recurrent layers, the boundary state stored after
-        exactly ``tokens`` (with what only it holds).
+    def delete(self, tokens: object = None, namespace: str | None = None) -> bool | int:
+        """Remove the context stored for exactly ``tokens`` (returns whether there was one),
+        or, with ``tokens=None``, every context of ``namespace`` (returns how many; the
+        default namespace is never deleted whole: ``delete()`` with neither argument is a
+        ValueError). Chunks other contexts share stay; the contexts' pins and indexes go with
+        them. With a layout of sliding-window or recurrent layers, ``tokens`` names the
+        boundary state stored after exactly them (with what only it holds).
 
-        Returns False if no context was stored for exactly these tokens. Thread-safe (one
-        catalog transaction; other processes see the removal at their next call)."""
-        found, dirs = self._core.delete_context(as_tokens(tokens), namespace)
+        Every tier this store reaches: this process's DRAM and the disk (for every process,
+        at its next call), then the shared tiers (Redis, an object store), once the
+        write-through queued before the call has been sent: the values of the deleted
+        contexts' chunks that no remaining context of this store holds (for ``tokens`` not
+        stored here, the values its tokens address). Namespaces seed every chunk's chain
+        address, so no value of another namespace is touched, whatever tokens it shares.
+        Values of the namespace that only other machines hold, or that this store evicted
+        before, stay in the shared tiers until their own eviction (Redis) or sweep (objects):
+        their keys cannot be enumerated by namespace. A delete that a shared tier fails to
+        answer is counted in ``stats()["remote"|"objects"]["delete_failed"]``, never raised.
+
+        Thread-safe (one catalog transaction; a put of the same tokens racing with it may
+        leave them stored)."""
+        if tokens is None and namespace is None:
+            raise ValueError("delete() needs tokens (one context) or a namespace (all of its "
+                             "contexts); the default namespace is not deleted whole")
+        toks = None if tokens is None else as_tokens(tokens)
+        self._core.check_writable()
+        if self._shared:
+            self._shared.flush()  # nothing queued before the delete is written after it
+        n, dirs, shared = retention.delete(self._core, toks, namespace)
         self._files.remove(dirs)
-        return found
+        if self._shared and shared:
+            self._shared.delete(shared)
+        return n > 0 if toks is not None else n
+
+    # ------------------------------------------------------------------ retention hints
+    def pin(self, tokens: object, namespace: str | None = None,
+            ttl_s: float | None = None) -> PinRecord:
+        """Keep the stored context of exactly ``tokens`` on this store's disk tier until
+        :meth:`unpin` (``ttl_s=None``), or for at least ``ttl_s`` seconds of wall-clock time
+        (then it is evictable as any context is). Pinning a pinned context keeps the longer
+        of the two. Returns the pin (:class:`kvstore.PinRecord`).
+
+        A pinned context is never evicted, nor superseded by a put that extends it; puts that
+        could only fit by evicting pinned contexts raise :class:`CapacityError`. Its DRAM
+        copies come and go as any (the disk holds it); shared tiers keep their own eviction.
+        Pins live in the catalog: every process of the store honours them, and they survive
+        reopen. The pins of one namespace may take at most ``pin_namespace_fraction`` of the
+        disk tier, every namespace's together ``pin_total_fraction`` (:func:`kvstore.open`):
+        a pin beyond a cap, or of a context larger than one, raises :class:`PinRefused`
+        (nothing changes). KeyError if no context of exactly these tokens is stored in
+        ``namespace``; ValueError/TypeError for a bad ``ttl_s``.
+
+        Thread-safe; one catalog transaction (checked against every process's pins)."""
+        toks = as_tokens(tokens)
+        return retention.pin(self._core, toks, namespace, retention.check_ttl(ttl_s))
+
+    def unpin(self, tokens: object, namespace: str | None = None) -> bool:
+        """Remove the pin of the context of exactly ``tokens``: it is evictable again (it
+        stays stored until it is evicted). Returns whether a live pin was removed.
+        Thread-safe; one catalog transaction."""
+        return retention.unpin(self._core, as_tokens(tokens), namespace)
+
+    def pins(self) -> list[PinRecord]:
+        """The live pins on stored contexts, oldest first (every process's). Thread-safe."""
+        return retention.live_pins(self._core)
+
+    def list_contexts(self, *namespaces: str | None) -> list[ContextInfo]:
+        """Every stored context (with ``namespaces``: those of these namespaces only; None
+        is the default namespace) as :class:`kvstore.ContextInfo`: key, tokens, disk bytes,
+        namespace where its name is known, pin. Thread-safe."""
+        for ns in namespaces:
+            if ns is not None and not isinstance(ns, str):
+                raise TypeError(f"namespaces must be str or None, got {type(ns).__name__}")
+        return retention.list_contexts(self._core, namespaces or None)
+
+    def context_tokens(self, key: bytes) -> np.ndarray:
+        """The token ids (uint32) of the stored context ``key`` (a :class:`ContextInfo`'s
+        ``key``, or ``bytes.fromhex`` of what ``kvstore ls`` prints); KeyError if it is not
+        stored. Thread-safe."""
+        return retention.context_tokens(self._core, key)
+
+    @property
+    def wall_clock(self) -> Callable[[], float]:
+        """The clock pins expire by (``time.time``); tests may set another. Set it before
+        using the store from other threads."""
+        return self._core.wall_clock
+
+    @wall_clock.setter
+    def wall_clock(self, clock: Callable[[], float]) -> None:
+        if not callable(clock):
+            raise TypeError(f"wall_clock must be callable, got {type(clock).__name__}")
+        self._core.wall_clock = clock
 
     def begin_save(self, tokens: object, *, namespace: str | None = None,
                    max_new_tokens: int = 0, wait: bool = True,
@@ -634,7 +732,7 @@ class Store:
             return
         try:
             if not self.readonly and core.failed is None:
-                core.persist_on_close()
+                core.persist_on_close(self._hints.policy_state())
         finally:
             core.close_memory()
             self._files.close()

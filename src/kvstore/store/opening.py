@@ -79,7 +79,9 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
                codecs: Mapping[str, str] | None = None, slot_codec: str | None = None,
                readonly: bool = False, exclusive: bool = False,
                remote: str | list[str] | tuple[str, ...] | RemoteConfig | None = None,
-               objects: str | ObjectsConfig | None = None) -> Store:
+               objects: str | ObjectsConfig | None = None,
+               pin_namespace_fraction: float | None = None,
+               pin_total_fraction: float | None = None) -> Store:
     """Open (or create) the store directory ``path``.
 
     On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
@@ -118,6 +120,11 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN`` or the URL's
     ``profile=``. Refused credentials raise :class:`ObjectsAuthError` here; an endpoint that
     does not answer only leaves the tier's breaker open. With both, Redis is tried first.
+
+    ``pin_namespace_fraction`` (default 0.25) and ``pin_total_fraction`` (default 0.5): the
+    share of the disk tier that one namespace's pinned contexts, and every namespace's
+    together, may take (:meth:`Store.pin`; a pin beyond them raises :class:`PinRefused`).
+    Persisted like the sizes, replaceable on reopen.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -127,7 +134,9 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     given = {k: v for k, v in {
         "dram_bytes": dram_bytes, "disk_bytes": disk_bytes, "hbm_bytes": hbm_bytes,
         "write_buffer_bytes": write_buffer_bytes, "chunk_tokens": chunk_tokens,
-        "policy": policy, "codecs": codecs, "slot_codec": slot_codec}.items() if v is not None}
+        "policy": policy, "codecs": codecs, "slot_codec": slot_codec,
+        "pin_namespace_fraction": pin_namespace_fraction,
+        "pin_total_fraction": pin_total_fraction}.items() if v is not None}
     asked = StoreConfig(**given)  # type: ignore[arg-type]  # checks them, before any file
     for name, flag in (("readonly", readonly), ("exclusive", exclusive)):
         if not isinstance(flag, bool):
@@ -360,6 +369,7 @@ def _assemble(root: Dir, catalog: Catalog, lock: DirLock, layout: KVLayout,
                 core.rejoin()
             store = Store(core, lock=lock, policy=policy, files=files)
             core.load(repaired)  # an opener alone loads what its repair kept
+            store.restore_policy_state()
     except BaseException:
         segments.close()
         if files is not None:

@@ -121,9 +121,13 @@ def _broken(ctx: ContextRecord, chunks: Mapping[bytes, ChunkRecord],
 
 
 def apply(p: RecoveryPlan, txn: WriteTxn) -> None:
-    """Delete what the plan drops, in one transaction."""
+    """Delete what the plan drops, in one transaction (with the pins of contexts it does not
+    keep)."""
     for k in (*p.dropped, *p.evicted):
         txn.delete_context(k)
         txn.delete_index(k)
+    for k in txn.pins():
+        if k not in p.keep_contexts:
+            txn.delete_pin(k)
     for k in p.dead_chunks:
         txn.delete_chunk(k)

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 
 import kvstore
 from kvstore.tools.verify import verify_store
+from tests.support.clock import Clock
 from tests.support.kvgen import SMALL, causal_kv, lcp
 from tests.support.strategies import ns_st, tokens_st
 
@@ -107,6 +108,11 @@ class ExactModel(_Base):
         self.model[ns].discard(toks)
 
     @rule()
+    def delete_namespace(self):
+        assert self.store.delete(namespace="t1") == len(self.model["t1"])
+        self.model["t1"].clear()
+
+    @rule()
     def reopen(self):
         self.store.close()
         self.store = self._open()
@@ -162,6 +168,86 @@ class EvictingStore(_Base):
         super().teardown()
 
 
+class EvictingStoreWithPins(EvictingStore):
+    """The evicting store with pins (retention hints): a pinned context stays servable, byte
+    for byte, whatever is put, until it is unpinned; a put refused for room is refused only
+    while pins hold chunks (CapacityError), and a pin only over a cap (PinRefused) or of a
+    context not stored as such (KeyError)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pinned: dict[tuple[tuple[int, ...], str | None], None] = {}
+
+    def _open(self, **kw):
+        return super()._open(pin_namespace_fraction=0.5, pin_total_fraction=0.5, **kw)
+
+    @rule(toks=st.lists(st.integers(0, 2), min_size=1, max_size=20), ns=ns_st)
+    def put(self, toks, ns):
+        try:
+            super().put(toks, ns)
+        except kvstore.CapacityError:
+            assert self.pinned  # only pins can leave a put without room
+
+    @rule(i=st.integers(0, 1000))
+    def pin(self, i):
+        if not self.seen:
+            return
+        toks, ns = self.seen[i % len(self.seen)]
+        try:
+            self.store.pin(list(toks), namespace=ns)
+        except kvstore.PinRefused:
+            return
+        except KeyError:  # evicted, superseded, or never stored as a context of its own
+            assert all(self.store.context_tokens(c.key).tolist() != list(toks)
+                       for c in self.store.list_contexts(ns))
+            return
+        self.pinned[(toks, ns)] = None
+
+    @rule(i=st.integers(0, 1000))
+    def unpin(self, i):
+        if not self.pinned:
+            return
+        toks, ns = list(self.pinned)[i % len(self.pinned)]
+        assert self.store.unpin(list(toks), namespace=ns)
+        del self.pinned[(toks, ns)]
+
+    @invariant()
+    def pinned_contexts_stay(self):
+        assert len(self.store.pins()) == len(self.pinned)
+        for toks, ns in self.pinned:
+            assert self.store.match(list(toks), namespace=ns) == len(toks)
+        if self.pinned:
+            toks, ns = next(iter(self.pinned))
+            self.check_get(list(toks), ns)
+
+
+class EvictingStoreLearned(EvictingStoreWithPins):
+    """The evicting store with pins under the ``learned`` policy (a return predictor trained
+    from the puts, on a clock that moves 7 s a put): it evicts only what no put or pin holds,
+    and never the newest context it stored."""
+
+    def _open(self, **kw):
+        self.clock = getattr(self, "clock", Clock())
+        s = super()._open(policy="learned", **kw)
+        s.policy.clock = self.clock
+        return s
+
+    @rule(toks=st.lists(st.integers(0, 2), min_size=1, max_size=20), ns=ns_st)
+    def put(self, toks, ns):
+        """Admission may refuse a put (nothing written or evicted: the newest stored context
+        is still the one before)."""
+        self.clock.t += 7.0
+        k, v = causal_kv(SMALL, toks)
+        try:
+            stored = self.store.put(toks, k, v, namespace=ns)
+        except kvstore.CapacityError:
+            assert self.pinned  # only pins can leave a put without room
+            return
+        self.seen.append((tuple(toks), ns))
+        if stored:
+            self.last = (toks, ns)
+
+
 class ExactModelZstd(ExactModel):
     """The exact model on a disk that stores through zstd, then raw after a reopen, and so on:
     every reopen reads chunks of both codecs."""
@@ -201,6 +287,11 @@ class ExactModelDramCodec(ExactModel):
         self.twin.delete(list(ctx[0]), namespace=ctx[1])
         super().delete(ctx)
 
+    @rule()
+    def delete_namespace(self):
+        self.twin.delete(namespace="t1")
+        super().delete_namespace()
+
     def check_get(self, toks, ns):
         k, v = self.store.get(toks, namespace=ns)
         ek, ev = self.twin.get(toks, namespace=ns)
@@ -216,6 +307,8 @@ class ExactModelDramCodec(ExactModel):
 
 
 @pytest.mark.parametrize("machine,examples", [(ExactModel, 60), (EvictingStore, 60),
+                                              (EvictingStoreWithPins, 30),
+                                              (EvictingStoreLearned, 20),
                                               (ExactModelZstd, 30), (EvictingStoreZstd, 30),
                                               (ExactModelDramCodec, 30)])
 def test_state_machine(machine, examples, tmp_path):

@@ -44,6 +44,7 @@ import numpy as np
 
 from kvstore.errors import CapacityError, KVStoreError, LayoutMismatch
 from kvstore.format.hashing import as_tokens
+from kvstore.integrations import retention
 from kvstore.integrations.llama_cpp import boundary, compat, context
 from kvstore.integrations.llama_cpp.identity import Identity, Unsupported, identify
 from kvstore.integrations.llama_cpp.state import StateError
@@ -77,6 +78,8 @@ class CacheCounters:
     checkpoints: int = 0  # boundaries a lookup evaluated to and queued for saving (hybrids)
     cleared_contexts: int = 0  # contexts emptied, not truncated (hybrids: their state exists
     # only where it was taken)
+    pins: int = 0  # saved contexts pinned by their request's retention hint
+    pins_refused: int = 0  # ... that the store refused to pin (over a cap)
 
 
 @dataclass(eq=False)
@@ -206,6 +209,7 @@ class KVStoreLlamaCache:
         try:
             if store.match(ids) >= n:
                 self._count("already_stored")
+                self._retain(store, ids)
                 return
         except STORE_ERRORS as e:
             self._failed("store_errors", "match", e)
@@ -232,6 +236,16 @@ class KVStoreLlamaCache:
             with self._lock:
                 self._counters.saves += 1
                 self._counters.saved_tokens += n
+            self._retain(store, ids)
+
+    def _retain(self, store: Store, ids: np.ndarray) -> None:
+        """Apply the retention hint of the request being served, if its server gave one
+        (:data:`kvstore.integrations.retention.REQUEST`), to the context just saved."""
+        req = retention.REQUEST.get()
+        if req is None:
+            return
+        req.outcome = retention.apply(store, ids, None, req.hint)
+        self._count("pins" if req.outcome == "pinned" else "pins_refused")
 
     def _lookup_boundary(self, llm: Any, binding: _Binding, toks: np.ndarray
                          ) -> RestoredPrefix:
@@ -357,6 +371,13 @@ class KVStoreLlamaCache:
     def store(self) -> Store | None:
         """The store in use (None until a Llama first used a directory). Thread-safe."""
         return self._open_store()
+
+    def store_for(self, llm: Any) -> Store | None:
+        """The store this cache keeps ``llm``'s KV in (a ``llama_cpp.Llama``), opened now if
+        no completion of it opened it yet; None if its KV is not cached (the reason is in
+        :meth:`stats`). Thread-safe."""
+        b = self._binding(llm, count=False)
+        return None if b is None else b.store
 
     def close(self) -> None:
         """Let go of the store opened for a directory (an open Store given stays open).

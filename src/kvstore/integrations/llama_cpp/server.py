@@ -4,7 +4,9 @@
 Any OpenAI client points at ``http://HOST:PORT/v1``. Every completion's KV goes to the store
 before its response is sent, so a conversation continues from stored KV after the server
 restarts (or dies), and servers sharing ``DIR`` share their prompts' KV. ``GET
-/kvstore/stats`` returns the cache's counters as JSON. The model runs with
+/kvstore/stats`` returns the cache's counters as JSON. A request's ``cache_control`` pins the
+context it saves, and ``/kvstore/contexts``, ``/kvstore/pin``, ``/kvstore/unpin`` and
+``/kvstore/delete`` administer the store's contexts (:mod:`.admin`). The model runs with
 ``logits_all=False`` (llama-cpp-python's default for a ``Llama``; its server's default,
 ``True``, copies n_tokens x vocabulary floats into every saved state and has no use here
 but prompt logprobs).
@@ -18,6 +20,9 @@ import os
 import socket
 import sys
 from typing import Any
+
+from kvstore.integrations import retention
+from kvstore.integrations.llama_cpp import admin
 
 
 def add_serve_command(sub: Any) -> None:
@@ -85,12 +90,14 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
         server_settings=ServerSettings(host=args.host, port=args.port),
         model_settings=[ModelSettings(**model)])
     cache = KVStoreLlamaCache(args.store, disk_bytes=args.disk_bytes, objects=args.objects)
-    served_llama(server_app).set_cache(cache)
+    llama = served_llama(server_app)
+    llama.set_cache(cache)
 
     @app.get("/kvstore/stats")
     def kvstore_stats() -> JSONResponse:
         return JSONResponse(cache.stats())
 
+    admin.add_routes(app, lambda: cache.store_for(llama))
     app.middleware("http")(checked_body)
     return app, cache
 
@@ -127,7 +134,9 @@ def _request_models() -> dict[str, Any]:
 async def checked_body(request: Any, call_next: Any) -> Any:
     """Answer a POST whose body is not JSON with 400, and one whose JSON is not the route's
     request with 422, each naming the problem in OpenAI's error shape (llama-cpp-python's
-    own route handler answers both with 500: its error handler parses the body again)."""
+    own route handler answers both with 500: its error handler parses the body again). A
+    request with a retention hint (``cache_control``, :mod:`.admin`) runs with it set for
+    the cache that saves its context."""
     from fastapi.responses import JSONResponse
     from pydantic import ValidationError
 
@@ -148,7 +157,20 @@ async def checked_body(request: Any, call_next: Any) -> Any:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
         return _error(JSONResponse, 422, f"{where}: {first.get('msg')}", param=where)
-    return await call_next(request)
+    try:
+        hint = admin.request_hint(data)
+    except ValueError as e:  # the message starts with the field it names
+        return _error(JSONResponse, 422, str(e), param=str(e).split(" ", 1)[0].rstrip(":"))
+    if hint is None:
+        return await call_next(request)
+    token = retention.REQUEST.set(hint)  # the completion's cache save applies it
+    try:
+        response = await call_next(request)
+    finally:
+        retention.REQUEST.reset(token)
+    if hint.outcome is not None:  # known once the completion ran (not for a stream)
+        response.headers[admin.HEADER] = admin.header_value(hint.outcome)
+    return response
 
 
 def _error(response: Any, status: int, message: str, param: str | None = None) -> Any:

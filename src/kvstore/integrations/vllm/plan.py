@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvstore.integrations.retention import Hint
 from kvstore.integrations.vllm.hybrid import StatePlan
 
 
@@ -58,6 +59,7 @@ class SaveSpec:
     group_block_ids: tuple[tuple[int, ...], ...] | None = None  # as LoadSpec's
     state: StatePlan | None = None  # a hybrid prompt's end: its boundary state too
     replaces: tuple[tuple[int, ...], ...] = ()  # boundaries deleted once this one is stored
+    retain: Hint | None = None  # a final save's retention hint: pin ``tokens`` once stored
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,11 @@ does not hold, so a repeated prompt computes its last token only and a conversat
 turn its new message only. A match that ends inside a block is taken only where this
 machine's tiers hold that block (a remote one is counted to its last whole block).
 
+**Retention hints**: a request whose ``kv_transfer_params`` carry ``{"kvstore": {"pin": true,
+"ttl_s": N}}`` (:func:`retention_hint`) gets a final save even if all its blocks were saved,
+and the worker pins that save's context once it is stored (a model of one KV-cache group of
+full attention; a hybrid's boundaries are not pinned).
+
 **Hybrid models** (sliding-window or recurrent layers, :mod:`.groups`): the store answers only
 boundaries whose state it holds; a load fills the full-attention blocks and the boundary's
 state blocks (:mod:`.hybrid`) whole, before the request is scheduled (an asynchronous load:
@@ -40,6 +45,7 @@ import logging
 from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations.retention import Hint, from_kv_transfer_params
 from kvstore.integrations.vllm.groups import Groups
 from kvstore.integrations.vllm.hybrid import full_block_ids, state_plan
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
@@ -56,6 +62,18 @@ def request_namespace(base: str | None, cache_salt: str | None) -> str | None:
     if cache_salt is None:
         return base
     return json.dumps([base, cache_salt])
+
+
+def retention_hint(request) -> Hint | None:
+    """The retention hint of a request's ``kv_transfer_params`` (``{"kvstore": {"pin": true,
+    "ttl_s": 40}}``, :func:`kvstore.integrations.retention.from_kv_transfer_params`): its
+    final save pins the context it stores (in the request's namespace). A malformed one is
+    logged and ignored (vLLM has accepted the request)."""
+    try:
+        return from_kv_transfer_params(getattr(request, "kv_transfer_params", None))
+    except ValueError as e:
+        log.warning("kvstore: request %s: retention hint ignored: %s", request.request_id, e)
+        return None
 
 
 def skip_reason(request) -> str | None:
@@ -87,6 +105,7 @@ class _Tracked:
     deferred: bool = False
     loaded_from: int = 0  # a hybrid request: the stored boundary it was loaded from
     lossy_tokens: int = 0  # of the tokens loaded, those lossy chunks served (lossy_ok)
+    retain: Hint | None = None  # its kv_transfer_params' retention hint (retention_hint)
 
 
 class SchedulerSide:
@@ -149,7 +168,8 @@ class SchedulerSide:
         tracked = self._tracked.get(rid)
         if tracked is None and skip_reason(request) is None:
             tracked = self._tracked[rid] = _Tracked(
-                request, request_namespace(self.namespace, request.cache_salt))
+                request, request_namespace(self.namespace, request.cache_salt),
+                retain=retention_hint(request))
         start, _ = self._lookups.pop(rid, (0, 0))
         if num_external <= 0 or tracked is None:
             return
@@ -271,7 +291,8 @@ class SchedulerSide:
         full = self._full_tables(tables, 0, len(tokens) // B)
         return SaveSpec(req_id=rid, tokens=tokens, block_ids=full[0],
                         group_block_ids=full if len(full) > 1 else None,
-                        namespace=tracked.namespace, final=final)
+                        namespace=tracked.namespace, final=final,
+                        retain=tracked.retain if final else None)
 
     # ---- outcomes -------------------------------------------------------------------------
     def reported(self, report: WorkerReport) -> None:
@@ -310,7 +331,7 @@ class SchedulerSide:
         self._ended[rid] = params["kvstore"]
         upto = min(request.num_computed_tokens, len(request.all_token_ids))
         if self.save and self.store is not None and upto > 0 and self.groups is None \
-                and (upto > tracked.saved or tracked.deferred):
+                and (upto > tracked.saved or tracked.deferred or tracked.retain is not None):
             self._final.append(self._save(rid, tracked, upto, block_ids, final=True))
             self._held.add(rid)
             return True, params

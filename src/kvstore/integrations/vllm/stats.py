@@ -21,6 +21,8 @@ COUNTERS = (
     "saves_already_stored",  # saves with nothing new to store
     "saves_refused",  # saves refused: write buffer full, store closing, eviction admission
     "save_failures",  # saves the store failed to write (disk full, IO error)
+    "pins",  # saved contexts pinned by their request's retention hint
+    "pins_refused",  # ... that the store refused to pin (over a cap, or not stored whole)
 )
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations import retention
 from kvstore.integrations.vllm.groups import Groups
 from kvstore.integrations.vllm.hybrid import StatePages
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
@@ -241,6 +242,8 @@ class WorkerSide:
             handle.abort()
             self.stats.add("saves_already_stored")
             self._sent_if_final(spec)
+            if spec.retain is not None:  # one catalog commit, on this thread (rare)
+                self.stats.add(self._retain(spec))
             return
         first = handle.base // self.block_size
         if first >= len(spec.block_ids):  # a boundary on a stored block's end: only its state
@@ -331,12 +334,19 @@ class WorkerSide:
         elif future.result() is False:
             self._written_saves.append("saves_refused")
         else:
+            if spec.retain is not None:
+                self._written_saves.append(self._retain(spec))
             for tokens in spec.replaces:
                 try:
                     self.store.delete(list(tokens), namespace=spec.namespace)
                 except STORE_ERRORS as e:
                     log.info("kvstore: the boundary request %s replaces stays: %s",
                              spec.req_id, e)
+
+    def _retain(self, spec: SaveSpec) -> str:
+        """Pin a stored save's context as its request's hint says; the counter to add."""
+        outcome = retention.apply(self.store, list(spec.tokens), spec.namespace, spec.retain)
+        return "pins" if outcome == "pinned" else "pins_refused"
 
     # ---- what vLLM collects after a step --------------------------------------------------
     def take_invalid(self) -> set[int]:

@@ -490,6 +490,23 @@ class ObjectTier:
                        observe=False)
         return out
 
+    def delete(self, keys: Sequence[bytes],
+               kids: Sequence[tuple[bytes, bytes, np.ndarray]] = ()) -> list[bool | None]:
+        """``DELETE`` each key's value and use marker: True deleted (S3 answers a delete of
+        an absent object as a success too), False absent, None not answered. ``kids``: (parent, key,
+        tokens) of partial chunks whose entries under their parent go too."""
+        p = self._prefix
+        with self._lock:
+            for k in keys:
+                self._renewed.pop(k, None)
+        replies = self._requests(
+            [("DELETE", on.value_name(p, k), {"max_bytes": SMALL}) for k in keys]
+            + [("DELETE", on.use_name(p, k), {"max_bytes": SMALL}) for k in keys]
+            + [("DELETE", on.kid_name(p, parent, key, toks), {"max_bytes": SMALL})
+               for parent, key, toks in kids], observe=False)
+        return [None if r is None else True if 200 <= r.status < 300
+                else False if r.status == 404 else None for r in replies[:len(keys)]]
+
     # ------------------------------------------------------------------ lifecycle
     def _renew(self, keys: Sequence[bytes]) -> None:
         """Queue the use markers of these values (those this process did not renew within a

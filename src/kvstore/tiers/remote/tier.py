@@ -621,6 +621,29 @@ class RemoteTier:
                        else r is True)
         return out
 
+    def delete(self, keys: Sequence[bytes],
+               kids: Sequence[tuple[bytes, bytes, np.ndarray]] = ()) -> list[bool | None]:
+        """``DEL key`` for each key: True deleted, False absent, None not answered (node down
+        or error). ``kids``: (parent, key, tokens) of partial chunks to remove from their
+        parent's kids set (``SREM``)."""
+        n = len(keys)
+        rkeys = [self.redis_key(k) for k in keys] + [self.kids_key(p, t) for p, _, t in kids]
+
+        def build(pipe: object, i: int) -> None:
+            if i < n:
+                pipe.delete(rkeys[i])
+            else:
+                _, key, toks = kids[i - n]
+                pipe.srem(rkeys[i], key + np.ascontiguousarray(toks, dtype="<u4").tobytes())
+
+        replies = self._call(rkeys, build, lambda i: SMALL_REPLY, redis_keys=True,
+                             observe=False)
+        out: list[bool | None] = []
+        for i in range(n):
+            r = replies.get(i)
+            out.append(None if i not in replies or not isinstance(r, int) else r > 0)
+        return out
+
     def stats(self) -> dict[str, object]:
         with self._lock:
             c = asdict(self.counters)

@@ -153,6 +153,9 @@ def test_malformed_bodies_are_answered_400_and_422_naming_the_problem(tmp_path):
         code, body = _post(f"{server.url}/v1/completions",
                            json.dumps({"prompt": "Hi", "max_tokens": "many"}).encode())
         assert code == 422 and body["error"]["param"] == "max_tokens"
+        code, body = _post(chat, json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                             "cache_control": {"type": "forever"}}).encode())
+        assert code == 422 and body["error"]["param"] == "cache_control.type"
         # the server still answers a good request, from the same process
         assert server.chat([{"role": "user", "content": "Hello"}])
     finally:

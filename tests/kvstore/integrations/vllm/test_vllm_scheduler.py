@@ -264,3 +264,32 @@ def test_lossy_kv_is_served_only_when_asked_for_by_name(tmp_path):
     cfg = ConnectorConfig.from_extra_config({"store_dir": "x", "codecs": {"disk": "int8"},
                                              "lossy_ok": True})
     assert cfg.lossy_ok and cfg.codecs["disk"] == "int8"
+
+
+def test_a_pin_hint_in_kv_transfer_params_pins_the_final_save(store):
+    """``{"kvstore": {"pin": true, "ttl_s": N}}``: the request's final save carries the hint
+    (planned even when every block was saved already), and the worker's pin after the save
+    holds that context (the store's pin is what the worker calls)."""
+    from kvstore.integrations import retention
+    from kvstore.integrations.retention import Hint
+    from kvstore.integrations.vllm.scheduler import retention_hint
+
+    ids = list(range(100, 108))  # two whole blocks
+    s = side(store, {"a": [7, 3]})
+    sp = SamplingParams(max_tokens=16, extra_args={"kv_transfer_params": {
+        "kvstore": {"pin": True, "ttl_s": 40}}})
+    req = Request("a", ids, sp, None)
+    assert retention_hint(req) == Hint(40.0)
+    assert retention_hint(request("b", ids)) is None
+    s.allocated(req, 0)
+    (save,) = s.plan({"a": 8}, {}).saves
+    assert save.retain is None and not save.final
+    store.put(list(save.tokens), *causal_kv(LAYOUT, list(save.tokens)))  # as the worker does
+    req.num_computed_tokens = 8
+    delay, _ = s.finished(req, ([7, 3],))
+    assert delay  # a final save although nothing new is left: it carries the pin
+    (final,) = s.plan({}, {}).saves
+    assert final.final and final.retain == Hint(40.0) and final.tokens == tuple(ids)
+    assert retention.apply(store, list(final.tokens), final.namespace, final.retain) == \
+        "pinned"
+    assert store.pins()[0].n_tokens == 8
