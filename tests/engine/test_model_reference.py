@@ -21,6 +21,8 @@ torch 2.13 CPU; six conversations measured when choosing them):
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -33,6 +35,17 @@ ROUND_MAX, ROUND_MEAN = 0.1, 0.01
 NOROUND_MAX = 1e-3
 SAME_KV_MAX = 2e-3
 PREFIX_KV_MAX = 0.1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_threads():
+    """These bounds were measured with torch's default threads (one per core), and the CPU
+    kernels block their sums by thread count: ``make test`` runs its workers with one OpenMP
+    thread each, so this module gets the default back while it runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
 
 
 # ---- ShareGPT ----------------------------------------------------------------------------------
