@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from engine.replay.offline import RequestLog
 from kvstore.eviction.jobs import Windows
 from kvstore.eviction.policies import (
+    MAX_PENDING_LABELS,
     AccessStats,
     EvictionPolicy,
     Priority,
@@ -305,6 +306,8 @@ class SimStore:
         self._turns[key] = turns
         if self._tracker is not None:
             self._tracker.saved(key, self._wall, turns, features=features)
+            if self._tracker.pending_labels > MAX_PENDING_LABELS:  # as the store does
+                self._tracker.sweep_labels(self._wall)
             self._pol.now = self._wall
         old = self._entries.get(key)
         if nbytes > self.disk_bytes:
@@ -321,10 +324,12 @@ class SimStore:
                                        turns=turns, saved_at=self._wall, key=key,
                                        features=features))
         e.queued = self._queued(key)
-        if not self._pol.writes_to_disk(e.stats):
-            return self._put_dram_only(e, judge)
+        if ttl_s is None and not self._pol.writes_to_disk(e.stats):
+            return self._put_dram_only(e, judge)  # a hinted save goes to disk, as hinted
+        refused_for_pins = self.counters.refused_for_pins
         if not self._evict_for(e, judge):
-            self.counters.bypassed += 1
+            if self.counters.refused_for_pins == refused_for_pins:
+                self.counters.bypassed += 1
             return False
         self._entries[key] = e
         self.disk_used += nbytes

@@ -297,6 +297,10 @@ class ReturnModel:
         return s / (s + 1.0 - q) if s > 0 else 0.0
 
 
+MAX_PENDING_LABELS = 10_000  # saves waiting for their label before a put sweeps them
+MAX_RELABEL = 10_000  # ended saves whose late return may still relabel them (about 1 KB each)
+
+
 class ReturnTracker:
     """Feeds a :class:`ReturnModel` from what an owner sees: each context's latest save (wall
     time, turns) until its conversation comes back or is counted as ended.
@@ -325,10 +329,12 @@ class ReturnTracker:
         self.model = model
         self._seen: dict[Hashable, tuple[float, int, bool, bool]] = {}  # at, turns, ended, learn
         self._by_time: deque[tuple[float, Hashable]] = deque()
-        # the predictor's labels: [saved at, features, label or None while unknown, turns], in
-        # save order; a key's latest one until its conversation returns
+        # the predictor's labels: [saved at, features, label or None while unknown, turns,
+        # key], in save order; a key's latest one until its conversation returns, or until
+        # MAX_RELABEL later ends were labelled (a return that late is not relabelled)
         self._labels: deque[list] = deque()
         self._latest: dict[Hashable, list] = {}
+        self._ended: deque[tuple[Hashable, list]] = deque()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._seen
@@ -345,7 +351,7 @@ class ReturnTracker:
             self._by_time.append((now, key))
         self._unlabel(key)
         if learn and features is not None and self.model.predictor is not None:
-            item = [now, features, None, turns]
+            item = [now, features, None, turns, key]
             self._labels.append(item)
             self._latest[key] = item
 
@@ -384,13 +390,30 @@ class ReturnTracker:
             if s is not None and s[0] == at and not s[2] and s[3]:  # a teaching save
                 self.model.ended(s[1])
                 self._seen[k] = (at, s[1], True, s[3])
+        self.sweep_labels(now)
+
+    @property
+    def pending_labels(self) -> int:
+        """Saves whose label the predictor has not learned yet."""
+        return len(self._labels)
+
+    def sweep_labels(self, now: float) -> None:
+        """The predictor learns the labels of the saves older than every think time seen
+        (:meth:`sweep` does this too; an owner whose sweeps wait for evictions calls it on
+        its own once :data:`MAX_PENDING_LABELS` wait, so that they never pile up)."""
         labels = self._labels
+        horizon = self.model.horizon_s
         while labels and now - labels[0][0] > horizon:
             item = labels.popleft()
             if item[2] == -1:
                 continue
             if item[2] is None:
                 item[2] = 0  # stays the key's latest: a late return relabels it
+                self._ended.append((item[4], item))
+                while len(self._ended) > MAX_RELABEL:
+                    old_key, old = self._ended.popleft()
+                    if self._latest.get(old_key) is old:
+                        del self._latest[old_key]
             self.model.predictor.observe(  # type: ignore[union-attr]
                 item[1], item[2], self.model.return_rate(item[3]))
 
@@ -483,7 +506,8 @@ class LearnedReturn(ReuseProbability):
     the rate at its turns. A prediction is remade once the predictor has seen a tenth more
     labels than when it was made.
 
-    Admission beyond ``reuse``'s (:meth:`writes_to_disk`): a save whose predicted rate is below
+    Admission beyond ``reuse``'s (:meth:`writes_to_disk`, the replay's simulator only: the
+    store's disk tier holds every stored context): a save whose predicted rate is below
     ``disk_min_rate`` × the pooled return rate is kept in DRAM only (a quick return still hits;
     the disk is not written for a conversation that probably ended). Thread-safety: none; the
     owning tier serializes access.

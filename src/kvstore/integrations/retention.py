@@ -67,7 +67,11 @@ def _ttl(value: object, where: str) -> float:
                              f"'1h', got {value!r}")
         secs = float(m.group(1)) * _UNITS[m.group(2)]
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        secs = float(value)
+        try:
+            secs = float(value)
+        except OverflowError:
+            raise ValueError(f"{where} must be a finite number of seconds, got "
+                             f"{value!r}") from None
     else:
         raise ValueError(f"{where} must be a number of seconds, got {type(value).__name__}")
     if not (math.isfinite(secs) and secs > 0):
@@ -135,6 +139,9 @@ def from_kv_transfer_params(params: object) -> Hint | None:
     ttl = ours.get("ttl_s")
     if ttl is not None:
         ttl = _ttl(ttl, "kv_transfer_params.kvstore.ttl_s")
+    if "pin" in ours and not pin and ttl is not None:
+        raise ValueError("kv_transfer_params.kvstore: pin false with a ttl_s: a ttl_s is a "
+                         "pin for that long; leave pin out, or the ttl_s")
     if not pin and ttl is None:
         return None
     return Hint(ttl_s=ttl)
@@ -148,7 +155,7 @@ def apply(store, tokens, namespace: str | None, hint: Hint | None) -> str | None
         return None
     try:
         store.pin(tokens, namespace=namespace, ttl_s=hint.ttl_s)
-    except (PinRefused, KeyError, KVStoreError, OSError) as e:
+    except (PinRefused, KeyError, KVStoreError, OSError, ValueError) as e:
         why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         log.warning("kvstore: retention hint not applied: %s: %s", type(e).__name__, why)
         return f"refused: {type(e).__name__}: {why}"

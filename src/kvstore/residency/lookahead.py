@@ -45,6 +45,7 @@ class Hints:
         self.windows = Windows(prefetch=0, eviction=0)
         self._dirty = False
         self._refreshed_gen = -1
+        self._restored_seen = 0  # labels the learned policy's predictor had at open
         self._job_pieces: list[list[Piece]] = []
         self._chunk_pos: dict[bytes, int] = {}
         self._context_pos: dict[bytes, int] = {}
@@ -69,7 +70,8 @@ class Hints:
     def policy_state(self) -> dict[str, object]:
         """What the policy learned that outlives this process, as catalog metadata (the
         ``learned`` policy's predictor, a few KB; the last process to close writes it)."""
-        if isinstance(self.policy, LearnedReturn):
+        if isinstance(self.policy, LearnedReturn) and \
+                self.policy.predictor.seen > self._restored_seen:  # it learned something here
             return {PREDICTOR_META: base64.b64encode(self.policy.predictor.to_bytes()).decode()}
         return {}
 
@@ -88,6 +90,7 @@ class Hints:
         except (ValueError, binascii.Error) as e:
             return f"catalog metadata {PREDICTOR_META!r} is not a return predictor ({e}): ignored"
         self.policy.predictor = self.policy.model.predictor = predictor
+        self._restored_seen = predictor.seen
         return None
 
     def context_priority(self, rec: ContextRecord) -> Priority:

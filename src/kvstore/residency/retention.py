@@ -46,8 +46,8 @@ import numpy as np
 
 from kvstore.errors import PinRefused
 from kvstore.format.catalog import ReadTxn
-from kvstore.format.hashing import chain_seed
-from kvstore.format.records import ContextRecord, IndexEntry, PinRecord
+from kvstore.format.hashing import STATE_TOKEN, chain_seed
+from kvstore.format.records import MAX_NAMESPACE_BYTES, ContextRecord, IndexEntry, PinRecord
 from kvstore.residency.catch_up import writing
 from kvstore.residency.core import Core
 from kvstore.view import boundaries
@@ -86,9 +86,14 @@ def check_ttl(ttl_s: object) -> float | None:
         return None
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float | np.integer | np.floating):
         raise TypeError(f"ttl_s must be a number of seconds or None, got {type(ttl_s).__name__}")
-    if not (math.isfinite(ttl_s) and ttl_s > 0):
+    try:
+        seconds = float(ttl_s)
+    except OverflowError:
+        raise ValueError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}"
+                         ) from None
+    if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
-    return float(ttl_s)
+    return seconds
 
 
 def pinned_now(txn: ReadTxn, tree: ContextTree, now: float) -> set[bytes]:
@@ -117,6 +122,9 @@ def pin(core: Core, toks: np.ndarray, namespace: str | None, ttl_s: float | None
     replaced by one that holds at least as long. KeyError if no such context is stored;
     :class:`PinRefused` beyond a cap."""
     chain_seed(b"", namespace)  # TypeError/ValueError for a namespace no context can have
+    if namespace is not None and len(namespace.encode()) > MAX_NAMESPACE_BYTES:
+        raise ValueError(f"namespace of a pin must be at most {MAX_NAMESPACE_BYTES} bytes "
+                         f"(UTF-8), got {len(namespace.encode())}")
     with core.mutex:
         core.check_writable()
     now = core.wall_clock()
@@ -245,7 +253,9 @@ def list_contexts(core: Core, namespaces: tuple[str | None, ...] | None) -> list
 
 
 def context_tokens(core: Core, key: bytes) -> np.ndarray:
-    """The token ids of stored context ``key`` (uint32); KeyError if none is stored."""
+    """The token ids of stored context ``key`` (uint32), as ``pin`` / ``unpin`` / ``delete``
+    take them: for a boundary state (hybrid layouts), the tokens before it. KeyError if none
+    is stored."""
     if not isinstance(key, bytes):
         raise TypeError(f"key must be bytes (a context key), got {type(key).__name__}")
     with core.mutex:
@@ -254,7 +264,9 @@ def context_tokens(core: Core, key: bytes) -> np.ndarray:
         ctx = core.tree.contexts.get(key)
         if ctx is None:
             raise KeyError(f"no context {key.hex()} is stored")
-        return np.concatenate([core.tree.chunks[c].tokens for c in ctx.chunks])
+        toks = np.concatenate([core.tree.chunks[c].tokens for c in ctx.chunks])
+    state = np.flatnonzero(toks == STATE_TOKEN)
+    return toks[: state[0]] if len(state) else toks
 
 
 def delete(core: Core, toks: np.ndarray | None, namespace: str | None

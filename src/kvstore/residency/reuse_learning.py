@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstore.eviction.policies import (
+    MAX_PENDING_LABELS,
     AccessStats,
     LearnedReturn,
     Queued,
@@ -147,6 +148,12 @@ class PutLearner:
         parent = chain[-2] if len(chain) > 1 else self.tree.seed(namespace)
         features = None
         if self._features is not None:
+            if self.tracker.pending_labels > MAX_PENDING_LABELS:  # no evictions for long
+                self.tracker.sweep_labels(now)
+            if len(self._features) > 2 * len(self.tree.contexts) + 1024:
+                # features are kept for ranking stored contexts: drop those that left
+                self._features = {k: f for k, f in self._features.items()
+                                  if k in self.tree.contexts}
             # the turn this put ends: what it added to the context it extends
             new = toks[prev_len:]
             features = self.policy.predictor.features(  # type: ignore[attr-defined]

@@ -42,3 +42,16 @@ def test_tool_calls_make_agents_with_hints():
     assert with_tool_calls(trace, fraction=0.3, pause_s=40.0, seed=1) == agents
     with pytest.raises(ValueError, match="fraction"):
         with_tool_calls(trace, fraction=1.5, pause_s=40.0)
+
+
+def test_a_hinted_save_goes_to_disk_even_when_learned_would_keep_it_in_dram_only():
+    from kvstore.eviction.policies import LearnedReturn
+    from kvstore.eviction.return_predictor import ReturnPredictor, turn_features
+
+    pol = LearnedReturn(predictor=ReturnPredictor(dims=64, min_labels=0), disk_min_rate=1.0)
+    pol.model.returned(10.0, 1)  # a pooled return rate of 1: every prediction is below it
+    s = SimStore(dram_bytes=0, disk_bytes=100, token_bytes=1, policy=pol)
+    f = turn_features(turns=1, new_tokens=5, history_tokens=5, gap_s=None, dims=64)
+    assert not s.put("plain", 10, now=0.0, features=f)  # DRAM only, and no DRAM: not stored
+    assert s.put("hinted", 10, now=0.0, features=f, ttl_s=30.0)
+    assert s.tier_of("hinted") == "disk" and s.counters.disk_bytes_written == 10

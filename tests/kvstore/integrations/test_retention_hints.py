@@ -41,6 +41,10 @@ def test_cache_control_and_kv_transfer_params_parse_to_one_hint():
     assert kv({"kvstore": {"cache_control": {"type": "ephemeral"}}}) == Hint(300.0)
     with pytest.raises(ValueError, match="kv_transfer_params.kvstore.pin"):
         kv({"kvstore": {"pin": "yes"}})
+    with pytest.raises(ValueError, match="pin false with a ttl_s"):
+        kv({"kvstore": {"pin": False, "ttl_s": 40}})
+    with pytest.raises(ValueError, match="ttl"):
+        body({"cache_control": {"type": "pinned", "ttl_s": 10**400}})
 
 
 def test_apply_pins_or_reports_why_not(open_small):

@@ -42,7 +42,7 @@ def small(open_small):
     return _open
 
 
-@pytest.mark.parametrize("policy", ["scheduler", "lru", "fifo", "belady", "reuse"])
+@pytest.mark.parametrize("policy", ["scheduler", "lru", "fifo", "belady", "reuse", "learned"])
 def test_a_pinned_context_survives_any_load_and_leaves_only_after_unpin(small, policy):
     s = small(policy=policy, disk_bytes=20 * SLOT)
     t = toks(1, 10)
@@ -222,6 +222,18 @@ def test_pin_records_round_trip_and_refuse_what_is_malformed():
     for bad in (raw[:-1], raw + b"x", b"\x02" + raw[1:], raw[:1] + b"\x08" + raw[2:]):
         with pytest.raises(kvstore.FormatError):
             PinRecord.decode(key, bad)
+
+
+def test_a_namespace_too_long_to_record_or_a_ttl_beyond_floats_is_refused(small):
+    s = small()
+    ns = "n" * 5000
+    put_causal(s, toks(7, 9), namespace=ns)
+    with pytest.raises(ValueError, match="namespace of a pin must be at most 4096 bytes"):
+        s.pin(toks(7, 9), namespace=ns)
+    put_causal(s, toks(8, 9))
+    with pytest.raises(ValueError, match="ttl_s"):
+        s.pin(toks(8, 9), ttl_s=10**400)
+    assert s.pins() == []
 
 
 def test_bad_caps_are_refused_by_name(tmp_path):
