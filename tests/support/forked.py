@@ -182,10 +182,12 @@ class Forked:
 
 class ForkServer:
     """Starts processes from a warm fork server that has imported ``modules`` (started at the
-    first :meth:`popen`). Thread-safe."""
+    first :meth:`popen`, with ``env`` over this process's environment: what the imports
+    read). Thread-safe."""
 
-    def __init__(self, modules: list[str]) -> None:
+    def __init__(self, modules: list[str], *, env: dict[str, str] | None = None) -> None:
         self.modules = modules
+        self.env = env or {}
         self._lock = threading.Lock()
         self._server: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -201,7 +203,7 @@ class ForkServer:
                 self._server = subprocess.Popen(
                     [sys.executable, "-m", "tests.support.forked", self._sock,
                      ",".join(self.modules)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+                    env={**os.environ, **self.env, "PYTHONPATH": str(ROOT)})
                 line = self._server.stdout.readline()  # type: ignore[union-attr]
                 if line.strip() != "READY":
                     self._server.kill()
