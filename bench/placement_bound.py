@@ -25,7 +25,7 @@ from engine.replay.offline import RequestLog, dual_bound, intervals_from_log
 from engine.replay.run import default_cache_dir
 from engine.replay.server import Method, serve
 from engine.replay.simulated import SimulatedExecutor
-from engine.replay.workload import WorkloadConfig, build_trace
+from engine.replay.workload import Trace, WorkloadConfig, build_trace
 
 
 def run_point(trace, method: Method | str, cost, *, bound: bool = True) -> dict[str, object]:
@@ -63,6 +63,18 @@ def run_point(trace, method: Method | str, cost, *, bound: bool = True) -> dict[
     return out
 
 
+def sharegpt_trace(args: argparse.Namespace, base) -> Trace:
+    """The trace of the whole ShareGPT file (or ``--conversations``) at ``--rate``,
+    ``--think`` and ``--seed``, no warm-up, in ``base``'s (a preset's) context window."""
+    from engine.model import load_model
+    from engine.sharegpt import token_table
+
+    table = token_table(load_model(), cache_dir=args.cache_dir or default_cache_dir())
+    wl = WorkloadConfig(conversations=args.conversations, arrival_rate=args.rate,
+                        think_s=args.think, seed=args.seed, warmup_fraction=0.0)
+    return build_trace(table, wl, context_window=base.context_window)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-13b")
@@ -82,16 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default="bench/results/placement_bound.json")
     args = p.parse_args(argv)
-
-    from engine.model import load_model
-    from engine.sharegpt import token_table
-
-    model = load_model()
-    table = token_table(model, cache_dir=args.cache_dir or default_cache_dir())
     base = preset(args.preset)
-    wl = WorkloadConfig(conversations=args.conversations, arrival_rate=args.rate,
-                        think_s=args.think, seed=args.seed, warmup_fraction=0.0)
-    trace = build_trace(table, wl, context_window=base.context_window)
+    trace = sharegpt_trace(args, base)
     dram = parse_bytes(args.dram)
     disks = [parse_bytes(x) for x in args.disks.split(",")]
     points = []

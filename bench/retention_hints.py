@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
+from bench.placement_bound import sharegpt_trace
 from engine.replay.costs import PRESETS, parse_bytes, preset
-from engine.replay.run import default_cache_dir
 from engine.replay.server import Method, serve
 from engine.replay.simulated import SimulatedExecutor
-from engine.replay.workload import WorkloadConfig, build_trace, with_tool_calls
+from engine.replay.workload import with_tool_calls
 
 
 def _pct(a: np.ndarray) -> dict[str, float]:
@@ -69,17 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default="bench/results/retention_hints.json")
     args = p.parse_args(argv)
-
-    from engine.model import load_model
-    from engine.sharegpt import token_table
-
-    model = load_model()
-    table = token_table(model, cache_dir=args.cache_dir or default_cache_dir())
     base = preset(args.preset)
-    wl = WorkloadConfig(conversations=args.conversations, arrival_rate=args.rate,
-                        think_s=args.think, seed=args.seed, warmup_fraction=0.0)
-    trace = with_tool_calls(build_trace(table, wl, context_window=base.context_window),
-                            fraction=args.agents, pause_s=args.pause, seed=args.seed)
+    trace = with_tool_calls(sharegpt_trace(args, base), fraction=args.agents,
+                            pause_s=args.pause, seed=args.seed)
     cost = base.with_capacity(dram_bytes=parse_bytes(args.dram), disk_bytes=parse_bytes(args.disk))
     runs = [run(trace, Method.parse("re"), cost, hints=False)]
     for m in args.methods.split(","):
