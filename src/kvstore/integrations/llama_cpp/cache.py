@@ -260,6 +260,10 @@ class KVStoreLlamaCache:
         at = n_ctx if context.held_tokens(llm, toks) == n_ctx <= limit else 0
         found = run = 0
         if limit > 0:
+            try:  # this process's checkpoints of the prompt still on the writer thread
+                store.wait_saved(toks[:limit])
+            except STORE_ERRORS as e:
+                self._failed("store_errors", "checkpoint", e)
             try:
                 found = store.match(toks[:limit])
                 run = limit - store.residency(toks[:limit])["missing"]

@@ -15,6 +15,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ import kvstore  # noqa: E402
 from engine import hybrid_models  # noqa: E402
 from kvstore.integrations.llama_cpp import KVStoreLlamaCache, boundary  # noqa: E402
 from kvstore.integrations.llama_cpp.identity import Unsupported, identify  # noqa: E402
+from kvstore.pipelines.saving import Saver  # noqa: E402
 from tests.support.llama_helpers import complete, make_llama, perturbed_gguf  # noqa: E402
 from tests.support.paths import ROOT  # noqa: E402
 
@@ -164,7 +166,17 @@ def run(llm, cache, prompt, *, reset: bool = True) -> str:
         llm.set_cache(None)
 
 
-def test_a_prompt_between_boundaries_restores_the_longest_below(llm, prompts, tmp_path):
+def test_a_prompt_between_boundaries_restores_the_longest_below(llm, prompts, tmp_path,
+                                                                monkeypatch):
+    """A lookup's checkpoints are written in the background; the next lookup in this process
+    waits for them (the writer is slowed here so that it would otherwise miss them)."""
+    write_job = Saver._write_job
+
+    def slow_write_job(self, job):
+        time.sleep(0.3)
+        write_job(self, job)
+
+    monkeypatch.setattr(Saver, "_write_job", slow_write_job)
     system = prompts["system"]
     with KVStoreLlamaCache(tmp_path / "s") as cache:
         # boundaries at 100 (the prompt's end but 2 tokens) and at the completion's end
