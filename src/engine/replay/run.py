@@ -307,7 +307,8 @@ def _run_real(trace: Trace, method: Method, cfg: ReplayConfig, model, tick):
         st = None
         if store is not None:
             s = store.stats()
-            st = {k: s[k] for k in ("dram", "disk", "hits", "misses", "evictions") if k in s}
+            st = {k: s[k] for k in ("dram", "disk", "hits", "misses", "evictions", "requests")
+                  if k in s}
     finally:
         if store is not None:
             store.close()

@@ -373,7 +373,7 @@ class ReturnTracker:
         if item is not None:
             if item[2] == 0:  # labelled an end already
                 self.model.predictor.observe(  # type: ignore[union-attr]
-                    item[1], 1, self.model.return_rate(item[3]))
+                    item[1], 1, self.model.return_rate(item[3]), correction=True)
             item[2] = 1
         return turns
 

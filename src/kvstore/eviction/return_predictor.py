@@ -101,6 +101,7 @@ class ReturnPredictor:
         self.weights = np.zeros(dims, dtype=np.float32)  # [dims]
         self.grad_sq = np.full(dims, 1e-6, dtype=np.float32)  # [dims] AdaGrad accumulators
         self.seen = 0
+        self.scores = ProgressiveScores()  # this process's, not saved with the state
 
     @property
     def ready(self) -> bool:
@@ -116,12 +117,18 @@ class ReturnPredictor:
         z = float(self.weights[f.index] @ f.value) + _logit(prior)
         return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, z))))
 
-    def observe(self, f: TurnFeatures, label: int, prior: float | None = None) -> None:
+    def observe(self, f: TurnFeatures, label: int, prior: float | None = None, *,
+                correction: bool = False) -> None:
         """One label: 1 the conversation came back, 0 it ended (``prior``: as
-        :meth:`predict` took it)."""
+        :meth:`predict` took it). Once :attr:`ready`, the prediction it makes for the label
+        before learning from it is scored (:attr:`scores`), unless the label corrects one
+        observed earlier (``correction``: a return after its end was labelled)."""
         if label not in (0, 1):
             raise ValueError(f"label must be 0 or 1, got {label!r}")
-        g = (self.predict(f, prior) - label) * f.value  # [n]
+        p = self.predict(f, prior)
+        if self.ready and not correction:
+            self.scores.add(p, label)
+        g = (p - label) * f.value  # [n]
         # np.add.at: a hashed index may repeat within one feature vector
         np.add.at(self.grad_sq, f.index, g * g)
         np.add.at(self.weights, f.index, -self.rate * g / np.sqrt(self.grad_sq[f.index]))
@@ -154,6 +161,44 @@ class ReturnPredictor:
             raise ValueError("return predictor state: weights not finite")
         p.weights, p.grad_sq, p.seen = w, g, int(seen)
         return p
+
+
+class ProgressiveScores:
+    """How well a predictor predicts labels it has not learned yet (progressive validation):
+    each label is scored by the predictor as it stands when the label arrives, before it
+    learns from it. Two histograms of the predicted probability (:attr:`BINS` bins per
+    label), so the memory is constant and the AUC exact but for ties within a bin.
+    Thread-safety: none; the owner serializes access."""
+
+    BINS = 1000
+
+    def __init__(self) -> None:
+        self.counts = np.zeros((2, self.BINS), dtype=np.int64)  # [label, bin]
+
+    def add(self, p: float, label: int) -> None:
+        self.counts[label, min(int(p * self.BINS), self.BINS - 1)] += 1
+
+    @property
+    def labels(self) -> int:
+        return int(self.counts.sum())
+
+    def auc(self) -> float:
+        """The area under the ROC curve of the scored labels (ties, here a shared bin,
+        count half); NaN without both labels."""
+        neg, pos = self.counts[0].astype(np.float64), self.counts[1].astype(np.float64)
+        n_neg, n_pos = neg.sum(), pos.sum()
+        if n_neg == 0 or n_pos == 0:
+            return math.nan
+        below = np.cumsum(neg) - neg  # [bins] negatives in lower bins
+        return float((pos * (below + neg / 2)).sum() / (n_pos * n_neg))
+
+    def summary(self) -> dict[str, float | int | None]:
+        """``labels`` scored, their ``auc`` (None until both labels were seen) and
+        ``continue_rate`` (the share that came back; None before any)."""
+        n = self.labels
+        a = self.auc()
+        return {"labels": n, "auc": None if math.isnan(a) else a,
+                "continue_rate": None if n == 0 else int(self.counts[1].sum()) / n}
 
 
 def _logit(p: float | None) -> float:

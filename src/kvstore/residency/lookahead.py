@@ -75,6 +75,15 @@ class Hints:
             return {PREDICTOR_META: base64.b64encode(self.policy.predictor.to_bytes()).decode()}
         return {}
 
+    def return_prediction(self) -> dict[str, object] | None:
+        """The ``learned`` policy's predictor as this process scored it
+        (:class:`~kvstore.eviction.return_predictor.ProgressiveScores`); None for other
+        policies."""
+        if not isinstance(self.policy, LearnedReturn):
+            return None
+        return {"trained_labels": self.policy.predictor.seen,
+                **self.policy.predictor.scores.summary()}
+
     def restore_policy_state(self, meta: object | None) -> str | None:
         """At open: the ``learned`` policy starts from the predictor a closed process saved
         (``meta``: the catalog's :data:`PREDICTOR_META`). Returns a problem when it is not one

@@ -31,6 +31,8 @@ def assemble_stats(core: Core, *, tiers: Iterable[HbmTier], hints: Any, saver: A
             "disk_chunks": cnt.evicted_chunks,
             "kept_back_contexts": cnt.kept_back_contexts,
             "bypassed_puts": cnt.bypassed_puts,
+            "policy": hints.policy.name,
+            "return_prediction": hints.return_prediction(),
         },
         "queue": {
             "jobs": len(hints.jobs),

@@ -11,7 +11,12 @@ import pytest
 import kvstore
 from engine.replay.simstore import SimStore
 from kvstore.eviction.policies import LearnedReturn, ReturnModel, ReturnTracker
-from kvstore.eviction.return_predictor import ReturnPredictor, auc, turn_features
+from kvstore.eviction.return_predictor import (
+    ProgressiveScores,
+    ReturnPredictor,
+    auc,
+    turn_features,
+)
 from tests.support.clock import Clock
 from tests.support.kvgen import put_causal
 
@@ -65,6 +70,44 @@ def test_training_is_deterministic_and_learns_what_content_says():
     assert auc([lab for _, lab in test], [kw["turns"] for kw, _ in test]) < 0.8
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_progressive_scores_give_the_auc_of_their_bins(seed):
+    """The histogram's AUC is the pairwise AUC of the scores rounded down to their bins
+    (scores sharing a bin are ties)."""
+    rng = random.Random(seed)
+    y = [int(rng.random() < 0.3) for _ in range(300)]
+    s = [rng.choice([0.5, 0.5004, rng.random(), 0.9999]) for _ in range(300)]
+    ps = ProgressiveScores()
+    for label, p in zip(y, s, strict=True):
+        ps.add(p, label)
+    bins = [min(int(p * ps.BINS), ps.BINS - 1) for p in s]
+    assert ps.auc() == pytest.approx(brute_auc(y, bins))
+    assert ps.summary() == {"labels": 300, "auc": pytest.approx(brute_auc(y, bins)),
+                            "continue_rate": sum(y) / 300}
+    one = ProgressiveScores()
+    one.add(0.3, 1)
+    assert one.summary() == {"labels": 1, "auc": None, "continue_rate": 1.0}
+
+
+def test_the_predictor_scores_each_label_before_learning_it():
+    """From its ``min_labels``-th label on, each label is scored by the predictor as it was
+    just before (a correction of an earlier label is not scored again)."""
+    p = ReturnPredictor(min_labels=20)
+    data = synthetic(200, 4)
+    want_p, want_y = [], []
+    for i, (kw, label) in enumerate(data):
+        f = p.features(**kw)
+        if i >= 20:
+            want_p.append(p.predict(f))
+            want_y.append(label)
+        p.observe(f, label)
+    p.observe(p.features(**data[0][0]), 1, correction=True)
+    assert p.scores.labels == len(data) - 20 and p.seen == len(data) + 1
+    bins = [min(int(x * p.scores.BINS), p.scores.BINS - 1) for x in want_p]
+    assert p.scores.auc() == pytest.approx(auc(want_y, bins))
+    assert p.scores.auc() > 0.9  # the content token tells the ends
+
+
 def test_state_round_trips_and_damage_is_refused():
     p = ReturnPredictor(dims=64)
     for kw, label in synthetic(50, 3):
@@ -90,8 +133,8 @@ def test_labels_come_in_save_order_once_older_than_every_think_time():
          for k in range(1, 6)}
     labels: list[tuple[int, int]] = []
     real = model.predictor.observe
-    model.predictor.observe = lambda feats, label, prior=None: (
-        labels.append((int(feats.index[2]), label)), real(feats, label, prior))
+    model.predictor.observe = lambda feats, label, prior=None, **kw: (
+        labels.append((int(feats.index[2]), label)), real(feats, label, prior, **kw))
     tr.saved("a", 0.0, 1, features=f[1])
     tr.saved("b", 1.0, 1, features=f[2])
     tr.saved("c", 2.0, 1, features=f[3])
@@ -161,6 +204,10 @@ def test_store_learns_from_its_puts_and_keeps_the_predictor(open_small, tmp_path
         put_causal(s, mine)
     pr = s.policy.predictor
     assert pr.seen > 20  # labels came in as contexts got older than every think time
+    ev = s.stats()["evictions"]
+    assert ev["policy"] == "learned"
+    assert ev["return_prediction"]["trained_labels"] == pr.seen
+    assert ev["return_prediction"]["labels"] == pr.scores.labels > 0
     state = pr.to_bytes()
     path = s.path
     s.close()
@@ -169,6 +216,7 @@ def test_store_learns_from_its_puts_and_keeps_the_predictor(open_small, tmp_path
         assert again.problems == []
     with kvstore.open(path, policy="lru") as other:  # another policy leaves it alone
         assert other.problems == []
+        assert other.stats()["evictions"]["return_prediction"] is None
         # a damaged state is a problem, and the policy starts afresh
         with other._core.catalog.write() as txn:
             txn.put_meta("return_predictor", "bm90IGEgcHJlZGljdG9y")
