@@ -24,7 +24,7 @@ ranked below every victim it would need is refused (``admission``; an admitted s
 DRAM only if that evicts nothing ranked above it), and victims that still fit after the save are put
 back (``size_aware``). A time-varying policy (``reuse``) gets the wall clock and every
 context's turns and save time, learns from each return
-(:class:`~kvstore.eviction.policies.ReturnModel`)
+(:class:`~kvstore.eviction.returns.ReturnModel`)
 and has its priorities refreshed whenever the clock moved on by a twentieth of the mean think
 time seen, before a save that must evict. Every save, read and drop goes to ``log`` (a
 :class:`~engine.replay.offline.RequestLog`) when one is given: the offline bound's input.
@@ -45,16 +45,15 @@ from dataclasses import dataclass, field
 from engine.replay.offline import RequestLog
 from kvstore.eviction.jobs import Windows
 from kvstore.eviction.policies import (
-    MAX_PENDING_LABELS,
     AccessStats,
     EvictionPolicy,
     Priority,
     PriorityHeap,
     Queued,
-    ReturnTracker,
     make_policy,
 )
 from kvstore.eviction.return_predictor import TurnFeatures
+from kvstore.eviction.returns import MAX_PENDING_LABELS, ReturnTracker
 from kvstore.residency.victims import choose_victims
 
 _RUNNING = Queued(position=-1, in_window=True)

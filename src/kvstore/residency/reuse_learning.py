@@ -25,15 +25,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore.eviction.policies import (
-    MAX_PENDING_LABELS,
-    AccessStats,
-    LearnedReturn,
-    Queued,
-    ReturnTracker,
-    ReuseProbability,
-)
+from kvstore.eviction.policies import AccessStats, LearnedReturn, Queued, ReuseProbability
 from kvstore.eviction.return_predictor import CONTENT_TOKENS, TurnFeatures
+from kvstore.eviction.returns import MAX_PENDING_LABELS, ReturnTracker
 from kvstore.format.hashing import chunk_hash
 from kvstore.format.records import ContextRecord
 from kvstore.view.prefix_tree import ContextTree

@@ -10,14 +10,8 @@ import pytest
 
 from engine.replay.costs import PRESETS
 from engine.replay.simstore import SimStore
-from kvstore.eviction.policies import (
-    LRU,
-    AccessStats,
-    Queued,
-    ReturnModel,
-    ReturnTracker,
-    ReuseProbability,
-)
+from kvstore.eviction.policies import LRU, AccessStats, Queued, ReuseProbability
+from kvstore.eviction.returns import ReturnModel, ReturnTracker
 
 
 def test_survival_matches_a_known_distribution():

@@ -10,13 +10,14 @@ import pytest
 
 import kvstore
 from engine.replay.simstore import SimStore
-from kvstore.eviction.policies import LearnedReturn, ReturnModel, ReturnTracker
+from kvstore.eviction.policies import LearnedReturn
 from kvstore.eviction.return_predictor import (
     ProgressiveScores,
     ReturnPredictor,
     auc,
     turn_features,
 )
+from kvstore.eviction.returns import ReturnModel, ReturnTracker
 from tests.support.clock import Clock
 from tests.support.kvgen import put_causal
 

@@ -6,7 +6,8 @@ shows the rule matters."""
 
 import pytest
 
-from kvstore.eviction.policies import AccessStats, ReturnModel, ReuseProbability
+from kvstore.eviction.policies import AccessStats, ReuseProbability
+from kvstore.eviction.returns import ReturnModel
 from tests.support.clock import Clock
 from tests.support.kvgen import causal_kv, put_causal
 

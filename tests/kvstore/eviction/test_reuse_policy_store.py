@@ -6,7 +6,7 @@ the same sequence by hand (the oracle), then with hand-computed eviction numbers
 import numpy as np
 import pytest
 
-from kvstore.eviction.policies import ReturnModel
+from kvstore.eviction.returns import ReturnModel
 from tests.support.clock import Clock
 from tests.support.kvgen import causal_kv, put_causal
 
