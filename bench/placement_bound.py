@@ -24,15 +24,35 @@ from engine.replay.metrics import rows, summarize
 from engine.replay.offline import RequestLog, dual_bound, intervals_from_log
 from engine.replay.run import default_cache_dir
 from engine.replay.server import Method, serve
+from engine.replay.simstore import SimStore
 from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import Trace, WorkloadConfig, build_trace
+from kvstore.eviction.policies import ReuseProbability
+
+
+class StoreEverything(ReuseProbability):
+    """``reuse``'s ranking without its admission: every save is written, evicting what it
+    must (the baseline that admission's bytes written are measured against)."""
+
+    name = "reuse-store-all"
+
+    def admits_now(self) -> bool:
+        return False
 
 
 def run_point(trace, method: Method | str, cost, *, bound: bool = True) -> dict[str, object]:
-    """One replay; ``method`` a :class:`Method` or ``oracle:<whether|when|both>`` (the reuse
-    policy told part of the future: bench/placement_oracle.py)."""
+    """One replay; ``method`` a :class:`Method`, ``oracle:<whether|when|both>`` (the reuse
+    policy told part of the future: bench/placement_oracle.py) or ``store-all`` (the reuse
+    policy without admission: :class:`StoreEverything`)."""
     log = RequestLog()
-    if isinstance(method, str):
+    if method == "store-all":
+        ex = SimulatedExecutor(Method("as", "reuse"), cost, log=log)
+        ex.store = SimStore(dram_bytes=cost.dram_bytes, disk_bytes=cost.disk_bytes,
+                            token_bytes=cost.token_bytes, policy=StoreEverything(),
+                            disk_bandwidth=cost.disk_to_dram_bps, log=log)
+        method = ex.method
+        label = "AS-reuse-store-all"
+    elif isinstance(method, str):
         ex = OracleExecutor(cost, method.split(":", 1)[1], log=log)
         ex.oracle.rates = trace_rates(trace)
         method = ex.method
@@ -86,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=None)
     p.add_argument("--methods", default="scheduler,reuse,belady",
                    help="comma-separated: methods (scheduler, reuse, belady, as:lru, ...) or "
-                        "oracle:whether / oracle:when / oracle:both (diagnosis only)")
+                        "oracle:whether / oracle:when / oracle:both (diagnosis only), "
+                        "store-all (reuse without admission)")
     p.add_argument("--ttft", action="store_true",
                    help="also RE, AS load-all and AS split (at the first disk capacity)")
     p.add_argument("--no-bound", action="store_true",
@@ -102,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     for disk in disks:
         cost = base.with_capacity(dram_bytes=dram, disk_bytes=disk)
         for m in args.methods.split(","):
-            r = run_point(trace, m if m.startswith("oracle:") else Method.parse(m), cost,
+            r = run_point(trace, m if m.startswith("oracle:") or m == "store-all"
+                          else Method.parse(m), cost,
                           bound=not args.no_bound)
             points.append(r)
             st = r["store"] or {}
