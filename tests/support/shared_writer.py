@@ -12,6 +12,7 @@ A store that finds itself tampered with (:class:`kvstore.StoreTampered`) stops i
 :class:`Writer` starts one such process and follows what it prints (the tests' side).
 """
 
+import faulthandler
 import json
 import queue
 import random
@@ -63,8 +64,10 @@ class Writer:
             self.lines.put(line)
         self.lines.put(None)
 
-    def acks_after(self, n, timeout=60.0):
-        """Wait until this writer has acknowledged more than ``n`` puts."""
+    def acks_after(self, n, timeout=180.0):
+        """Wait until this writer has acknowledged more than ``n`` puts (a liveness check, not
+        a time bound: on a loaded 2-core machine a writer once acknowledged nothing for over a
+        minute, then went on; :meth:`report` shows where a writer that does not is)."""
         deadline = time.monotonic() + timeout
         while len(self.acked) <= n:
             if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -80,6 +83,16 @@ class Writer:
         self.proc.wait(30)
         self._reader.join(30)
 
+    def report(self) -> str:
+        """For a failure message: the writer's stacks as it is now (it dumps them on
+        SIGUSR1), then its standard error to the end, once it is killed (reading the error
+        of a live writer would wait for ever). The writer is gone afterwards."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)  # the dump is written by the writer's own signal handler
+            self.kill()
+        return f"last lines: {list(self.lines.queue)[-5:]}\n{self.proc.stderr.read()[-6000:]}"
+
     def stop(self):
         self.proc.stdin.close()
         self.proc.wait(60)
@@ -88,6 +101,7 @@ class Writer:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # Writer.report
     path = sys.argv[1]
     seed, slots, max_tokens = (int(x) for x in sys.argv[2:5])
     try:

@@ -39,7 +39,8 @@ def test_sigkill_one_of_three_writers(tmp_path, mode):
     dead: list[Writer] = []
     for _ in range(KILLS):
         # a replacement may still be starting; kill among the writers that are running
-        assert live[0].ready.wait(120) and live[1].ready.wait(120), live[0].proc.stderr.read()
+        assert live[0].ready.wait(120) and live[1].ready.wait(120), \
+            live[0].report() + live[1].report()
         running = [w for w in live if w.ready.is_set()]
         marks = {w.seed: len(w.acked) for w in running}
         time.sleep(rng.uniform(0.05, 0.4))
@@ -50,7 +51,7 @@ def test_sigkill_one_of_three_writers(tmp_path, mode):
         # the survivors keep working: each acknowledges new puts after the kill
         for w in running:
             assert w.acks_after(max(marks[w.seed], len(w.acked))), \
-                f"writer {w.seed} stopped after a kill: {w.proc.stderr.read()}"
+                f"writer {w.seed} stopped after a kill: {w.report()}"
         live.append(Writer(path, next(seeds), slots, max_tokens))
     for w in live:
         assert w.ready.wait(120)

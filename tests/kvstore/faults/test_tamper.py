@@ -31,7 +31,7 @@ def _goes_on(writers, more=40):
     for w in writers:
         mark = len(w.acked)
         assert w.acks_after(mark + more), \
-            f"writer {w.seed} stopped: {w.ended} {w.proc.stderr.read()[-2000:]}"
+            f"writer {w.seed} stopped: {w.ended} {w.report()}"
         assert w.ended is None
 
 
@@ -76,7 +76,7 @@ def test_bookkeeping_files_deleted_or_replaced_under_two_writers(tmp_path):
     others = []
     try:
         for w in writers:
-            assert w.ready.wait(120), w.proc.stderr.read()
+            assert w.ready.wait(120), w.report()
         _goes_on(writers, 10)
         procs = path / "procs"
         # every owner file of the live writers: their reservations must not be taken as dead
@@ -126,7 +126,7 @@ def test_a_segment_file_renamed_under_two_writers(tmp_path):
     writers = [Writer(path, seed, SLOTS, MAX_TOKENS) for seed in (1, 2)]
     try:
         for w in writers:
-            assert w.ready.wait(120), w.proc.stderr.read()
+            assert w.ready.wait(120), w.report()
         # a process that joined before, and has not read the segment yet (it opens it by name)
         s = kvstore.open(path)
         _goes_on(writers, 20)
@@ -136,7 +136,7 @@ def test_a_segment_file_renamed_under_two_writers(tmp_path):
             w.proc.wait(60)
             w._reader.join(30)
             assert w.ended is not None and w.ended.startswith("stopped "), \
-                (w.ended, w.proc.stderr.read()[-2000:])
+                (w.ended, w.report())
             assert "seg-000000.kv" in w.ended
             # at most the puts already committing, and acks still in the pipe when the mark
             # was taken (the reader thread lags the writer): not a stream of puts into the file
