@@ -24,7 +24,6 @@ from engine.replay.metrics import rows, summarize
 from engine.replay.offline import RequestLog, dual_bound, intervals_from_log
 from engine.replay.run import default_cache_dir
 from engine.replay.server import Method, serve
-from engine.replay.simstore import SimStore
 from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import Trace, WorkloadConfig, build_trace
 from kvstore.eviction.policies import ReuseProbability
@@ -46,10 +45,7 @@ def run_point(trace, method: Method | str, cost, *, bound: bool = True) -> dict[
     policy without admission: :class:`StoreEverything`)."""
     log = RequestLog()
     if method == "store-all":
-        ex = SimulatedExecutor(Method("as", "reuse"), cost, log=log)
-        ex.store = SimStore(dram_bytes=cost.dram_bytes, disk_bytes=cost.disk_bytes,
-                            token_bytes=cost.token_bytes, policy=StoreEverything(),
-                            disk_bandwidth=cost.disk_to_dram_bps, log=log)
+        ex = SimulatedExecutor(Method("as", "reuse"), cost, log=log, policy=StoreEverything())
         method = ex.method
         label = "AS-reuse-store-all"
     elif isinstance(method, str):
@@ -95,15 +91,21 @@ def sharegpt_trace(args: argparse.Namespace, base) -> Trace:
     return build_trace(table, wl, context_window=base.context_window)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """The arguments :func:`sharegpt_trace` reads, and the preset and DRAM the trace runs on."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-13b")
     p.add_argument("--dram", default="1GB")
-    p.add_argument("--disks", default="0.1TB,0.25TB,0.5TB,1TB,2TB,4TB")
     p.add_argument("--rate", type=float, default=1.0)
     p.add_argument("--think", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=None)
+    p.add_argument("--cache-dir", default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_trace_args(p)
+    p.add_argument("--disks", default="0.1TB,0.25TB,0.5TB,1TB,2TB,4TB")
     p.add_argument("--methods", default="scheduler,reuse,belady",
                    help="comma-separated: methods (scheduler, reuse, belady, as:lru, ...) or "
                         "oracle:whether / oracle:when / oracle:both (diagnosis only), "
@@ -112,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="also RE, AS load-all and AS split (at the first disk capacity)")
     p.add_argument("--no-bound", action="store_true",
                    help="skip the offline bound (faster, for iterating)")
-    p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default="bench/results/placement_bound.json")
     args = p.parse_args(argv)
     base = preset(args.preset)

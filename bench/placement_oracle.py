@@ -24,7 +24,6 @@ import numpy as np
 
 from engine.replay.offline import RequestLog
 from engine.replay.server import Job, Method
-from engine.replay.simstore import SimStore
 from engine.replay.simulated import SimulatedExecutor
 from kvstore.eviction.policies import AccessStats, ReuseProbability
 
@@ -103,11 +102,8 @@ class OracleExecutor(SimulatedExecutor):
     future from the trace."""
 
     def __init__(self, cost, know: str, *, log: RequestLog | None = None) -> None:
-        super().__init__(Method("as", "reuse"), cost, log=log)
         self.oracle = OracleReuse(know)
-        self.store = SimStore(dram_bytes=cost.dram_bytes, disk_bytes=cost.disk_bytes,
-                              token_bytes=cost.token_bytes, policy=self.oracle,
-                              disk_bandwidth=cost.disk_to_dram_bps, log=log)
+        super().__init__(Method("as", "reuse"), cost, log=log, policy=self.oracle)
 
     def finish(self, job: Job, next_arrival: float | None) -> None:
         would = job.finish_s + job.conv.turns[job.turn].think_s

@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from bench.placement_bound import sharegpt_trace
-from engine.replay.costs import PRESETS, parse_bytes, preset
+from bench.placement_bound import add_trace_args, sharegpt_trace
+from engine.replay.costs import parse_bytes, preset
 from engine.replay.server import Method, serve
 from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import with_tool_calls
@@ -56,17 +56,11 @@ def run(trace, method: Method, cost, *, hints: bool) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-13b")
-    p.add_argument("--dram", default="1GB")
+    add_trace_args(p)
     p.add_argument("--disk", default="0.1TB")
-    p.add_argument("--rate", type=float, default=1.0)
-    p.add_argument("--think", type=float, default=60.0)
     p.add_argument("--agents", type=float, default=0.3, help="share of agent conversations")
     p.add_argument("--pause", type=float, default=40.0, help="mean tool-call pause (s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--conversations", type=int, default=None)
     p.add_argument("--methods", default="scheduler,reuse,learned")
-    p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default="bench/results/retention_hints.json")
     args = p.parse_args(argv)
     base = preset(args.preset)

@@ -10,7 +10,7 @@ from engine.replay.costs import CostModel
 from engine.replay.offline import RequestLog
 from engine.replay.server import Job, Method
 from engine.replay.simstore import SimStore
-from kvstore.eviction.policies import LearnedReturn, make_policy
+from kvstore.eviction.policies import EvictionPolicy, LearnedReturn, make_policy
 from kvstore.eviction.return_predictor import TurnFeatures, auc
 
 
@@ -56,16 +56,17 @@ def place_load(cost: CostModel, job: Job, tier: str, stored: int, begin: float, 
 
 
 class SimulatedExecutor(CostLimits):
-    """Thread-safety: none (the server's one thread)."""
+    """``policy``: the store's eviction policy object (default: the one ``method`` names).
+    Thread-safety: none (the server's one thread)."""
 
     def __init__(self, method: Method, cost: CostModel, *, log: RequestLog | None = None,
-                 hints: bool = True) -> None:
+                 hints: bool = True, policy: EvictionPolicy | None = None) -> None:
         self.method = method
         self.hints = hints  # the turns' retention hints (TurnSpec.ttl_s) reach the store
         self.cost = cost
         self.store: SimStore | None = None
         if method.caches:
-            policy = make_policy(method.policy)
+            policy = policy if policy is not None else make_policy(method.policy)
             self.store = SimStore(dram_bytes=cost.dram_bytes, disk_bytes=cost.disk_bytes,
                                   token_bytes=cost.token_bytes, policy=policy,
                                   disk_bandwidth=cost.disk_to_dram_bps, log=log)
