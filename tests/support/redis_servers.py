@@ -56,8 +56,10 @@ class Server:
     """One redis-server process (started by the constructor, stopped by :meth:`stop`)."""
 
     def __init__(self, workdir: Path, *, password: str | None = None, cluster: bool = False,
-                 maxmemory: str | None = None, port: int | None = None) -> None:
+                 maxmemory: str | None = None, port: int | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.server_bin, self.cli_bin = binaries()
+        self.host = host  # another address: e.g. a network namespace's (tests/support/netns.py)
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port(cluster=cluster)
@@ -70,10 +72,10 @@ class Server:
     @property
     def url(self) -> str:
         cred = f":{self.password}@" if self.password else ""
-        return f"redis://{cred}127.0.0.1:{self.port}/0"
+        return f"redis://{cred}{self.host}:{self.port}/0"
 
     def args(self) -> list[str]:
-        a = [self.server_bin, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        a = [self.server_bin, "--port", str(self.port), "--bind", self.host, "--save", "",
              "--appendonly", "no", "--dir", str(self.dir), "--daemonize", "no",
              "--protected-mode", "no", "--logfile", str(self.dir / "redis.log")]
         if self.password:
@@ -91,7 +93,7 @@ class Server:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.create_connection((self.host, self.port), timeout=0.2):
                     return
             except OSError:
                 if self.proc.poll() is not None:
@@ -101,7 +103,7 @@ class Server:
         raise RuntimeError("redis-server did not start")
 
     def cli(self, *args: str) -> str:
-        a = [self.cli_bin, "-h", "127.0.0.1", "-p", str(self.port)]
+        a = [self.cli_bin, "-h", self.host, "-p", str(self.port)]
         if self.password:
             a += ["-a", self.password, "--no-auth-warning"]
         return subprocess.run(a + list(args), capture_output=True, text=True, check=True,

@@ -39,8 +39,9 @@ def binary() -> str:
 class Weed:
     """One ``weed server`` with its S3 gateway (started by the constructor)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, host: str = "127.0.0.1") -> None:
         self.dir = Path(workdir)
+        self.host = host  # another address: e.g. a network namespace's (tests/support/netns.py)
         (self.dir / "data").mkdir(parents=True, exist_ok=True)
         conf = self.dir / "s3.json"
         conf.write_text(json.dumps({"identities": [{
@@ -50,8 +51,8 @@ class Weed:
         self.s3_port = free_port(cluster=True)  # weed also listens on port + 10000 (gRPC)
         ports = {"master.port": free_port(cluster=True), "volume.port": free_port(cluster=True),
                  "filer.port": free_port(cluster=True)}
-        args = [binary(), "server", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1", "-s3", f"-s3.port={self.s3_port}",
+        args = [binary(), "server", f"-dir={self.dir / 'data'}", f"-ip={host}",
+                f"-ip.bind={host}", "-s3", f"-s3.port={self.s3_port}",
                 f"-s3.config={conf}", "-volume.max=32", "-master.volumeSizeLimitMB=64",
                 # no listener on a fixed port (several servers run at once), no telemetry
                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false",
@@ -69,7 +70,7 @@ class Weed:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return f"http://{self.host}:{self.s3_port}"
 
     def url(self, bucket: str, prefix: str = "kv", **params: str) -> str:
         q = "&".join(f"{k}={v}" for k, v in {"endpoint": self.endpoint, **params}.items())
@@ -83,7 +84,7 @@ class Weed:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed exited: {self.log_text()[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.s3_port), timeout=1) as s:
+                with socket.create_connection((self.host, self.s3_port), timeout=1) as s:
                     s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
                     s.settimeout(2)
                     status = s.recv(64).split(b" ")
@@ -101,7 +102,7 @@ class Weed:
         longer than a store's deadline (a store would count its first writes as failed)."""
         from kvstore.tiers.objects.s3 import Credentials, Endpoint, S3Client
 
-        client = S3Client(endpoint=Endpoint(tls=False, host="127.0.0.1", port=self.s3_port),
+        client = S3Client(endpoint=Endpoint(tls=False, host=self.host, port=self.s3_port),
                           bucket=bucket, region="us-east-1",
                           creds=Credentials(access_key=ACCESS_KEY, secret_key=SECRET_KEY),
                           timeout_s=START_S)
