@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 from kvstore.config import StoreConfig  # noqa: E402
+from kvstore.events.config import EventsConfig  # noqa: E402
 from kvstore.eviction.jobs import Job  # noqa: E402
 from kvstore.format.disk_throttle import ReadThrottle  # noqa: E402
 from kvstore.format.records import PinRecord  # noqa: E402
@@ -57,6 +58,6 @@ from kvstore.tiers.remote import RemoteAuthError, RemoteConfig, RemoteSetupError
 open = open_store  # noqa: A001  (kvstore.open(path, ...) mirrors lmdb.open / sqlite3.connect)
 
 __all__ += ["ObjectsAuthError", "ObjectsConfig", "ObjectsSetupError", "sweep_objects",
-            "RemoteAuthError", "RemoteConfig", "RemoteSetupError", "Job", "LayerLoad",
-            "Pages", "ReadThrottle", "SaveHandle", "Store", "PinRecord", "ContextInfo",
+            "RemoteAuthError", "RemoteConfig", "RemoteSetupError", "EventsConfig", "Job",
+            "LayerLoad", "Pages", "ReadThrottle", "SaveHandle", "Store", "PinRecord", "ContextInfo",
             "StoreConfig", "open", "open_store"]

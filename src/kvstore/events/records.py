@@ -16,7 +16,8 @@ there, then :data:`END_SEQ` with an empty payload.
 
 ``medium`` names where the blocks are. vLLM publishes ``"GPU"`` for its own KV cache and
 ``"CPU"`` / ``"STORAGE"`` for its native offloading tiers; the store names its tiers with
-:data:`TIER_MEDIA` (configurable, :class:`kvstore.events.config.EventsConfig`). Block hashes
+:data:`~kvstore.events.media.TIER_MEDIA` (configurable:
+:class:`kvstore.events.config.EventsConfig`). Block hashes
 are ``bytes`` or, as vLLM sends them by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``),
 the hash's last 8 bytes as a big-endian unsigned int (:func:`external_hash`).
 
@@ -30,14 +31,16 @@ from typing import Any
 
 import msgspec
 
-MEDIUM_GPU = "GPU"  # vLLM's own KV cache (never published by the store)
-MEDIUM_CPU = "CPU"  # vLLM's name for host memory; the store's DRAM tier
-MEDIUM_STORAGE = "STORAGE"  # vLLM's name for its storage offloading tier; the store's disk
-MEDIUM_REDIS = "REDIS"  # the store's remote tier (Redis / Redis Cluster), shared by machines
-MEDIUM_S3 = "S3"  # the store's object tier (S3-compatible), shared by machines
-TIER_MEDIA = {"dram": MEDIUM_CPU, "disk": MEDIUM_STORAGE, "remote": MEDIUM_REDIS,
-              "objects": MEDIUM_S3}  # the store's tiers -> the medium their events name
-LOCAL, REMOTE = "LOCAL", "REMOTE"  # BlockStored/BlockRemoved.locality, relative to the publisher
+from kvstore.events.media import (
+    LOCAL,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_REDIS,
+    MEDIUM_S3,
+    MEDIUM_STORAGE,
+    REMOTE,
+    TIER_MEDIA,
+)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame's sequence number
 

@@ -28,6 +28,7 @@ import numpy as np
 from kvstore.codecs import layer_codec
 from kvstore.config import StoreConfig
 from kvstore.errors import KVStoreError, StoreClosed, StoreForked, StoreTampered
+from kvstore.events.hooks import TierHooks
 from kvstore.eviction.policies import Queued
 from kvstore.format.catalog import Catalog, WriteTxn
 from kvstore.format.directory import Dir
@@ -440,6 +441,25 @@ class Core:
             self.mirror.catch_up()
             return [ContextRecord(c.key, c.n_tokens, c.created, c.last_access, c.chunks)
                     for c in self.tree.contexts.values()]
+
+    @property
+    def hooks(self) -> TierHooks:
+        """Where the tiers report changes for KV events (:mod:`kvstore.events.hooks`)."""
+        return self.dram.hooks
+
+    def dram_ready(self) -> dict[bytes, int]:
+        """This process's servable DRAM copies now: {chunk key: generation} of those whose
+        chunk is stored at that generation. Any thread."""
+        with self.mutex:
+            chunks = self.tree.chunks
+            return {k: g for k, g in self.dram.ready().items()
+                    if (r := chunks.get(k)) is not None and r.gen == g
+                    and k not in self.tree.corrupt}
+
+    def chunk_record(self, key: bytes) -> ChunkRecord | None:
+        """The record of stored chunk ``key`` in this process's view, or None. Any thread."""
+        with self.mutex:
+            return self.tree.chunks.get(key)
 
     def chunk_records(self) -> list[ChunkRecord]:
         """A snapshot of the chunk records. Any thread."""

@@ -108,6 +108,7 @@ class Plans:
         """A put's plan (None: nothing to write; BYPASSED: admission refused it); the index
         directories of contexts it evicted go to ``remove`` once its transaction committed.
         A :class:`PutPlan` must be given to :meth:`end` however the put ends."""
+        self.core.hooks.namespace(namespace)  # its name, for the KV events of what it stores
         return self._plan(toks, namespace, base, learn, remove)
 
     def end(self, plan: PutPlan) -> None:

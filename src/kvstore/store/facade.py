@@ -100,6 +100,7 @@ class Store:
             capacity_bytes=core.config.write_buffer_bytes,
             write=self._write_saved, release=self._release_held, helpers=core.helpers)
         self._shared = SharedTiers()  # below DRAM and disk: Redis, an object store
+        self._events = None  # its own publisher of KV events (kvstore.open(events=...))
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -678,8 +679,11 @@ class Store:
         """Bytes and chunk counts per tier, hits/misses, evictions, sharing (this process's
         counters; the disk tier as committed by every process). Thread-safe."""
         core = self._core
-        return core.stats(tiers=self._loads.tiers(), hints=self._hints, saver=self._saver,
-                          shared=self._shared.stats(), exclusive=self._lock.exclusive)
+        out = core.stats(tiers=self._loads.tiers(), hints=self._hints, saver=self._saver,
+                         shared=self._shared.stats(), exclusive=self._lock.exclusive)
+        if self._events is not None:
+            out["events"] = self._events.stats()
+        return out
 
     def contexts(self) -> list[ContextRecord]:
         """Snapshot of the stored contexts (copies). Thread-safe."""
@@ -688,6 +692,41 @@ class Store:
     def chunk_records(self) -> list[ChunkRecord]:
         """Snapshot of the chunk records. Thread-safe."""
         return self._core.chunk_records()
+
+    # ------------------------------------------------------------------ KV events
+    def attach_event_source(self, *, hasher, block_size: int, extra_keys_of=None, media=None,
+                            max_queue_size: int = 100_000, wake=None):
+        """A source of this store's KV events in vLLM's format
+        (:class:`kvstore.events.source.EventSource`: ``drain()`` returns the events of what
+        every tier it reports gained or lost since the last drain, the first one what the
+        store holds), its blocks hashed by ``hasher`` in blocks of ``block_size`` (see
+        :func:`kvstore.store.kv_events.attach_source`; ``extra_keys_of``: default, a namespace
+        hashed as vLLM hashes a ``cache_salt``). For an engine that publishes the events
+        itself (vLLM's connector). Thread-safe; the reports never wait."""
+        from kvstore.events.hashing import namespace_extra_keys
+        from kvstore.store.kv_events import attach_source
+
+        self._core.check_open()
+        return attach_source(self._core, hasher=hasher, block_size=block_size,
+                             extra_keys_of=extra_keys_of or namespace_extra_keys, media=media,
+                             max_queue_size=max_queue_size, wake=wake)
+
+    def detach_event_source(self, source) -> None:
+        """Stop feeding ``source`` (from :meth:`attach_event_source`). Thread-safe."""
+        self._core.hooks.detach(source)
+
+    def _publish_events(self, cfg) -> None:
+        """Called by :func:`kvstore.open` with ``events=``: start the store's own publisher
+        (:func:`kvstore.store.kv_events.start_publisher`)."""
+        from kvstore.store.kv_events import start_publisher
+
+        self._events = start_publisher(self._core, cfg)
+
+    @property
+    def events(self):
+        """The store's own publisher of KV events (:class:`kvstore.events.publisher.
+        ZmqPublisher`), or None."""
+        return self._events
 
     def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
         """Make this process's disk tier slow, for tests and benchmarks: every segment read
@@ -728,6 +767,8 @@ class Store:
         for load in self._loads.running():
             load.close()
         self._writer.wait_idle()  # puts writing without the lock
+        if self._events is not None:  # what was reported goes out, then the publisher stops
+            self._events.close()
         if not core.mark_closed():
             return
         try:

@@ -22,6 +22,7 @@ from dataclasses import replace
 from kvstore.codecs import layer_codec
 from kvstore.config import StoreConfig
 from kvstore.errors import CorruptData, FormatError, LayoutMismatch, StoreTampered
+from kvstore.events.config import EventsConfig
 from kvstore.eviction.policies import make_policy
 from kvstore.format.catalog import CATALOG, DATA_FILE, FORMAT_VERSION, Catalog
 from kvstore.format.directory import Dir, UnsafePath
@@ -81,7 +82,8 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
                remote: str | list[str] | tuple[str, ...] | RemoteConfig | None = None,
                objects: str | ObjectsConfig | None = None,
                pin_namespace_fraction: float | None = None,
-               pin_total_fraction: float | None = None) -> Store:
+               pin_total_fraction: float | None = None,
+               events: EventsConfig | str | None = None) -> Store:
     """Open (or create) the store directory ``path``.
 
     On creation ``layout`` is required; omitted sizes get the defaults (dram 1 GiB, disk 16 GiB,
@@ -125,6 +127,12 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
     share of the disk tier that one namespace's pinned contexts, and every namespace's
     together, may take (:meth:`Store.pin`; a pin beyond them raises :class:`PinRefused`).
     Persisted like the sizes, replaceable on reopen.
+
+    ``events``: the store publishes KV events in vLLM's format itself (a
+    :class:`kvstore.EventsConfig`, or its ZMQ endpoint such as ``"tcp://*:5557"``): what each
+    tier gains and loses, by every process of the directory (docs/store.md, "KV events"). One
+    process per directory publishes (:class:`StoreLocked` for a second); needs the ``events``
+    extra (msgspec, pyzmq).
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -143,6 +151,7 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if readonly and exclusive:
         raise ValueError("readonly and exclusive cannot both be set")
+    events_cfg = None if events is None else EventsConfig.of(events)
     remote_cfg = None if remote is None else RemoteConfig.of(remote)
     objects_cfg = None if objects is None else ObjectsConfig.of(objects)
     if readonly and not os.path.isdir(os.path.join(path, CATALOG)):
@@ -191,6 +200,12 @@ def open_store(path: str | os.PathLike[str], *, layout: KVLayout | None = None,
                 tier.close()
                 raise
             store._attach_shared(tier, name)
+        except BaseException:
+            store.close()
+            raise
+    if events_cfg is not None:
+        try:
+            store._publish_events(events_cfg)
         except BaseException:
             store.close()
             raise

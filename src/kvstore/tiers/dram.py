@@ -10,6 +10,9 @@ another process evicted and stored again is never served. Eviction order comes f
 (pending) or read without the store lock (pinned) is neither visible nor evictable; one
 discarded while pinned gives its slot back when the last pin goes.
 
+``hooks`` (:class:`~kvstore.events.hooks.TierHooks`, the store's ``Core.hooks``) hears of
+every copy that becomes servable and every servable copy that leaves, for the KV events.
+
 Thread-safety: none; the store calls it with its metadata lock held. The bytes of a pinned
 entry may be read without the lock.
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.events.hooks import TierHooks
 from kvstore.eviction.policies import AccessStats, EvictionPolicy, Priority, PriorityHeap, Queued
 from kvstore.tiers.disk import PAGE, align_up
 from kvstore.tiers.pinned import pin_host
@@ -59,6 +63,7 @@ class DramTier:
         self.pinned: bool | None = None  # page-locked for CUDA copies (None: not asked yet)
         self.pin_failure: str | None = None
         self._unpin: Callable[[], object] | None = None
+        self.hooks = TierHooks()  # the store's (Core.hooks): servable copies, for KV events
 
     def pin_for_cuda(self) -> bool:
         """Page-lock the slab for copies to a GPU (:mod:`kvstore.tiers.pinned`), the first
@@ -184,6 +189,7 @@ class DramTier:
             e.pending = False
             if gen is not None:
                 e.gen = gen
+            self.hooks.dram_visible(e.key, e.gen)
         else:
             self.discard_entry(e)
         self.unpin(e)
@@ -199,6 +205,8 @@ class DramTier:
             self.discard(e.key)
 
     def _drop(self, e: Entry) -> None:
+        if not e.pending:
+            self.hooks.dram_dropped(e.key)
         e.live = False
         self._heap.remove(e.key)
         self._bytes -= e.nbytes
@@ -210,3 +218,7 @@ class DramTier:
 
     def keys(self) -> list[bytes]:
         return list(self._entries)
+
+    def ready(self) -> dict[bytes, int]:
+        """The generation of every servable (ready) copy, by chunk key."""
+        return {k: e.gen for k, e in self._entries.items() if not e.pending}
