@@ -181,6 +181,8 @@ class RemoteLink:
         self._fill = fill
         self.last_fill_error = ""
         self._prefetch_get = prefetch_get
+        if hasattr(tier, "on_swept"):  # an object tier: what its sweep deletes, for KV events
+            tier.on_swept = self._swept
         self._lock = threading.Lock()
         self.counters = LinkCounters()
         self.prefill_rate: float | None = None
@@ -550,12 +552,14 @@ class RemoteLink:
             there = tier.exists(keys)
         send: list[tuple[bytes, bytes]] = []
         kids: list[tuple[bytes, bytes, np.ndarray]] = []
+        recs: list[ChunkRecord] = []  # of what is sent, for the KV events
         c = self.core.config.chunk_tokens
         for k, e in zip(keys, there, strict=True):
             if e is None:
                 tier.count("write_failed")
             elif e:
                 tier.count("already_present")
+                self._announce(k)
             else:
                 got = self._read_chunk(k)
                 if got is None:  # evicted or superseded locally before it could be sent
@@ -565,12 +569,24 @@ class RemoteLink:
                 if rec.n_tokens < c:  # findable by a longer prompt through its parent
                     kids.append((rec.parent, rec.key, rec.tokens))
                 send.append((k, self._value(k, rec, ext)))
+                recs.append(rec)
         if send:
             with tier.deadline():
                 sent = tier.put(send, kids)
-            for ok in sent:
+            for rec, ok in zip(recs, sent, strict=True):
                 tier.count("written_chunks" if ok else "already_present" if ok is False
                             else "write_failed")
+                if ok is not None:  # written, or another store's write of it was there
+                    self.core.hooks.shared_stored(self.name, rec)
+
+    def _announce(self, key: bytes) -> None:
+        """For the KV events: the tier holds chunk ``key`` (found there by write-through)."""
+        if self.core.hooks and (rec := self.core.chunk_record(key)) is not None:
+            self.core.hooks.shared_stored(self.name, rec)
+
+    def _swept(self, keys: list[bytes]) -> None:
+        """For the KV events: the tier's sweep deleted the values ``keys``."""
+        self.core.hooks.shared_removed(self.name, keys)
 
     def _value(self, key: bytes, rec: ChunkRecord, ext: np.ndarray) -> bytes:
         """The remote value of a local chunk (``ext``: its decoded extent), through the
@@ -619,6 +635,8 @@ class RemoteLink:
         with self.tier.deadline():
             got = self.tier.delete(keys, kids)
         deleted = sum(1 for g in got if g)
+        self.core.hooks.shared_removed(self.name, [k for k, g in zip(keys, got, strict=True)
+                                                   if g is not None])  # gone, or never there
         self._count("deleted_chunks", deleted)
         self._count("delete_failed", sum(1 for g in got if g is None))
         return deleted

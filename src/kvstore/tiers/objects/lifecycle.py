@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -82,11 +83,12 @@ def _list(client: S3Client, prefix: str, deadline_s: float, stop: threading.Even
 
 def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
           deadline_s: float, stop: threading.Event | None = None,
-          as_of: float | None = None) -> SweepReport:
+          as_of: float | None = None,
+          on_deleted: Callable[[list[bytes]], None] | None = None) -> SweepReport:
     """Delete the values under ``prefix`` unused for ``ttl_s`` (and their markers and
     partial-chunk entries), then the least recently used beyond ``max_bytes``. ``as_of``:
     the time (seconds since the epoch) the ages are taken at; default the service's clock at
-    the listing."""
+    the listing. ``on_deleted``: given the chain keys of the values deleted (KV events)."""
     t0 = time.perf_counter()
     try:
         listed, now = _list(client, prefix, deadline_s, stop)
@@ -120,7 +122,8 @@ def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
                 break
             doomed.add(k)
             kept_bytes -= values[k].size
-    names: list[tuple[str, int]] = [(values[k].name, values[k].size) for k in doomed]
+    gone = list(doomed)
+    names: list[tuple[str, int]] = [(values[k].name, values[k].size) for k in gone]
     names += [(marker_name[k], 0) for k in used if (k in doomed or k not in values)
               and now - used[k] > ttl_s]
     names += [(obj.name, 0) for obj, key in kid_entries if key in doomed
@@ -139,6 +142,8 @@ def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
     with ThreadPoolExecutor(DELETERS, thread_name_prefix="kvstore-objects-delete") as pool:
         results = list(pool.map(delete, names))
     deleted = sum(ok for ok, _ in results)
+    if on_deleted is not None:
+        on_deleted([k for k, (ok, _) in zip(gone, results, strict=False) if ok])
     return SweepReport(listed_objects=len(listed), deleted_objects=deleted,
                        deleted_bytes=sum(n for ok, n in results if ok),
                        kept_values=len(values) - len(doomed), kept_bytes=kept_bytes,

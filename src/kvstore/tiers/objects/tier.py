@@ -101,6 +101,7 @@ class ObjectTier:
         self.estimate = LinkEstimate()
         self.last_sweep: lifecycle.SweepReport | None = None
         self.last_sweep_error = ""
+        self.on_swept: Callable[[list[bytes]], None] | None = None  # keys a sweep deleted
         self._lock = threading.Lock()
         self._prefix = cfg.prefix
         self._client: S3Client | None = None
@@ -538,7 +539,7 @@ class ObjectTier:
         assert self._client is not None
         report = lifecycle.sweep(self._client, self._prefix, ttl_s=self.cfg.ttl_s,
                                  max_bytes=self.cfg.max_bytes, deadline_s=self.cfg.deadline_s,
-                                 stop=self._stop)
+                                 stop=self._stop, on_deleted=self.on_swept)
         with self._lock:
             self.counters.sweeps += 1
             self.counters.swept_objects += report.deleted_objects
