@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,19 +43,23 @@ from kvstore.codecs import layer_codec
 from kvstore.errors import StoreClosed
 from kvstore.eviction.jobs import Job
 from kvstore.format import chunk_extent
+from kvstore.format.boundary_state import STATE
 from kvstore.format.hashing import chunk_hash, common_prefix_len
 from kvstore.format.records import ChunkRecord
 from kvstore.pipelines.gather import gather
 from kvstore.pipelines.layer_load import LayerLoad, layer_groups
 from kvstore.pipelines.pages import Pages
+from kvstore.pipelines.remote_boundaries import Boundaries
 from kvstore.residency.core import Core
 from kvstore.threads.background import Worker
 from kvstore.threads.fork_join import copy_all
+from kvstore.tiers.chunk_server import ChunkServer
 from kvstore.tiers.codecs import remote_value_codec
 from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.tiers.remote import value as rv
 from kvstore.tiers.remote.deadline import call_deadline
-from kvstore.tiers.remote.estimate import LinkEstimate, worth_fetching
+from kvstore.tiers.remote.estimate import worth_fetching
+from kvstore.tiers.remote.marks import Mark
 from kvstore.view.prefix_tree import Piece, served
 
 RECENT = 4096  # keys fetched from remote, remembered so that filling them does not send them back
@@ -115,52 +118,6 @@ def check_block_starts(rest: list[_Chunk], block_tokens: int) -> None:
                              f"{len(ch.tokens)} tokens at {ch.start})")
 
 
-class ChunkServer(Protocol):
-    """A tier of verified chunk values by chain key, as the link uses it. Every call ends by
-    the deadline of the public call it serves (``deadline()``); a failure is a miss (None),
-    never an error. Thread-safety: every method from any thread."""
-
-    cfg: object  # fill, write_through, max_queued_chunks, codec (RemoteConfig's fields)
-    estimate: LinkEstimate
-
-    def deadline(self) -> object: ...
-
-    def count(self, name: str, n: int = 1) -> None: ...
-
-    def headers(self, items: Sequence[tuple[bytes, np.ndarray]],
-                wants: Sequence[tuple[bytes, np.ndarray]] = ()) -> list[rv.Header | None]: ...
-
-    def headers_and_kids(self, items: Sequence[tuple[bytes, np.ndarray]],
-                         wants: Sequence[tuple[bytes, np.ndarray]]
-                         ) -> tuple[list[rv.Header | None],
-                                    list[list[tuple[bytes, np.ndarray]]]]: ...
-
-    def kids(self, wants: Sequence[tuple[bytes, np.ndarray]]
-             ) -> list[list[tuple[bytes, np.ndarray]]]: ...
-
-    def values_and_headers(self, items: Sequence[tuple[bytes, np.ndarray]]
-                           ) -> list[tuple[np.ndarray, rv.Header] | None]: ...
-
-    def layers(self, items: Sequence[tuple[bytes, rv.Header]], layers: Sequence[int]
-               ) -> dict[int, list[np.ndarray | None]]: ...
-
-    def probe(self, found: Sequence[tuple[bytes, rv.Header]]) -> None: ...
-
-    def exists(self, keys: Sequence[bytes]) -> list[bool | None]: ...
-
-    def put(self, items: Sequence[tuple[bytes, bytes]],
-            kids: Sequence[tuple[bytes, bytes, np.ndarray]] = ()) -> list[bool | None]: ...
-
-    def delete(self, keys: Sequence[bytes],
-               kids: Sequence[tuple[bytes, bytes, np.ndarray]] = ()) -> list[bool | None]:
-        """Delete each key's value (True deleted, False absent, None not answered), and the
-        kids entries (parent, key, tokens) of partial chunks."""
-
-    def close(self) -> None: ...
-
-    def stats(self) -> dict[str, object]: ...
-
-
 class RemoteLink:
     """A tier of chunk values (:class:`ChunkServer`) as a
     :class:`~kvstore.pipelines.shared_tiers.SharedTier` of a store, named ``name`` in its
@@ -189,9 +146,12 @@ class RemoteLink:
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # chain keys of chunks recently served from lossy values (for lossy_tokens; no IO)
         self._lossy: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._writes: Worker[tuple[bytes, bytes]] = Worker(
+        # a hybrid layout's boundary states: their marks, lookups, states (no thread)
+        self.boundaries = Boundaries(core, tier, lambda: self.prefill_rate)
+        # chunks to write through (key, None), and boundary marks after them (key, the mark)
+        self._writes: Worker[tuple[bytes, tuple[bytes, Mark] | None]] = Worker(
             self._write_batch, name=f"kvstore-{name}-write", batch=16,
-            max_items=tier.cfg.max_queued_chunks, key=lambda it: it[0])
+            max_items=tier.cfg.max_queued_chunks, key=lambda it: (it[0], it[1] is None))
         self._fills: Worker[tuple[np.ndarray, str | None, torch.Tensor, torch.Tensor]] = Worker(
             self._fill_batch, name=f"kvstore-{name}-fill", batch=1, max_items=4,
             key=lambda it: (it[1], it[0].tobytes()))
@@ -281,10 +241,11 @@ class RemoteLink:
         KeyError (a miss) if the remote tier cannot serve the rest."""
         local = self._local(toks, namespace)
         base, rest = self._rest(toks, namespace, local)
+        items = self._items(rest)
         with self.tier.deadline():
-            exts = self.tier.values_and_headers([(ch.key, ch.tokens) for ch in rest])
-            pieces = [(np.asarray(e[0]), len(ch.tokens), ch.start, len(ch.tokens))
-                      for ch, e in zip(rest, exts, strict=True) if e is not None]
+            exts = self.tier.values_and_headers(items)
+            pieces = [(np.asarray(e[0]), len(it[1]), ch.start, len(ch.tokens))
+                      for ch, it, e in zip(rest, items, exts, strict=True) if e is not None]
             if exts and exts[-1] is None and all(e is not None for e in exts[:-1]):
                 kid = self._kid_extent(rest[-1])  # the tail inside a longer partial chunk
                 if kid is not None:
@@ -305,7 +266,7 @@ class RemoteLink:
         if base:
             self._get_local(toks[:base], namespace, (k_out, v_out))
         gather(lay, chunk_extent.raw(k_out), chunk_extent.raw(v_out), pieces, self.core.helpers)
-        self._remember([ch.key for ch in rest])
+        self._remember([k for k, _ in items])
         self._count("gets")
         self._count("served_tokens", len(toks) - base)
         lossy = self._served_lossy(local, base, rest, [e[1] for e in exts])  # type: ignore[index]
@@ -320,6 +281,15 @@ class RemoteLink:
         if device is not None and device.type != "cpu":
             return k_out.to(device), v_out.to(device)
         return k_out, v_out
+
+    def _items(self, rest: list[_Chunk]) -> list[tuple[bytes, np.ndarray]]:
+        """(key, tokens) of the values that hold ``rest``: each chunk's own, but a hybrid
+        layout's partial last chunk, which the chunk of a boundary stored after it holds."""
+        items = [(ch.key, ch.tokens) for ch in rest]
+        tail = self.boundaries.tail(rest[-1].parent, rest[-1].tokens) if rest else None
+        if tail is not None:
+            items[-1] = tail
+        return items
 
     def _kid(self, ch: _Chunk) -> tuple[bytes, np.ndarray] | None:
         """A stored partial chunk after ``ch.parent`` that starts with all of ``ch.tokens``."""
@@ -371,6 +341,9 @@ class RemoteLink:
         four are queued already: memory stays bounded and the get never waits)."""
         if self.tier.cfg.fill == "none" or self.core.readonly:
             return
+        at = np.flatnonzero(toks == STATE)  # a boundary's block end: its KV only
+        if len(at):
+            toks, k, v = toks[:at[0]], k[:, :, :at[0]], v[:, :, :at[0]]
         kc, vc = self.core.buffers.kv(self.core.layout, len(toks))
         copy_all(self.core.helpers, [(chunk_extent.raw(kc), chunk_extent.raw(k)),
                                      (chunk_extent.raw(vc), chunk_extent.raw(v))])
@@ -456,8 +429,9 @@ class RemoteLink:
         base, rest = self._rest(toks, namespace, local)
         # one deadline for the whole load: its loader thread fetches the layers by it
         with self.tier.deadline() as expires:
-            headers = self.tier.headers([(ch.key, ch.tokens) for ch in rest])
-            keys = [ch.key for ch in rest]
+            items = self._items(rest)
+            headers = self.tier.headers(items)
+            keys = [k for k, _ in items]
             if headers and headers[-1] is None and all(h is not None for h in headers[:-1]):
                 kid = self._kid(rest[-1])  # the tail inside a longer stored partial chunk
                 if kid is not None:
@@ -530,26 +504,31 @@ class RemoteLink:
     # ------------------------------------------------------------------ write-through
     def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
         """Queue the chunks of a stored context for write-through (waits if the queue is
-        full). Chunks just fetched from remote are not sent back."""
+        full), then, for a boundary state's context, its mark (:mod:`.remote_boundaries`).
+        Chunks just fetched from remote are not sent back."""
         if not self.tier.cfg.write_through:
             return
         c = self.core.config.chunk_tokens
         parent = self.core.seed(namespace)
-        items = []
+        items: list[tuple[bytes, tuple[bytes, Mark] | None]] = []
         with self._lock:
             recent = self._recent
             for start in range(0, len(toks), c):
                 key = chunk_hash(parent, toks[start:start + c])
                 if key not in recent:
-                    items.append((key, b""))
+                    items.append((key, None))
                 parent = key
-        self._count("queued_writes", self._writes.submit(items))
+        mark = self.boundaries.mark_of(toks, namespace)
+        if mark is not None and any(k == mark[1].key for k, _ in items):  # its chunk goes
+            items.append((mark[1].key, mark))
+        n = self._writes.submit(items)
+        self._count("queued_writes", n - (mark is not None and items[-1][1] is mark))
 
-    def _write_batch(self, batch: list[tuple[bytes, bytes]]) -> None:
+    def _write_batch(self, batch: list[tuple[bytes, tuple[bytes, Mark] | None]]) -> None:
         tier = self.tier
-        keys = [k for k, _ in batch]
+        keys = [k for k, m in batch if m is None]
         with tier.deadline():
-            there = tier.exists(keys)
+            there = tier.exists(keys) if keys else []
         send: list[tuple[bytes, bytes]] = []
         kids: list[tuple[bytes, bytes, np.ndarray]] = []
         recs: list[ChunkRecord] = []  # of what is sent, for the KV events
@@ -578,6 +557,9 @@ class RemoteLink:
                             else "write_failed")
                 if ok is not None:  # written, or another store's write of it was there
                     self.core.hooks.shared_stored(self.name, rec)
+        marks = [m for _, m in batch if m is not None]  # after their chunks
+        if marks:
+            self.boundaries.write_marks(marks)
 
     def _announce(self, key: bytes) -> None:
         """For the KV events: the tier holds chunk ``key`` (found there by write-through)."""
@@ -632,6 +614,11 @@ class RemoteLink:
                 self._recent.pop(k, None)
                 self._lossy.pop(k, None)
         kids = [(parent, k, toks) for k, parent, toks in chunks if len(toks) < c]
+        # a boundary's first chunk (STATE in it, after a chunk that is not the state's): its
+        # mark goes first, so no reader is sent to values that are going
+        states = {k for k, _, toks in chunks if (toks == STATE).all()}
+        self.boundaries.drop_marks([(parent, k) for k, parent, toks in chunks
+                                    if (toks == STATE).any() and parent not in states])
         with self.tier.deadline():
             got = self.tier.delete(keys, kids)
         deleted = sum(1 for g in got if g)
@@ -640,6 +627,24 @@ class RemoteLink:
         self._count("deleted_chunks", deleted)
         self._count("delete_failed", sum(1 for g in got if g is None))
         return deleted
+
+    # ------------------------------------------------------------------ boundary states
+    def find_boundary(self, toks: np.ndarray, namespace: str | None, local: int,
+                      pieces: list[Piece]) -> int:
+        """The longest boundary of ``toks`` this tier serves beyond the local one
+        (``local`` tokens), if fetching it pays; else ``local``."""
+        got = self.boundaries.find(toks, namespace, local=local, limit=len(toks),
+                                   pieces=pieces)
+        return local if got is None else got.position
+
+    def state(self, toks: np.ndarray, namespace: str | None) -> bytes:
+        """The state of the boundary after exactly ``toks`` from this tier; KeyError."""
+        return self.boundaries.state(toks, namespace)
+
+    def delete_boundary(self, toks: np.ndarray, namespace: str | None) -> int:
+        """Delete the boundary after exactly ``toks`` from this tier (its mark, then its own
+        chunks); how many values went."""
+        return self.delete(self.boundaries.delete(toks, namespace))
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, jobs: list[Job]) -> None:
@@ -682,7 +687,8 @@ class RemoteLink:
     def stats(self) -> dict[str, object]:
         with self._lock:
             c = asdict(self.counters)
-        return {**self.tier.stats(), **c, "prefill_rate": self.prefill_rate,
+        return {**self.tier.stats(), **c, **self.boundaries.stats(),
+                "prefill_rate": self.prefill_rate,
                 "write_queue": self._writes.pending, "write_errors": self._writes.errors,
                 "write_dropped": self._writes.dropped,
                 "last_write_error": self._writes.last_error,

@@ -6,8 +6,10 @@ asks of such a tier is :class:`SharedTier`: how far it extends the local prefix 
 (``match``), the KV of a context it extends (``get``, ``layer_load``: fetched, verified, and
 filled into the local tiers in the background), what a put stored (``after_put``: written
 through in the background), what a delete removed (``delete``), prefetching for the
-scheduler's queue, and its lifecycle. A new
-kind of shared tier is one module implementing it.
+scheduler's queue, and its lifecycle; for a hybrid layout, the boundary states other machines
+stored (``find_boundary``, ``state``, ``delete_boundary``:
+:mod:`kvstore.pipelines.remote_boundaries`). A new kind of shared tier is one module
+implementing it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ class SharedTier(Protocol):
     def lossy_tokens(self, toks: np.ndarray, namespace: str | None,
                      pieces: list[Piece]) -> int:
         """Tokens after the local prefix that lossy values served recently (no IO)."""
+
+    def find_boundary(self, toks: np.ndarray, namespace: str | None, local: int,
+                      pieces: list[Piece]) -> int:
+        """A hybrid layout: the longest boundary of ``toks`` this tier serves (with the local
+        ``pieces``) beyond the local one after ``local`` tokens, if fetching it pays; else
+        ``local``."""
+
+    def state(self, toks: np.ndarray, namespace: str | None) -> bytes:
+        """The state of the boundary after exactly ``toks`` from this tier; KeyError."""
+
+    def delete_boundary(self, toks: np.ndarray, namespace: str | None) -> int:
+        """Delete the boundary after exactly ``toks`` (its own chunks and its mark) from this
+        tier; how many values went (failures counted, never raised)."""
 
     def get(self, toks: np.ndarray, namespace: str | None,
             out: tuple[torch.Tensor, torch.Tensor] | None,
@@ -101,6 +116,23 @@ class SharedTiers:
                 break
             best = max(best, t.match(toks, namespace, pieces, exact=exact))
         return best
+
+    def find_boundary(self, toks: np.ndarray, namespace: str | None, pieces: list[Piece],
+                      local: int) -> int:
+        """The longest boundary of ``toks`` one tier serves (at least ``local``, the local
+        one's)."""
+        best = local
+        for t in self._tiers:
+            if best == len(toks):
+                break
+            best = max(best, t.find_boundary(toks, namespace, best, pieces))
+        return best
+
+    def state(self, toks: np.ndarray, namespace: str | None) -> bytes:
+        return self._first(lambda t: t.state(toks, namespace))
+
+    def delete_boundary(self, toks: np.ndarray, namespace: str | None) -> int:
+        return sum(t.delete_boundary(toks, namespace) for t in self._tiers)
 
     def lossy_tokens(self, toks: np.ndarray, namespace: str | None,
                      pieces: list[Piece]) -> int:

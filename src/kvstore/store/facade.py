@@ -210,6 +210,10 @@ class Store:
         before, stay in the shared tiers until their own eviction (Redis) or sweep (objects):
         their keys cannot be enumerated by namespace. A delete that a shared tier fails to
         answer is counted in ``stats()["remote"|"objects"]["delete_failed"]``, never raised.
+        With boundary states (a hybrid layout), ``tokens`` name a state: the shared tiers lose
+        that state's own chunks and its mark (the one another machine stored, when this store
+        holds none), never the KV of the prompt before it, which other machines' boundaries
+        may share.
 
         Thread-safe (one catalog transaction; a put of the same tokens racing with it may
         leave them stored)."""
@@ -222,6 +226,12 @@ class Store:
             self._shared.flush()  # nothing queued before the delete is written after it
         n, dirs, shared = retention.delete(self._core, toks, namespace)
         self._files.remove(dirs)
+        if self._shared and toks is not None and self.layout.boundary_state:
+            # tokens name a boundary's state: the shared tiers lose the state's own chunks,
+            # never the prompt's KV before it, which other machines' boundaries may share
+            shared = [ch for ch in shared if (ch[2] == boundary_state.STATE).any()]
+            if not shared:  # not stored here: the one another machine stored, if any
+                self._shared.delete_boundary(toks, namespace)
         if self._shared and shared:
             self._shared.delete(shared)
         return n > 0 if toks is not None else n
@@ -409,7 +419,10 @@ class Store:
     def match(self, tokens: object, *, namespace: str | None = None,
               exact: bool = False) -> int:
         """How many leading tokens of ``tokens`` the store can serve (from any tier, as
-        committed by any process). Thread-safe. Without a remote tier it never waits for IO;
+        committed by any process; with boundary states, a hybrid layout's, only a stored
+        boundary's length, including one another machine stored in a shared tier: two round
+        trips to it, see :mod:`kvstore.pipelines.remote_boundaries`). Thread-safe. Without a
+        remote tier it never waits for IO;
         with one, tokens after the local prefix cost one pipelined round trip to Redis (and
         count only if fetching them pays, see :meth:`set_prefill_rate`); a remote failure
         is a shorter match, never an error. ``exact=True``: only what chunks and remote
@@ -423,6 +436,9 @@ class Store:
         if self.layout.boundary_state:
             found = self._boundary(toks, namespace)
             n = 0 if found is None else found.position
+            if self._shared and n < len(toks):  # one another machine stored, if it pays
+                n = self._shared.find_boundary(toks, namespace,
+                                               self._resolve(toks, namespace), n)
         else:
             pieces = self._resolve(toks, namespace)
             n = served(pieces)
@@ -448,12 +464,16 @@ class Store:
         state is stored at len(tokens) (it was never stored, was evicted, or another process
         evicted it while it was read), :class:`CorruptData` if its bytes fail their checksum
         (the context is then dropped: the next :meth:`match` is shorter). Read from this
-        machine's tiers. Thread-safe."""
+        machine's tiers, else from the shared tiers (Redis, an object store), where another
+        machine may have stored it: fetched and verified within the tier's deadline (any
+        failure there is a KeyError, a miss). Thread-safe."""
         toks = as_tokens(tokens)
         if not self.layout.boundary_state:
             raise ValueError("state() is for layouts with sliding-window or recurrent layers "
                              "(KVLayout.layers)")
         found = self._boundary(toks, namespace)
+        if (found is None or found.position != len(toks)) and self._shared:
+            return self._shared.state(toks, namespace)
         if found is None or found.position != len(toks):
             raise KeyError(f"no boundary state stored after these {len(toks)} tokens")
         lay = self.layout
@@ -567,8 +587,7 @@ class Store:
                 raise ValueError(f"pages hold {pages.num_tokens} tokens; the load has "
                                  f"{len(toks) - start}")
             if pages.num_tokens != len(toks) - start:
-                toks = to_block_end(toks, self._resolve(toks, namespace),
-                                    start + pages.num_tokens)
+                toks = self._to_block_end(toks, namespace, start + pages.num_tokens)
         dev = check_device(device) if device is not None else torch.device("cpu")
         if out is not None:
             out = check_out(self.layout, out, len(toks) - start)
@@ -584,6 +603,16 @@ class Store:
                                            hbm=self._loads.hbm, pages=pages)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
                                  device=dev, start=start, pages=pages)
+
+    def _to_block_end(self, toks: np.ndarray, namespace: str | None, end: int) -> np.ndarray:
+        """``toks`` continued to ``end`` as the stored chunk holding the last of them
+        continues (:func:`~kvstore.pipelines.pages.to_block_end`); for a hybrid boundary
+        another machine stored, that is its own chunk, whose tokens after it are STATE."""
+        pieces = self._resolve(toks, namespace)
+        if served(pieces) < len(toks) and self._shared and self.layout.boundary_state:
+            return np.concatenate([toks, np.full(end - len(toks), boundary_state.STATE,
+                                                 dtype=toks.dtype)])
+        return to_block_end(toks, pieces, end)
 
     def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:
         """A :class:`~kvstore.pipelines.row_reads.RowReader` over the stored context of

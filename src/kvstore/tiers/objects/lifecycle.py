@@ -8,7 +8,8 @@ quarter of ``ttl_s`` per process). Times are the service's own (``LastModified``
 ``Date`` header as "now"), so machines' clocks do not matter. Since a process rewrites a marker
 at most every quarter of ``ttl_s``, a value used within the last three quarters of ``ttl_s`` is
 never deleted; one unused for ``ttl_s`` may be, and is recomputed (a miss, never wrong bytes)
-if it returns. Partial-chunk entries whose value is gone are deleted with it.
+if it returns. Partial-chunk entries and boundary marks whose value is gone are deleted with
+it.
 
 ``max_bytes`` caps the values' bytes under the prefix: after the TTL, a sweep deletes the least
 recently used values until the rest fit.
@@ -96,7 +97,7 @@ def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
         raise SweepFailed(f"listing {prefix!r} failed: {e}") from None
     if as_of is not None:
         now = as_of
-    vdir, udir, kdir = f"{prefix}v/", f"{prefix}u/", f"{prefix}k/"
+    vdir, udir, kdir, bdir = f"{prefix}v/", f"{prefix}u/", f"{prefix}k/", f"{prefix}b/"
     values: dict[bytes, on.Listed] = {}
     used: dict[bytes, float] = {}
     marker_name: dict[bytes, str] = {}
@@ -112,6 +113,10 @@ def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
             kid = on.parse_kid(obj.name, parent_dir)
             if kid is not None:
                 kid_entries.append((obj, kid[2]))
+        elif obj.name.startswith(bdir):  # a boundary's mark goes with its chunk's value
+            mark = on.parse_mark(obj.name, obj.name[:obj.name.rfind("/") + 1])
+            if mark is not None:
+                kid_entries.append((obj, mark.key))
     last = {k: max(v.modified, used.get(k, 0.0)) for k, v in values.items()}
     doomed = {k for k, t in last.items() if now - t > ttl_s}
     kept = sorted((t, k) for k, t in last.items() if k not in doomed)

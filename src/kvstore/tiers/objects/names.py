@@ -10,6 +10,11 @@
   tokens whose first (up to 8) ids are ``head`` follows chunk ``parent``: a longer prompt
   finds it by listing its parent's entries that begin like its own tokens
   (:func:`kids_listing`; S3 has no sets).
+* ``b/<parent key>/<offset>-<state tokens>-<chain key>``: an empty entry saying a hybrid
+  layout's boundary state begins ``offset`` tokens into the chunk after ``parent``, carrying
+  ``state tokens`` STATE positions, its context's chunk there being ``chain key``
+  (:mod:`kvstore.tiers.remote.marks`): a prompt lists its chunks' entries to find its
+  boundaries.
 
 A listing is untrusted XML: it is read with a scanner of the few elements it needs (no entity
 expansion, no DTD), and an entry whose name does not parse is skipped.
@@ -25,10 +30,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.tiers.remote import marks
 from kvstore.tiers.remote import value as rv
 
 KID_PREFIX = 8  # a partial chunk is found by a prompt sharing its first 8 tokens
 _HEX_KEY = 2 * rv.KEY_BYTES
+_MARK = re.compile(rf"([0-9]{{1,8}})-([0-9]{{1,8}})-([0-9a-f]{{{_HEX_KEY}}})", re.ASCII)
 
 
 def value_name(prefix: str, key: bytes) -> str:
@@ -74,6 +81,22 @@ def parse_kid(name: str, directory: str) -> tuple[np.ndarray, int, bytes] | None
     if not head or len(head) % 4 or len(head) // 4 > min(KID_PREFIX, n) or n > rv.MAX_TOKENS:
         return None
     return np.frombuffer(head, dtype="<u4").copy(), n, key
+
+
+def marks_dir(prefix: str, parent: bytes) -> str:
+    return f"{prefix}b/{parent.hex()}/"
+
+
+def mark_name(prefix: str, parent: bytes, mark: marks.Mark) -> str:
+    return f"{marks_dir(prefix, parent)}{mark.offset}-{mark.state_tokens}-{mark.key.hex()}"
+
+
+def parse_mark(name: str, directory: str) -> marks.Mark | None:
+    """The boundary mark an entry's name under ``directory`` says; None if it is not one."""
+    m = _MARK.fullmatch(name[len(directory):]) if name.startswith(directory) else None
+    if m is None:
+        return None
+    return marks.checked(int(m.group(1)), int(m.group(2)), bytes.fromhex(m.group(3)))
 
 
 def key_of(name: str, directory: str) -> bytes | None:

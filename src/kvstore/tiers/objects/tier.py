@@ -11,7 +11,8 @@ instead of pipelined commands:
   with junk is refused by its size, never read beyond it); layers: one ranged ``GET`` per
   chunk and layer, in parallel (``ObjectsConfig.parallel`` requests in flight);
 * partial chunks: listed under their parent (:mod:`kvstore.tiers.objects.names`), then their
-  headers read;
+  headers read; a hybrid layout's boundary marks (:mod:`kvstore.tiers.remote.marks`): listed
+  under their parent, one listing per parent, in the round of the headers;
 * writes: ``PUT`` with ``If-None-Match: *`` (an object is written whole or not at all, and one
   that is there is not written again; every store writes the same bytes under a name anyway).
 
@@ -45,6 +46,7 @@ from kvstore.tiers.objects import lifecycle
 from kvstore.tiers.objects import names as on
 from kvstore.tiers.objects.config import ObjectsConfig
 from kvstore.tiers.objects.s3 import Reply, ReplyTooLarge, S3Client, S3Error, S3Timeout
+from kvstore.tiers.remote import marks
 from kvstore.tiers.remote import value as rv
 from kvstore.tiers.remote.breaker import Breaker
 from kvstore.tiers.remote.deadline import call_deadline, call_expires
@@ -317,6 +319,31 @@ class ObjectTier:
             kids.append(got)
         return out, kids
 
+    def headers_and_marks(self, items: Sequence[tuple[bytes, np.ndarray]],
+                          parents: Sequence[bytes]) -> tuple[list[rv.Header | None],
+                                                             list[list[marks.Mark]]]:
+        """The verified header of each (key, tokens) and the boundary marks listed under each
+        of ``parents`` (one page each; entries that do not parse are skipped): one parallel
+        round of ranged GETs and listings."""
+        lay, p = self.layout, self._prefix
+        replies = self._requests(
+            [self._ranged(on.value_name(p, k), 0, rv.header_size(len(t), lay.num_layers) - 1)
+             for k, t in items]
+            + [("GET", None, {"query": {"list-type": "2", "max-keys": "1000",
+                                        "prefix": on.marks_dir(p, parent)},
+                              "max_bytes": LIST_BYTES}) for parent in parents])
+        self.count("lookups")
+        out = [self._checked_header(r, k, t) for (k, t), r in zip(items, replies, strict=False)]
+        self._renew([k for (k, _), h in zip(items, out, strict=True) if h is not None])
+        found: list[list[marks.Mark]] = []
+        for parent, r in zip(parents, replies[len(items):], strict=True):
+            d = on.marks_dir(p, parent)
+            listed = on.parse_listing(r.body).objects if r is not None and r.status == 200 \
+                else []
+            found.append([m for m in (on.parse_mark(o.name, d) for o in listed)
+                          if m is not None])
+        return out, found
+
     def _total(self, r: Reply) -> int | None:
         """The object's size from a ranged GET's reply."""
         if r.status == 200:
@@ -507,6 +534,28 @@ class ObjectTier:
                for parent, key, toks in kids], observe=False)
         return [None if r is None else True if 200 <= r.status < 300
                 else False if r.status == 404 else None for r in replies[:len(keys)]]
+
+    def put_marks(self, items: Sequence[tuple[bytes, marks.Mark]]) -> int:
+        """Write the entry of each (parent, mark) (an empty object); how many were written."""
+        got = self._requests([("PUT", on.mark_name(self._prefix, parent, m),
+                               {"max_bytes": SMALL}) for parent, m in items], observe=False)
+        return sum(r is not None and 200 <= r.status < 300 for r in got)
+
+    def delete_marks(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete every mark entry naming ``key`` under ``parent``, for each (parent, key): a
+        listing per parent, then a ``DELETE`` of each entry that names it; how many went."""
+        p = self._prefix
+        lists = self._requests([("GET", None, {
+            "query": {"list-type": "2", "max-keys": "1000", "prefix": on.marks_dir(p, parent)},
+            "max_bytes": LIST_BYTES}) for parent, _ in items], observe=False)
+        names = [o.name for (parent, key), r in zip(items, lists, strict=True)
+                 if r is not None and r.status == 200
+                 for o in on.parse_listing(r.body).objects
+                 if (m := on.parse_mark(o.name, on.marks_dir(p, parent))) is not None
+                 and m.key == key]
+        got = self._requests([("DELETE", n, {"max_bytes": SMALL}) for n in names],
+                             observe=False)
+        return sum(r is not None and 200 <= r.status < 300 for r in got)
 
     # ------------------------------------------------------------------ lifecycle
     def _renew(self, keys: Sequence[bytes]) -> None:

@@ -25,42 +25,36 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import numpy as np
 import redis
-from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import AuthenticationError, MovedError, RedisError, ResponseError
-from redis.retry import Retry
 
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
+from kvstore.tiers.remote import marks
 from kvstore.tiers.remote import value as rv
-from kvstore.tiers.remote.breaker import Breaker
 from kvstore.tiers.remote.config import RemoteConfig
 from kvstore.tiers.remote.deadline import (
     ReplyTooLarge,
-    bounded_connection,
     call_deadline,
     call_expires,
     round_trip,
 )
 from kvstore.tiers.remote.estimate import LinkEstimate
+from kvstore.tiers.remote.nodes import ROUND_OVERHEAD, Node, hide_password, node_url
 
 KID_PREFIX = 8  # a stored partial chunk is found by a prompt sharing its first 8 tokens
 
-# bytes per recv into hiredis: chunk values are megabytes, and redis-py's 64 KiB default makes
-# a large GET several times slower (measured: bench/remote.py get, docs/benchmarks.md)
-READ_SIZE = 1 << 20
 PROBE_START = 64 << 10  # the first bandwidth probe's bytes (see Tier.probe)
 PROBE_ENOUGH_S = 0.02  # a probe round trip this long measures bandwidth well enough
-# Reply bytes a round trip may receive beyond what its commands ask for: per command (a bulk
-# or integer header, an error line such as MOVED or WRONGTYPE) and per round trip (the
-# replies to AUTH/SELECT of a connection made for it).
+# Reply bytes a round trip may receive beyond what its commands ask for, per command (a bulk
+# or integer header, an error line such as MOVED or WRONGTYPE); per round trip: ROUND_OVERHEAD
 REPLY_OVERHEAD = 256
-ROUND_OVERHEAD = 4096
 KIDS_REPLY_BYTES = 4 << 20  # a kids set's reply (SMEMBERS): members are key + a chunk's ids
+MARKS_REPLY_BYTES = 1 << 20  # a marks set's reply: members of marks.MEMBER_BYTES
 SMALL_REPLY = 64  # STRLEN, EXISTS, SET, SADD, PING
 DOC_BYTES = 64 << 20  # a shared document (conversation state) read back
 SLOTS_REPLY_BYTES = 16 << 20  # CLUSTER SLOTS
@@ -109,40 +103,6 @@ class RemoteCounters:
     probes: int = 0  # bandwidth probes
 
 
-class Node:
-    def __init__(self, name: str, url: str, cfg: RemoteConfig) -> None:
-        self.name = name
-        self.timeout_s = cfg.timeout_s
-        try:
-            self.client = redis.Redis.from_url(
-                url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
-                retry=Retry(NoBackoff(), 0), health_check_interval=0, decode_responses=False,
-                socket_read_size=READ_SIZE)
-            pool = self.client.connection_pool
-            pool.connection_class = bounded_connection(pool.connection_class)
-            pool.connection_class(**pool.connection_kwargs)  # options checked, nothing opened
-        except (TypeError, ValueError) as e:  # an option redis-py does not know, a bad value
-            raise ValueError(f"remote URL {_hide_password(url)!r} is not usable: {e}") from None
-        self.breaker = Breaker(name, failures=cfg.breaker_failures, retry_s=cfg.breaker_retry_s,
-                               probe=self.ping)
-
-    def ping(self) -> None:
-        """PING within one round trip's limits (the breaker's probe, the check at open)."""
-        with call_deadline(self.timeout_s), round_trip(ROUND_OVERHEAD, self.timeout_s):
-            self.client.ping()
-
-    def reset(self) -> None:
-        """Drop every pooled connection (after an error a connection may hold a half-read
-        reply: it must never be reused)."""
-        self.client.connection_pool.disconnect()
-
-
-def _node_url(template: str, host: str, port: int) -> str:
-    p = urlsplit(template)
-    cred = p.netloc.rsplit("@", 1)[0] + "@" if "@" in p.netloc else ""
-    return urlunsplit((p.scheme, f"{cred}{host}:{port}", "", p.query, ""))  # TLS options
-
-
 class RemoteTier:
     def __init__(self, cfg: RemoteConfig, layout: KVLayout) -> None:
         self.cfg = cfg
@@ -157,7 +117,7 @@ class RemoteTier:
             p = urlsplit(u)
             name = f"{p.hostname}:{p.port or 6379}"
             self._nodes.setdefault(name, Node(name, u if not cfg.cluster
-                                              else _node_url(u, p.hostname, p.port or 6379),
+                                              else node_url(u, p.hostname, p.port or 6379),
                                               cfg))
         self.cluster = cfg.cluster  # also found at connect (INFO) or by a MOVED reply
 
@@ -229,7 +189,7 @@ class RemoteTier:
                     with self._lock:
                         n = self._nodes.get(name)
                         if n is None:
-                            n = self._nodes[name] = Node(name, _node_url(template, host, port),
+                            n = self._nodes[name] = Node(name, node_url(template, host, port),
                                                          self.cfg)
                     for s in range(lo, hi + 1):
                         slots[s] = n
@@ -266,7 +226,7 @@ class RemoteTier:
             setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def _shown(self) -> str:
-        return ", ".join(_hide_password(u) for u in self.cfg.urls)
+        return ", ".join(hide_password(u) for u in self.cfg.urls)
 
     def _failed(self, node: Node, e: BaseException) -> None:
         """A round trip to ``node`` failed: its connections go (one may hold a half-read
@@ -415,10 +375,34 @@ class RemoteTier:
                          wants: Sequence[tuple[bytes, np.ndarray]]
                          ) -> tuple[list[rv.Header | None], list[list[tuple[bytes, np.ndarray]]]]:
         """:meth:`headers` of ``items`` and :meth:`kids` of ``wants`` in one round trip."""
-        lay = self.layout
-        rkeys = [self.redis_key(k) for k, _ in items for _ in range(2)]
         groups = self._kid_keys(wants)
-        rkeys += [k for g in groups for k in g]
+        out, sets = self._headers_and_sets(items, [k for g in groups for k in g],
+                                           KIDS_REPLY_BYTES)
+        return out, self._merge_kids(groups, dict(enumerate(sets)), 0)
+
+    def headers_and_marks(self, items: Sequence[tuple[bytes, np.ndarray]],
+                          parents: Sequence[bytes]) -> tuple[list[rv.Header | None],
+                                                             list[list[marks.Mark]]]:
+        """:meth:`headers` of ``items`` and the boundary marks filed under each of
+        ``parents`` (``SMEMBERS`` of their marks sets; malformed members are skipped), in one
+        round trip."""
+        out, sets = self._headers_and_sets(items, [self.marks_key(p) for p in parents],
+                                           MARKS_REPLY_BYTES)
+        return out, [[m for m in map(marks.parse_member, r if isinstance(r, set | list)
+                                     else ()) if m is not None] for r in sets]
+
+    def marks_key(self, parent: bytes) -> bytes:
+        """The set of boundary marks filed under chunk ``parent`` (:mod:`.marks`)."""
+        return self._prefix + b"marks:" + parent.hex().encode()
+
+    def _headers_and_sets(self, items: Sequence[tuple[bytes, np.ndarray]],
+                          sets: Sequence[bytes], set_bytes: int
+                          ) -> tuple[list[rv.Header | None], list[object]]:
+        """The verified header of each (key, tokens) and the members of each Redis set
+        ``sets`` (a reply of at most ``set_bytes`` each; None where not answered): one
+        pipelined round trip per node."""
+        lay = self.layout
+        rkeys = [self.redis_key(k) for k, _ in items for _ in range(2)] + list(sets)
         n2 = 2 * len(items)
 
         def build(pipe: object, j: int) -> None:
@@ -433,13 +417,12 @@ class RemoteTier:
 
         def reply_bytes(j: int) -> int:
             if j >= n2:
-                return KIDS_REPLY_BYTES
+                return set_bytes
             return rv.header_size(len(items[j // 2][1]), lay.num_layers) if j % 2 == 0 \
                 else SMALL_REPLY
 
         replies = self._call(rkeys, build, reply_bytes, redis_keys=True)
         self.count("lookups")
-        kids = self._merge_kids(groups, replies, n2)
         out: list[rv.Header | None] = []
         for i, (k, t) in enumerate(items):
             if 2 * i not in replies or 2 * i + 1 not in replies:
@@ -456,8 +439,7 @@ class RemoteTier:
                 continue
             self.count("found_chunks")
             out.append(h)
-        return out, kids
-
+        return out, [replies.get(j) for j in range(n2, len(rkeys))]
 
     def values(self, items: Sequence[tuple[bytes, np.ndarray]]) -> list[np.ndarray | None]:
         """The extents of :meth:`values_and_headers` (None where absent or unusable)."""
@@ -644,21 +626,33 @@ class RemoteTier:
             out.append(None if i not in replies or not isinstance(r, int) else r > 0)
         return out
 
+    def put_marks(self, items: Sequence[tuple[bytes, marks.Mark]]) -> int:
+        """``SADD`` each (parent, mark) to its parent's marks set; how many sets answered."""
+        rkeys = [self.marks_key(p) for p, _ in items]
+        replies = self._call(rkeys, lambda pipe, i: pipe.sadd(
+            rkeys[i], marks.encode_member(items[i][1])), lambda i: SMALL_REPLY,
+            redis_keys=True, observe=False)
+        return sum(isinstance(r, int) for r in replies.values())
+
+    def delete_marks(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Remove every mark naming ``key`` from the marks set of ``parent``, for each (parent,
+        key): ``SMEMBERS``, then ``SREM`` of the members that name it; how many went."""
+        rkeys = [self.marks_key(p) for p, _ in items]
+        sets = self._call(rkeys, lambda pipe, i: pipe.smembers(rkeys[i]),
+                          lambda i: MARKS_REPLY_BYTES, redis_keys=True, observe=False)
+        gone = [(rkeys[i], m) for i, (_, key) in enumerate(items)
+                for m in (sets.get(i) if isinstance(sets.get(i), set | list) else ())
+                if (mk := marks.parse_member(m)) is not None and mk.key == key]
+        replies = self._call([rk for rk, _ in gone], lambda pipe, i: pipe.srem(*gone[i]),
+                             lambda i: SMALL_REPLY, redis_keys=True, observe=False)
+        return sum(r for r in replies.values() if isinstance(r, int))
+
     def stats(self) -> dict[str, object]:
         with self._lock:
             c = asdict(self.counters)
             nodes = list(self._nodes.values())
         states = {n.name: n.breaker.stats() for n in nodes}
-        return {"urls": [_hide_password(u) for u in self.cfg.urls],
+        return {"urls": [hide_password(u) for u in self.cfg.urls],
                 "cluster": self.cluster, **c, "link": self.estimate.stats(),
                 "breaker": "open" if any(s["state"] != "closed" for s in states.values())
                 else "closed", "nodes": states}
-
-
-def _hide_password(url: str) -> str:
-    p = urlsplit(url)
-    if p.password is None:
-        return url
-    host = p.netloc.rsplit("@", 1)[1]
-    user = p.username or ""
-    return urlunsplit((p.scheme, f"{user}:***@{host}", p.path, p.query, p.fragment))
