@@ -183,8 +183,8 @@ def _add_retention_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def add_store_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``verify``, ``inspect``, ``sweep-objects``, ``ls``, ``pin``, ``unpin`` and
-    ``delete`` (shared with the engine's ``kvstore`` command)."""
+    """Register ``verify``, ``inspect``, ``sweep-objects``, ``ls``, ``pin``, ``unpin``,
+    ``delete`` and ``route`` (shared with the engine's ``kvstore`` command)."""
     v = sub.add_parser("verify", help="re-check every checksum; non-zero exit on corruption")
     v.add_argument("store", help="store directory")
     v.set_defaults(func=_cmd_verify)
@@ -199,6 +199,9 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--max-bytes", type=int, default=None, help="cap on the values' bytes")
     w.set_defaults(func=_cmd_sweep_objects)
     _add_retention_commands(sub)
+    from kvstore.tools.router.command import add_route_command
+
+    add_route_command(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
