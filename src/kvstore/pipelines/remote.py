@@ -47,17 +47,14 @@ from kvstore.format.boundary_state import STATE
 from kvstore.format.hashing import chunk_hash, common_prefix_len
 from kvstore.format.records import ChunkRecord
 from kvstore.pipelines.gather import gather
-from kvstore.pipelines.layer_load import LayerLoad, layer_groups
-from kvstore.pipelines.pages import Pages
 from kvstore.pipelines.remote_boundaries import Boundaries
+from kvstore.pipelines.remote_loads import LayerLoads
 from kvstore.residency.core import Core
 from kvstore.threads.background import Worker
 from kvstore.threads.fork_join import copy_all
 from kvstore.tiers.chunk_server import ChunkServer
 from kvstore.tiers.codecs import remote_value_codec
-from kvstore.tiers.exec_buffers import HbmTier
 from kvstore.tiers.remote import value as rv
-from kvstore.tiers.remote.deadline import call_deadline
 from kvstore.tiers.remote.estimate import worth_fetching
 from kvstore.tiers.remote.marks import Mark
 from kvstore.view.prefix_tree import Piece, served
@@ -108,17 +105,7 @@ def best_kid(kids: list[tuple[bytes, np.ndarray]], want: np.ndarray
     return best
 
 
-def check_block_starts(rest: list[_Chunk], block_tokens: int) -> None:
-    """ValueError unless every remote chunk of a load into pages starts on a block boundary
-    and fills whole blocks."""
-    for ch in rest:
-        if ch.start % block_tokens or len(ch.tokens) % block_tokens:
-            raise ValueError(f"a load into pages of {block_tokens}-token blocks needs the "
-                             f"store's chunks on block boundaries (a chunk of "
-                             f"{len(ch.tokens)} tokens at {ch.start})")
-
-
-class RemoteLink:
+class RemoteLink(LayerLoads):
     """A tier of chunk values (:class:`ChunkServer`) as a
     :class:`~kvstore.pipelines.shared_tiers.SharedTier` of a store, named ``name`` in its
     ``stats()`` (``"remote"``: Redis; ``"objects"``: an object store)."""
@@ -371,135 +358,6 @@ class RemoteLink:
                 self._recent.move_to_end(k)
             while len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
-
-    # ------------------------------------------------------------------ layer-wise
-    def layer_load(self, toks: np.ndarray, namespace: str | None, *, start: int,
-                   buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
-                   device: torch.device, hbm: Callable[[torch.device], HbmTier],
-                   pages: Pages | None = None) -> LayerLoad:
-        """``Store.load_layers`` of tokens that extend past the local tiers into the remote
-        one: into ``out``, ``pages`` or an execution buffer of ``hbm(device)`` on the CPU,
-        layer by layer (:meth:`load_layers`); to a CUDA device through host memory at once.
-        With ``start`` (positions [start, n) only) all of them are fetched at once and the tail
-        handed out as an already loaded load."""
-        lay = self.core.layout
-        if start:
-            k, v = self.get(toks, namespace, None, None)  # [L, H, n, D] each
-            k, v = k[:, :, start:], v[:, :, start:]  # [L, H, n - start, D]
-            if pages is not None:
-                kr, vr = chunk_extent.raw(k), chunk_extent.raw(v)
-                for layer in range(lay.num_layers):
-                    pages.scatter(layer, 0, kr[layer], vr[layer])
-                return LayerLoad(None, None, lambda layer: None, buffer_layers=buffer_layers,
-                                 on_done=lambda: None, num_layers=lay.num_layers).start()
-            if out is not None:
-                out[0].copy_(k)
-                out[1].copy_(v)
-                k, v = out
-            else:
-                k, v = k.to(device).contiguous(), v.to(device).contiguous()
-            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
-                             on_done=lambda: None).start()
-        if out is not None or pages is not None:
-            return self.load_layers(toks, namespace, buffer_layers=buffer_layers, kv=out,
-                                    pages=pages, on_close=None)
-        if device.type != "cpu":  # through host memory, then to the device at once
-            k, v = self.get(toks, namespace, None, None)
-            k, v = k.to(device), v.to(device)
-            return LayerLoad(k, v, lambda layer: None, buffer_layers=buffer_layers,
-                             on_done=lambda: None).start()
-        tier = hbm(device)
-        nbytes = self.core.raw_bytes(len(toks))
-        buf = tier.acquire(nbytes)
-        kv = buf.view(lay.torch_dtype).view(2, *lay.kv_shape(len(toks)))
-        return self.load_layers(toks, namespace, buffer_layers=buffer_layers,
-                                kv=(kv[0], kv[1]), on_close=lambda _after: tier.release(buf),
-                                on_abandon=lambda: tier.forget(nbytes))
-
-    def load_layers(self, toks: np.ndarray, namespace: str | None, *,
-                    buffer_layers: int | None, kv: tuple[torch.Tensor, torch.Tensor] | None,
-                    on_close: Callable[[torch.cuda.Event | None], None] | None,
-                    on_abandon: Callable[[], None] | None = None,
-                    pages: Pages | None = None) -> LayerLoad:
-        """A layer-wise load of ``toks`` into ``kv`` (CPU [L, H, T, D]) or ``pages``: the local
-        prefix at once, the remote chunks by ``GETRANGE`` in growing groups of layers
-        (:func:`~kvstore.pipelines.layer_load.layer_groups`), each chunk's layer placed where
-        it goes as it arrives."""
-        local = self._local(toks, namespace)
-        base, rest = self._rest(toks, namespace, local)
-        # one deadline for the whole load: its loader thread fetches the layers by it
-        with self.tier.deadline() as expires:
-            items = self._items(rest)
-            headers = self.tier.headers(items)
-            keys = [k for k, _ in items]
-            if headers and headers[-1] is None and all(h is not None for h in headers[:-1]):
-                kid = self._kid(rest[-1])  # the tail inside a longer stored partial chunk
-                if kid is not None:
-                    keys[-1] = kid[0]
-                    headers[-1] = self.tier.headers([kid])[0]
-        if any(h is None for h in headers):
-            self._count("misses")
-            if on_close is not None:
-                on_close(None)
-            raise KeyError(f"{sum(h is None for h in headers)} of the {len(rest)} chunks "
-                           f"after the local prefix are not usable in the remote tier: a miss")
-        lay = self.core.layout
-        try:
-            if pages is not None:
-                if base:  # the local prefix through a buffer
-                    k_loc, v_loc = chunk_extent.empty_kv(lay, base, 2)
-                    self._get_local(toks[:base], namespace, (k_loc, v_loc))
-                    kl, vl = chunk_extent.raw(k_loc), chunk_extent.raw(v_loc)
-                    for layer in range(lay.num_layers):
-                        pages.scatter(layer, 0, kl[layer], vl[layer])
-                check_block_starts(rest, pages.block_tokens)
-            else:
-                assert kv is not None
-                if base:
-                    self._get_local(toks[:base], namespace, kv)
-        except BaseException:
-            if on_close is not None:
-                on_close(None)
-            raise
-        kr = vr = None
-        if kv is not None:
-            kr, vr = chunk_extent.raw(kv[0]), chunk_extent.raw(kv[1])
-        items = list(zip(keys, headers, strict=True))
-
-        groups = layer_groups(lay.num_layers)
-        fetched: dict[int, list[np.ndarray | None]] = {}
-
-        def load_layer(layer: int) -> None:
-            if layer not in fetched:  # the first layer of its group: fetch the group
-                fetched.clear()
-                with call_deadline(expires=expires):
-                    fetched.update(self.tier.layers(items, groups[layer]))
-            parts = fetched.pop(layer)
-            for ch, part in zip(rest, parts, strict=True):
-                if part is None:
-                    self._count("misses")
-                    raise KeyError(f"layer {layer} of chunk {ch.key.hex()} did not arrive from "
-                                   f"the remote tier (lost, refused, or past the load's "
-                                   f"deadline): a miss")
-                n, use = len(part) // (lay.layer_token_bytes), len(ch.tokens)
-                x = part.view(chunk_extent.int_dtype(lay)).reshape(
-                    2, lay.num_kv_heads, n, lay.head_dim)
-                if pages is not None:
-                    pages.scatter(layer, ch.start // pages.block_tokens, x[0, :, :use],
-                                  x[1, :, :use])
-                    continue
-                np.copyto(kr[layer, :, ch.start:ch.start + use], x[0, :, :use])
-                np.copyto(vr[layer, :, ch.start:ch.start + use], x[1, :, :use])
-
-        def done() -> None:
-            self._count("gets")
-            self._count("served_tokens", len(toks) - base)
-            self._served_lossy(local, base, rest, headers)  # type: ignore[arg-type]
-
-        k_out, v_out = (None, None) if kv is None else kv
-        load = LayerLoad(k_out, v_out, load_layer, buffer_layers=buffer_layers, on_done=done,
-                         on_close=on_close, on_abandon=on_abandon, num_layers=lay.num_layers)
-        return load.start()
 
     # ------------------------------------------------------------------ write-through
     def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
