@@ -65,11 +65,12 @@ def client_and_store(open_small):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from kvstore.integrations.llama_cpp import admin
+    from kvstore.integrations.llama_cpp import admin, tenants
 
     s = open_small(disk_bytes=40 * 4096)
     app = FastAPI()
     admin.add_routes(app, lambda: s)
+    app.add_middleware(tenants.Gate, keys=tenants.KeyRing())  # a server without keys
     with TestClient(app) as client:
         yield client, s
 

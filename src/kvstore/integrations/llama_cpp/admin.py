@@ -14,6 +14,16 @@ and the admin routes that list, pin, unpin and delete stored contexts.
   ``POST /kvstore/delete`` ``{"key" | "tokens" | "namespace"}`` (a namespace alone: all of
   its contexts). Errors in OpenAI's shape: 400/422 bad requests, 404 no such context, 409 a
   pin refused (over a cap), 503 while the store is not open yet.
+* ``GET /kvstore/stats``: the prompt cache's counters, for the admin only (they count every
+  tenant's requests).
+
+Who may do what (:mod:`.tenants`, the caller the server's key check found): a tenant's
+calls act only within its own namespace: its listing shows its own contexts and pins, a body
+without ``namespace`` means its namespace, one naming another namespace is refused 403 (and
+changes nothing), and a ``key`` of another namespace's context is 404, as a key never stored
+(whether it exists is not revealed). The admin key reaches every namespace (without
+``namespace``: the default one), and only it reads ``/kvstore/stats``. A request that no key
+check let through (routes mounted without :class:`~.tenants.Gate`) is refused 401.
 
 Thread-safety: the routes are plain functions FastAPI runs in its thread pool; the store's
 methods are thread-safe.
@@ -22,22 +32,51 @@ methods are thread-safe.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvstore.errors import KVStoreError, PinRefused
 from kvstore.format.hashing import as_tokens
 from kvstore.integrations import retention
+from kvstore.integrations.llama_cpp import tenants
+from kvstore.integrations.llama_cpp.tenants import Caller
 
 HEADER = "x-kvstore-retention"
 
 
+class Forbidden(Exception):
+    """The caller's key does not reach what the request names (answered 403)."""
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error",
-           param: str | None = None) -> Any:
+           param: str | None = None, code: str | None = None) -> Any:
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": None}}, status_code=status)
+    return JSONResponse(tenants.error_body(message, kind, code, param), status_code=status)
+
+
+def _unchecked() -> Any:
+    return _error(401, "no API key was checked for this request (the admin routes run behind "
+                       "kvstore serve's key check)", code="missing_api_key")
+
+
+def _admin_only() -> Any:
+    return _error(403, "only the admin key may read the counters of every tenant",
+                  kind="permission_error", code="admin_only")
+
+
+def _namespace(caller: Caller, body: dict) -> str | None:
+    """The namespace a call acts in: the body's ``namespace`` if the caller reaches it (a
+    tenant: its own; Forbidden otherwise), else the caller's own."""
+    if "namespace" not in body:
+        return caller.namespace
+    ns = body["namespace"]
+    if ns is not None and not isinstance(ns, str):
+        raise ValueError("namespace must be a string or null")
+    if not caller.reaches(ns):
+        raise Forbidden("namespace: this key reaches only its own namespace's contexts "
+                        "(leave namespace out to mean it)")
+    return ns
 
 
 def header_value(outcome: str) -> str:
@@ -45,12 +84,9 @@ def header_value(outcome: str) -> str:
     return "".join(ch if " " <= ch <= "~" else "?" for ch in outcome)[:300]
 
 
-def _target(store: Any, body: dict, *, whole_namespace: bool = False) -> Any:
-    """The tokens ``body`` names (``key`` or ``tokens``), None for a whole namespace (when
-    allowed); ValueError/KeyError as the route answers them."""
-    ns = body.get("namespace")
-    if ns is not None and not isinstance(ns, str):
-        raise ValueError("namespace must be a string or null")
+def _target(store: Any, body: dict, ns: str | None, *, whole_namespace: bool = False) -> Any:
+    """The tokens ``body`` names (``key`` or ``tokens``) in namespace ``ns``, None for the
+    whole namespace (when allowed); ValueError/KeyError as the route answers them."""
     if "key" in body and "tokens" in body:
         raise ValueError("give key or tokens, not both")
     if "tokens" in body:
@@ -78,11 +114,16 @@ def _info(c: Any) -> dict:
             "expires": None if c.pin is None else c.pin.expires}
 
 
-def add_routes(app: Any, store_of: Callable[[], Any]) -> None:
+def add_routes(app: Any, store_of: Callable[[], Any], *,
+               stats_of: Callable[[], dict] | None = None,
+               namespaces: Iterable[str | None] = ()) -> None:
     """Add the admin routes to the FastAPI (or Starlette) ``app``; ``store_of()`` gives the
-    open store (None while there is none yet)."""
+    open store (None while there is none yet), ``stats_of()`` the counters ``GET
+    /kvstore/stats`` answers (no such route without it); ``namespaces``: the tenants'
+    namespaces, named in the admin's listing."""
+    known = tuple(dict.fromkeys(namespaces))
 
-    def call(body: object, do: Callable[[Any, dict], dict]) -> Any:
+    def call(caller: Caller, body: object, do: Callable[[Any, Caller, dict], dict]) -> Any:
         from fastapi.responses import JSONResponse
 
         store = store_of()
@@ -92,7 +133,10 @@ def add_routes(app: Any, store_of: Callable[[], Any]) -> None:
         if not isinstance(body, dict):
             return _error(422, "the request body must be a JSON object")
         try:
-            return JSONResponse(do(store, body))
+            return JSONResponse(do(store, caller, body))
+        except Forbidden as e:
+            return _error(403, str(e), kind="permission_error", param="namespace",
+                          code="other_namespace")
         except PinRefused as e:
             return _error(409, str(e), kind="pin_refused")
         except KeyError as e:
@@ -102,41 +146,66 @@ def add_routes(app: Any, store_of: Callable[[], Any]) -> None:
         except KVStoreError as e:
             return _error(500, f"{type(e).__name__}: {e}", kind="store_error")
 
-    def contexts(s: Any, _: dict) -> dict:
-        return {"contexts": [_info(c) for c in s.list_contexts()], "pins": len(s.pins())}
+    def contexts(s: Any, caller: Caller, _: dict) -> dict:
+        if not caller.admin:
+            ns = caller.namespace
+            return {"contexts": [_info(c) for c in s.list_contexts(ns)],
+                    "pins": sum(p.namespace == ns for p in s.pins())}
+        named = {c.key: c for c in s.list_contexts(*known)} if known else {}
+        return {"contexts": [_info(named.get(c.key, c)) for c in s.list_contexts()],
+                "pins": len(s.pins())}
 
-    def pin(s: Any, body: dict) -> dict:
-        rec = s.pin(_target(s, body), namespace=body.get("namespace"),
-                    ttl_s=body.get("ttl_s"))
+    def pin(s: Any, caller: Caller, body: dict) -> dict:
+        ns = _namespace(caller, body)
+        rec = s.pin(_target(s, body, ns), namespace=ns, ttl_s=body.get("ttl_s"))
         return {"key": rec.key.hex(), "namespace": rec.namespace, "expires": rec.expires,
                 "bytes": rec.nbytes, "tokens": rec.n_tokens}
 
-    def unpin(s: Any, body: dict) -> dict:
-        return {"unpinned": s.unpin(_target(s, body), namespace=body.get("namespace"))}
+    def unpin(s: Any, caller: Caller, body: dict) -> dict:
+        ns = _namespace(caller, body)
+        return {"unpinned": s.unpin(_target(s, body, ns), namespace=ns)}
 
-    def delete(s: Any, body: dict) -> dict:
-        toks = _target(s, body, whole_namespace=True)
-        return {"deleted": int(s.delete(toks, namespace=body.get("namespace")))}
+    def delete(s: Any, caller: Caller, body: dict) -> dict:
+        ns = _namespace(caller, body)
+        toks = _target(s, body, ns, whole_namespace=True)
+        return {"deleted": int(s.delete(toks, namespace=ns))}
 
-    def endpoint(do: Callable[[Any, dict], dict], *, has_body: bool) -> Callable:
+    def endpoint(do: Callable[[Any, Caller, dict], dict], *, has_body: bool) -> Callable:
         async def route(request: Any) -> Any:
             from starlette.concurrency import run_in_threadpool
 
+            caller = tenants.CALLER.get()
+            if caller is None:
+                return _unchecked()
             body: object = {}
             if has_body:
                 try:
                     body = json.loads(await request.body())
                 except ValueError as e:
                     return _error(400, f"the request body is not JSON: {e}")
-            return await run_in_threadpool(call, body, do)
+            return await run_in_threadpool(call, caller, body, do)
 
         return route
+
+    async def stats(_: Any) -> Any:
+        from fastapi.responses import JSONResponse
+        from starlette.concurrency import run_in_threadpool
+
+        caller = tenants.CALLER.get()
+        if caller is None:
+            return _unchecked()
+        if not caller.admin:
+            return _admin_only()
+        assert stats_of is not None
+        return JSONResponse(await run_in_threadpool(stats_of))
 
     # Starlette routes: the endpoint gets the request as it is (no signature analysis)
     app.add_route("/kvstore/contexts", endpoint(contexts, has_body=False), methods=["GET"])
     for path, do in (("/kvstore/pin", pin), ("/kvstore/unpin", unpin),
                      ("/kvstore/delete", delete)):
         app.add_route(path, endpoint(do, has_body=True), methods=["POST"])
+    if stats_of is not None:
+        app.add_route("/kvstore/stats", stats, methods=["GET"])
 
 
 def request_hint(data: dict) -> retention.RequestRetention | None:

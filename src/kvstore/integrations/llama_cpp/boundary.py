@@ -52,25 +52,28 @@ def read_boundary(llm: Any, ident: Identity) -> tuple[StateKV, bytes]:
     return kv, part
 
 
-def restore(llm: Any, store: Store, ident: Identity, toks: np.ndarray) -> bool:
-    """Load the stored boundary of exactly ``toks`` into the context: its full-attention KV
-    and its partial section. False if llama.cpp refused the state (the context is then empty).
-    Raises what the store raises (KeyError: gone meanwhile) and StateError (a stored partial
-    section this model would not write)."""
+def restore(llm: Any, store: Store, ident: Identity, toks: np.ndarray, *,
+            namespace: str | None = None) -> bool:
+    """Load the stored boundary of exactly ``toks`` (in ``namespace``) into the context: its
+    full-attention KV and its partial section. False if llama.cpp refused the state (the
+    context is then empty). Raises what the store raises (KeyError: gone meanwhile) and
+    StateError (a stored partial section this model would not write)."""
     assert ident.partial is not None
     n = len(toks)
-    part = store.state(toks)
+    part = store.state(toks, namespace=namespace)
     ident.partial.check(part, n)
     state = ident.format.seq_buffer(n, seq_id=context.SEQ_ID, partial=part)
-    store.get(toks, out=(state.keys, state.values))
+    store.get(toks, namespace=namespace, out=(state.keys, state.values))
     return context.restore(llm, state, toks)
 
 
-def save_async(llm: Any, store: Store, ident: Identity, toks: np.ndarray) -> None:
-    """Queue the context's boundary (it holds exactly ``toks``) for the store's writer thread:
-    skipped (no error) when the write buffer is full. Raises StateError and store errors."""
+def save_async(llm: Any, store: Store, ident: Identity, toks: np.ndarray, *,
+               namespace: str | None = None) -> None:
+    """Queue the context's boundary (it holds exactly ``toks``) for the store's writer thread,
+    in ``namespace``: skipped (no error) when the write buffer is full. Raises StateError and
+    store errors."""
     kv, part = read_boundary(llm, ident)
-    with store.begin_save(toks, state=True, wait=False) as save:
+    with store.begin_save(toks, namespace=namespace, state=True, wait=False) as save:
         save.layers(kv.keys, kv.values)
         save.finish(state=part)
 

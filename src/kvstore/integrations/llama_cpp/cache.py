@@ -23,6 +23,13 @@ cache before each completion (``cache[prompt]``) and hands it the context after 
   restored only at a boundary whose state the store holds, the context is never truncated,
   and boundaries are taken when a completion ends and, on lookups, at the prompt's end and
   where it leaves a prefix stored for another context.
+* **Tenants** (:mod:`.tenants`): a completion run :func:`~.tenants.in_namespace` (``kvstore
+  serve`` runs each request in its key's namespace) matches, restores, stores and pins in that
+  namespace only. llama-cpp-python also reuses, by itself, the common prefix of the prompt
+  and of what the Llama's context holds from the request before: a lookup whose namespace is
+  not that of the KV the context holds empties the context first (``namespace_clears`` in
+  :meth:`stats`), so one tenant's request never continues from another's KV. A Llama the
+  cache has not seen yet holds KV of the default namespace.
 * **Failures** never reach the completion: a damaged store, a full disk, a state llama.cpp
   refuses, KV evicted by another process between match and read: each is a miss or a skipped
   save, counted by cause in :meth:`stats` and logged, and the prompt is computed as without
@@ -45,7 +52,7 @@ import numpy as np
 from kvstore.errors import CapacityError, KVStoreError, LayoutMismatch
 from kvstore.format.hashing import as_tokens
 from kvstore.integrations import retention
-from kvstore.integrations.llama_cpp import boundary, compat, context
+from kvstore.integrations.llama_cpp import boundary, compat, context, tenants
 from kvstore.integrations.llama_cpp.identity import Identity, Unsupported, identify
 from kvstore.integrations.llama_cpp.state import StateError
 from kvstore.integrations.shared import Lease, acquire
@@ -80,6 +87,11 @@ class CacheCounters:
     # only where it was taken)
     pins: int = 0  # saved contexts pinned by their request's retention hint
     pins_refused: int = 0  # ... that the store refused to pin (over a cap)
+    held_tokens: int = 0  # prompt tokens the context held at lookups that restored nothing
+    # (llama-cpp-python continues after them)
+    namespace_clears: int = 0  # contexts emptied at a lookup: they held another namespace's KV
+    namespace_mismatches: int = 0  # saves skipped: the context's KV is not of the request's
+    # namespace (a save without the lookup before it)
 
 
 @dataclass(eq=False)
@@ -131,6 +143,7 @@ class KVStoreLlamaCache:
         self._lease: Lease | None = None
         self._lock = threading.Lock()
         self._bindings: dict[int, _Binding] = {}
+        self._held_ns: dict[int, str | None] = {}  # the namespace of the KV each Llama holds
         self._counters = CacheCounters()
         self._errors: dict[str, int] = {}
         self._last_error: str | None = None
@@ -142,33 +155,39 @@ class KVStoreLlamaCache:
     def __getitem__(self, key: object) -> RestoredPrefix:
         """Restore the longest stored prefix of the prompt ``key`` (at most ``len(key) - 2``
         tokens) into the calling Llama's context, if longer than what it holds; KeyError
-        otherwise (llama-cpp-python's miss). Never raises anything else for a store or
-        state problem. Thread-safe."""
+        otherwise (llama-cpp-python's miss). Looks in the request's namespace
+        (:data:`.tenants.NAMESPACE`), after emptying a context that holds another namespace's
+        KV. Never raises anything else for a store or state problem. Thread-safe."""
         llm = compat.calling_llama()
         self._count("lookups")
+        ns = tenants.NAMESPACE.get()
+        if llm is not None:
+            self._isolate(llm, ns)
         binding = self._binding(llm)
         if binding is None:
             raise KeyError("no stored KV for this Llama (see KVStoreLlamaCache.stats())")
         assert llm is not None and binding.store is not None and binding.identity is not None
         toks = as_tokens(key, "key").astype(np.int64)
         if binding.identity.partial is not None:
-            return self._lookup_boundary(llm, binding, toks)
+            return self._lookup_boundary(llm, binding, toks, ns)
         limit = len(toks) - KEEP_UNSERVED
         held = context.held_tokens(llm, toks)
         n = 0
         if limit > held:
             try:
-                n = min(binding.store.match(toks, exact=True), limit)
+                n = min(binding.store.match(toks, namespace=ns, exact=True), limit)
             except STORE_ERRORS as e:
                 self._failed("store_errors", "match", e)
         if n <= held:
-            self._count("misses")
+            with self._lock:
+                self._counters.misses += 1
+                self._counters.held_tokens += held
             raise KeyError(f"no stored prefix longer than the {held} tokens the context holds")
         # the sequence state, headers written; state.keys / state.values are [L, H, n, D]
         # views of its K rows and V rows (or V transposed), filled by the get in place
         state = binding.identity.format.seq_buffer(n, seq_id=context.SEQ_ID)
         try:
-            binding.store.get(toks[:n], out=(state.keys, state.values))
+            binding.store.get(toks[:n], namespace=ns, out=(state.keys, state.values))
         except KeyError as e:
             self._failed("raced_misses", "get", e)
             self._count("misses")
@@ -190,12 +209,19 @@ class KVStoreLlamaCache:
     def __setitem__(self, key: object, value: Any) -> None:
         """Store the context of a finished completion: ``key`` is prompt + completion,
         ``value`` the calling Llama's ``save_state()``. Only the tokens its context holds
-        (``value.n_tokens``) are stored, and only chunks the store lacks are written; durable
-        when this returns. Never raises for a store or state problem (counted, logged).
-        Thread-safe."""
+        (``value.n_tokens``) are stored, in the request's namespace, and only chunks the store
+        lacks are written; durable when this returns. Never raises for a store or state
+        problem (counted, logged). Thread-safe."""
         llm = compat.calling_llama()
         binding = self._binding(llm)
         if binding is None:
+            return
+        assert llm is not None
+        ns = tenants.NAMESPACE.get()
+        if not self._holds(llm, ns):  # never stored under another namespace than its own
+            self._count("namespace_mismatches")
+            log.warning("KVStoreLlamaCache(%s): save skipped: the context holds KV of "
+                        "another namespace than the request's", self._where())
             return
         assert binding.store is not None and binding.identity is not None
         n = int(value.n_tokens)
@@ -207,9 +233,9 @@ class KVStoreLlamaCache:
             return
         store = binding.store
         try:
-            if store.match(ids) >= n:
+            if store.match(ids, namespace=ns) >= n:
                 self._count("already_stored")
-                self._retain(store, ids)
+                self._retain(store, ids, ns)
                 return
         except STORE_ERRORS as e:
             self._failed("store_errors", "match", e)
@@ -228,7 +254,7 @@ class KVStoreLlamaCache:
             self._failed("state_errors", "save", e)
             return
         try:
-            stored = store.put(ids, kv.keys, kv.values, state=part)
+            stored = store.put(ids, kv.keys, kv.values, namespace=ns, state=part)
         except STORE_ERRORS as e:
             self._failed("store_errors", "put", e)
             return
@@ -236,23 +262,25 @@ class KVStoreLlamaCache:
             with self._lock:
                 self._counters.saves += 1
                 self._counters.saved_tokens += n
-            self._retain(store, ids)
+            self._retain(store, ids, ns)
 
-    def _retain(self, store: Store, ids: np.ndarray) -> None:
+    def _retain(self, store: Store, ids: np.ndarray, ns: str | None) -> None:
         """Apply the retention hint of the request being served, if its server gave one
-        (:data:`kvstore.integrations.retention.REQUEST`), to the context just saved."""
+        (:data:`kvstore.integrations.retention.REQUEST`), to the context just saved in
+        namespace ``ns``."""
         req = retention.REQUEST.get()
         if req is None:
             return
-        req.outcome = retention.apply(store, ids, None, req.hint)
+        req.outcome = retention.apply(store, ids, ns, req.hint)
         self._count("pins" if req.outcome == "pinned" else "pins_refused")
 
-    def _lookup_boundary(self, llm: Any, binding: _Binding, toks: np.ndarray
-                         ) -> RestoredPrefix:
+    def _lookup_boundary(self, llm: Any, binding: _Binding, toks: np.ndarray,
+                         ns: str | None) -> RestoredPrefix:
         """:meth:`__getitem__` of a hybrid model (:mod:`.boundary`): restore the longest
         stored boundary of the prompt if the context does not hold a longer prefix of it,
         empty the context rather than let it be truncated, then evaluate up to the lookup's
-        checkpoints, saving each. The context then holds exactly the prefix returned."""
+        checkpoints, saving each (all in namespace ``ns``). The context then holds exactly the
+        prefix returned."""
         store, ident = binding.store, binding.identity
         assert store is not None and ident is not None
         limit = len(toks) - KEEP_UNSERVED
@@ -261,17 +289,17 @@ class KVStoreLlamaCache:
         found = run = 0
         if limit > 0:
             try:  # this process's checkpoints of the prompt still on the writer thread
-                store.wait_saved(toks[:limit])
+                store.wait_saved(toks[:limit], namespace=ns)
             except STORE_ERRORS as e:
                 self._failed("store_errors", "checkpoint", e)
             try:
-                found = store.match(toks[:limit])
-                run = limit - store.residency(toks[:limit])["missing"]
+                found = store.match(toks[:limit], namespace=ns)
+                run = limit - store.residency(toks[:limit], namespace=ns)["missing"]
             except STORE_ERRORS as e:
                 self._failed("store_errors", "match", e)
         restored = 0
         if found > at:
-            restored = self._restore_boundary(llm, binding, toks[:found])
+            restored = self._restore_boundary(llm, binding, toks[:found], ns)
             if restored:
                 at = restored
             elif int(llm.n_tokens) != n_ctx:  # llama.cpp refused it and emptied the context
@@ -283,19 +311,22 @@ class KVStoreLlamaCache:
                                           chunk=store.config.chunk_tokens):
             llm.eval(toks[at:point].tolist())
             at = point
-            self._checkpoint(llm, binding, toks[:point])
+            self._checkpoint(llm, binding, toks[:point], ns)
         if not restored:
-            self._count("misses")
+            with self._lock:
+                self._counters.misses += 1
+                self._counters.held_tokens += at
             if at == 0:
                 raise KeyError("no stored boundary of this prompt")
         return RestoredPrefix(input_ids=toks[:at].astype(np.intc), n_tokens=at)
 
-    def _restore_boundary(self, llm: Any, binding: _Binding, toks: np.ndarray) -> int:
-        """Restore the stored boundary of exactly ``toks``: how many tokens the context then
-        holds (0 on any failure, counted; the context is then empty)."""
+    def _restore_boundary(self, llm: Any, binding: _Binding, toks: np.ndarray,
+                          ns: str | None) -> int:
+        """Restore the stored boundary of exactly ``toks`` in namespace ``ns``: how many tokens
+        the context then holds (0 on any failure, counted; the context is then empty)."""
         assert binding.store is not None and binding.identity is not None
         try:
-            ok = boundary.restore(llm, binding.store, binding.identity, toks)
+            ok = boundary.restore(llm, binding.store, binding.identity, toks, namespace=ns)
         except KeyError as e:
             self._failed("raced_misses", "get", e)
             return 0
@@ -314,14 +345,15 @@ class KVStoreLlamaCache:
             self._counters.restored_tokens += len(toks)
         return len(toks)
 
-    def _checkpoint(self, llm: Any, binding: _Binding, toks: np.ndarray) -> None:
-        """Queue the boundary the context holds now (exactly ``toks``) for saving, unless the
-        store holds it already (a full write buffer skips it)."""
+    def _checkpoint(self, llm: Any, binding: _Binding, toks: np.ndarray,
+                    ns: str | None) -> None:
+        """Queue the boundary the context holds now (exactly ``toks``) for saving in namespace
+        ``ns``, unless the store holds it already (a full write buffer skips it)."""
         assert binding.store is not None and binding.identity is not None
         try:
-            if binding.store.match(toks) == len(toks):
+            if binding.store.match(toks, namespace=ns) == len(toks):
                 return
-            boundary.save_async(llm, binding.store, binding.identity, toks)
+            boundary.save_async(llm, binding.store, binding.identity, toks, namespace=ns)
         except CapacityError:
             return
         except STORE_ERRORS as e:
@@ -341,9 +373,10 @@ class KVStoreLlamaCache:
             return False
         toks = as_tokens(key, "key").astype(np.int64)
         limit = len(toks) - KEEP_UNSERVED
-        held = context.held_tokens(llm, toks)
+        ns = tenants.NAMESPACE.get()
+        held = context.held_tokens(llm, toks) if self._holds(llm, ns) else 0
         try:
-            return min(binding.store.match(toks, exact=True), limit) > held
+            return min(binding.store.match(toks, namespace=ns, exact=True), limit) > held
         except STORE_ERRORS as e:
             self._failed("store_errors", "match", e)
             return False
@@ -484,9 +517,30 @@ class KVStoreLlamaCache:
             return None, mismatch
         return lease.store, None
 
+    def _isolate(self, llm: Any, ns: str | None) -> None:
+        """Empty ``llm``'s context if it holds KV of another namespace than ``ns`` (else
+        llama-cpp-python would continue from it), and record that it now holds ``ns``'s."""
+        if self._holds(llm, ns):
+            return
+        if int(llm.n_tokens) > 0:
+            context.clear(llm)
+            self._count("namespace_clears")
+        with self._lock:
+            self._held_ns[id(llm)] = ns
+
+    def _holds(self, llm: Any, ns: str | None) -> bool:
+        """Whether ``llm``'s context holds KV of namespace ``ns`` (or nothing yet seen)."""
+        with self._lock:
+            if id(llm) in self._held_ns:
+                return self._held_ns[id(llm)] == ns
+            self._held_ns[id(llm)] = None  # not seen yet: the default namespace's
+            weakref.finalize(llm, self._forget, id(llm))
+        return ns is None
+
     def _forget(self, key: int) -> None:
         with self._lock:
             self._bindings.pop(key, None)
+            self._held_ns.pop(key, None)
 
     def _count(self, name: str) -> None:
         with self._lock:

@@ -4,9 +4,12 @@
 Any OpenAI client points at ``http://HOST:PORT/v1``. Every completion's KV goes to the store
 before its response is sent, so a conversation continues from stored KV after the server
 restarts (or dies), and servers sharing ``DIR`` share their prompts' KV. ``GET
-/kvstore/stats`` returns the cache's counters as JSON. A request's ``cache_control`` pins the
-context it saves, and ``/kvstore/contexts``, ``/kvstore/pin``, ``/kvstore/unpin`` and
-``/kvstore/delete`` administer the store's contexts (:mod:`.admin`). The model runs with
+/kvstore/stats`` returns the cache's counters as JSON (admin only). A request's
+``cache_control`` pins the context it saves, and ``/kvstore/contexts``, ``/kvstore/pin``,
+``/kvstore/unpin`` and ``/kvstore/delete`` administer the store's contexts (:mod:`.admin`).
+``--api-keys FILE`` / ``--api-key`` / ``--admin-key`` put every route but ``GET /health``
+behind a key, each tenant's KV and admin calls in its own namespace (:mod:`.tenants`);
+without keys the server binds loopback only and says that it is open. The model runs with
 ``logits_all=False`` (llama-cpp-python's default for a ``Llama``; its server's default,
 ``True``, copies n_tokens x vocabulary floats into every saved state and has no use here
 but prompt logprobs).
@@ -22,7 +25,8 @@ import sys
 from typing import Any
 
 from kvstore.integrations import retention
-from kvstore.integrations.llama_cpp import admin
+from kvstore.integrations.llama_cpp import admin, tenants
+from kvstore.integrations.llama_cpp.tenants import KeyRing
 
 
 def add_serve_command(sub: Any) -> None:
@@ -46,6 +50,7 @@ def add_serve_command(sub: Any) -> None:
                    help="object tier shared by every server: s3://BUCKET/PREFIX?endpoint="
                         "http://HOST:PORT (credentials from AWS_ACCESS_KEY_ID / "
                         "AWS_SECRET_ACCESS_KEY, or the URL's profile=)")
+    tenants.add_options(s)
     s.set_defaults(func=run_serve)
 
 
@@ -70,9 +75,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--objects: {e}") from None
 
 
-def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The server's ASGI app with the model loaded and the cache set; returns (app, cache).
-    llama-cpp-python's app keeps its model in a module global: one app per process."""
+def build_app(args: argparse.Namespace, keys: KeyRing) -> tuple[Any, Any]:
+    """The server's ASGI app with the model loaded and the cache set, every request checked
+    against ``keys`` first (:class:`.tenants.Gate`); returns (app, cache). llama-cpp-python's
+    app keeps its model in a module global: one app per process."""
     from kvstore.integrations.llama_cpp import compat
 
     compat.check()  # before the model loads: UnsupportedEngine names what is missing
@@ -93,12 +99,14 @@ def build_app(args: argparse.Namespace) -> tuple[Any, Any]:
     llama = served_llama(server_app)
     llama.set_cache(cache)
 
-    @app.get("/kvstore/stats")
-    def kvstore_stats() -> JSONResponse:
-        return JSONResponse(cache.stats())
+    @app.get("/health")
+    def health() -> JSONResponse:  # open to all (the key check lets it pass): tells nothing
+        return JSONResponse({"status": "ok"})
 
-    admin.add_routes(app, lambda: cache.store_for(llama))
+    admin.add_routes(app, lambda: cache.store_for(llama), stats_of=cache.stats,
+                     namespaces=keys.namespaces)
     app.middleware("http")(checked_body)
+    app.add_middleware(tenants.Gate, keys=keys)  # added last: the outermost, before all else
     return app, cache
 
 
@@ -193,18 +201,21 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, open the cache, listen, and serve until SIGINT/SIGTERM; prints
-    ``kvstore serve: listening on http://HOST:PORT`` once connections are accepted. Runs in
+    """Load the model, open the cache, listen, and serve until SIGINT/SIGTERM; prints who
+    may call it (:func:`.tenants.describe`: never a key), then ``kvstore serve: listening on
+    http://HOST:PORT`` once connections are accepted. Runs in
     the main thread (uvicorn installs its signal handlers there); the cache is closed when
     the server stops."""
     import uvicorn
 
     check_args(args)
-    app, cache = build_app(args)
+    keys = tenants.key_ring(args)  # ValueError naming the option, before the model loads
+    app, cache = build_app(args, keys)
     try:
         sock = listening_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
+        print(tenants.describe(keys, f"http://{shown}:{port}"), flush=True)
         print(f"kvstore serve: listening on http://{shown}:{port}", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         server.run(sockets=[sock])

@@ -6,21 +6,19 @@ KV, exactly as a server that never restarted does."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("llama_cpp")
 openai = pytest.importorskip("openai")
 
-from tests.support.llama_helpers import THREADS, gguf_path  # noqa: E402
+from tests.support.llama_helpers import gguf_path  # noqa: E402
+from tests.support.llama_server import Server, converse, kvstore_command  # noqa: E402
 from tests.support.paths import ROOT  # noqa: E402
 
 SYSTEM = ("You are a concise assistant for a small bakery. Answer in one or two short "
@@ -28,61 +26,6 @@ SYSTEM = ("You are a concise assistant for a small bakery. Answer in one or two 
           "closes on Mondays.")
 TURNS = ["What bread do you sell?", "When do you open?", "Are you open on Monday?",
          "Which of your breads is best for sandwiches?"]
-MAX_TOKENS = 24
-
-
-def kvstore_command() -> list[str]:
-    script = Path(sys.executable).parent / "kvstore"  # the console script users type
-    return [str(script)] if script.exists() else [sys.executable, "-m", "engine.cli"]
-
-
-class Server:
-    """A ``kvstore serve`` process on a free port of 127.0.0.1."""
-
-    def __init__(self, store: Path, log: Path, model: str | None = None) -> None:
-        self.log = open(log, "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [*kvstore_command(), "serve", "--model", model or gguf_path(), "--store", str(store),
-             "--host", "127.0.0.1", "--port", "0", "--n-ctx", "2048",
-             "--n-threads", str(THREADS)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        for line in self.proc.stdout:  # blocks until the server says where it listens
-            if line.startswith("kvstore serve: listening on "):
-                self.url = line.rsplit(" ", 1)[1].strip()
-                break
-        else:
-            raise AssertionError(f"the server exited ({self.proc.wait()}): "
-                                 f"{log.read_text()[-2000:]}")
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused",
-                                    max_retries=0, timeout=300)
-
-    def chat(self, messages: list[dict]) -> str:
-        r = self.client.chat.completions.create(model="smollm2", messages=messages,
-                                                max_tokens=MAX_TOKENS, temperature=0.0,
-                                                seed=0)
-        return r.choices[0].message.content
-
-    def stats(self) -> dict:
-        with urllib.request.urlopen(f"{self.url}/kvstore/stats", timeout=60) as r:
-            return json.load(r)
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        os.kill(self.proc.pid, sig)
-        self.proc.stdout.close()
-        code = self.proc.wait(timeout=60)
-        self.log.close()
-        return code
-
-
-def converse(server: Server, turns: list[str], history: list[dict]) -> list[str]:
-    """Send each of ``turns`` as the user's next message; ``history`` grows in place."""
-    replies = []
-    for text in turns:
-        history.append({"role": "user", "content": text})
-        reply = server.chat(history)
-        history.append({"role": "assistant", "content": reply})
-        replies.append(reply)
-    return replies
 
 
 def test_a_chat_continues_from_stored_kv_after_the_server_is_killed(tmp_path):
