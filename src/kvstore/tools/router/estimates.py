@@ -160,11 +160,12 @@ class RouterState:
     def record(self, req: ClientRequest, counted: Counted, choice: Choice, where: str,
                why: str) -> None:
         """Count a decision: ``where`` the request went, ``why`` (``model``, ``explored``,
-        ``forced``, ``local_only``, ``producer_down``)."""
+        ``forced``, ``local_only``, ``producer_down``, ``producer_failed``: counted by
+        :meth:`producer_failed`)."""
         with self._lock:
             self._counts["requests"] += 1
             self._counts[where] += 1
-            if why != "model":
+            if why in ("explored", "forced", "local_only", "producer_down"):
                 self._counts[why] += 1
             if req.stream:
                 self._counts["streams"] += 1

@@ -106,7 +106,7 @@ class Router:
         if where == "remote":
             produced = self._prefill(req, counted)
             if produced is None:
-                where, why = "local", "producer_failures"
+                where, why = "local", "producer_failed"
         self.state.record(req, counted, choice, where, why)
         self._decode(req, counted, choice, produced, sink)
 
