@@ -6,9 +6,8 @@ a token no vocabulary has (the vLLM connector's ``PAD`` filling a saved tail, a 
 state's ``STATE`` rows), and every block after one, are not blocks of any prompt: they are not
 announced. A block's hash chains from the block before it, so a chunk's blocks need the hash at
 the end of its parent chunk (:attr:`BlockMaker.tails`, kept per full chunk) and, at a
-context's start, the namespace whose seed the chain starts from (:class:`Names`): a context in
-a namespace whose name this process never saw cannot be hashed (the store keeps only hashes of
-names); it is announced once the name is seen.
+context's start, the namespace whose seed the chain starts from (the catalog records each
+namespace's name, :mod:`kvstore.events.names`).
 
 Thread-safety: none; an :class:`~kvstore.events.source.EventSource` uses it under its own lock.
 """
@@ -22,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.events.hashing import BlockHasher, event_extra_keys
+from kvstore.events.names import Names
+from kvstore.format.catalog import ReadTxn
 from kvstore.format.hashing import STATE_TOKEN
 from kvstore.format.records import ChunkRecord
 
@@ -37,24 +38,6 @@ class Blocks:
     parent: bytes | None  # the hash of the block before the first; None: a prompt's first
     tokens: tuple[int, ...]  # block_size tokens per block
     first_extra: tuple[Any, ...] | None  # the first block's extra keys as events carry them
-
-
-class Names:
-    """Namespace names by the chain seed they give (``seed_of``: the store's seed of a name).
-    :attr:`version` grows with every new name."""
-
-    def __init__(self, seed_of: Callable[[str | None], bytes]) -> None:
-        self._seed_of = seed_of
-        self.by_seed: dict[bytes, str | None] = {seed_of(None): None}
-        self.version = 0
-
-    def add(self, namespace: str | None) -> bool:
-        seed = self._seed_of(namespace)
-        if seed in self.by_seed:
-            return False
-        self.by_seed[seed] = namespace
-        self.version += 1
-        return True
 
 
 _BROKEN = b""  # a full chunk's tail where its blocks end early (no block after it is real)
@@ -77,15 +60,16 @@ class BlockMaker:
         self.extra_keys_of = extra_keys_of
         self.tails: dict[bytes, bytes] = {}  # full chunk key -> its last block's hash
 
-    def blocks(self, rec: ChunkRecord, lookup: Lookup) -> Blocks | None:
-        """The blocks of chunk ``rec``; None if its chain's start cannot be found (an unknown
-        namespace, or an ancestor that is no longer stored)."""
-        start = self._start(rec.parent, lookup)
+    def blocks(self, rec: ChunkRecord, lookup: Lookup, txn: ReadTxn) -> Blocks | None:
+        """The blocks of chunk ``rec`` (``lookup``: chunk records by key; ``txn``: the
+        catalog, for namespace names); None if its chain's start cannot be found (a namespace
+        whose name is not recorded, or an ancestor that is no longer stored)."""
+        start = self._start(rec.parent, lookup, txn)
         if start is None:
             return None
         return self._blocks(rec, start)
 
-    def _start(self, parent: bytes, lookup: Lookup
+    def _start(self, parent: bytes, lookup: Lookup, txn: ReadTxn
                ) -> tuple[bytes | None, str | None, bool] | None:
         """(hash before the chunk, namespace at a chain's start, whether it is the start) for
         a chunk after ``parent``; (_BROKEN, ...) when nothing after ``parent`` is real."""
@@ -100,7 +84,13 @@ class BlockMaker:
                 state = (tail, None, False)
                 break
             rec = lookup(k)
-            if rec is None or len(chain) >= MAX_DEPTH:
+            if rec is None:  # not a chunk: a namespace's seed, if its name is recorded
+                found, ns = self.names.find(k, txn)
+                if not found:
+                    return None
+                state = (None, ns, True)
+                break
+            if len(chain) >= MAX_DEPTH:
                 return None
             chain.append(rec)
             k = rec.parent

@@ -9,8 +9,7 @@ events later by each source's consumer (a publisher thread, vLLM's ``take_events
   corrupt); called by :class:`kvstore.tiers.dram.DramTier` with the store's metadata lock held;
 * ``shared_stored(tier, rec)`` / ``shared_removed(tier, keys)``: a shared tier (``"remote"``,
   ``"objects"``) holds chunk ``rec`` (written through, or found there), or no longer holds
-  ``keys`` (deleted by this store, swept);
-* ``namespace(ns)``: a put in namespace ``ns`` (its name, which a chain's seed does not tell).
+  ``keys`` (deleted by this store, swept).
 
 The disk tier needs no report: sources read its changes from the catalog's change log, which
 has every process's commits.
@@ -31,21 +30,18 @@ from kvstore.format.records import ChunkRecord
 class Sink(Protocol):
     def offer(self, fact: tuple) -> None:
         """Take one fact: ``("dram+", key, gen)``, ``("dram-", key)``, ``("shared+", tier,
-        rec)``, ``("shared-", tier, key)`` or ``("ns", namespace)``. Never blocks."""
+        rec)`` or ``("shared-", tier, key)``. Never blocks."""
 
 
 class TierHooks:
     def __init__(self) -> None:
         self.sinks: tuple[Sink, ...] = ()
-        self._names: set[str] = set()  # namespaces reported (each once)
 
     def __bool__(self) -> bool:
         return bool(self.sinks)
 
     def attach(self, sink: Sink) -> None:
         self.sinks = (*self.sinks, sink)
-        for ns in list(self._names):
-            sink.offer(("ns", ns))
 
     def detach(self, sink: Sink) -> None:
         self.sinks = tuple(s for s in self.sinks if s is not sink)
@@ -70,10 +66,3 @@ class TierHooks:
         if self.sinks:
             for k in keys:
                 self._offer(("shared-", tier, k))
-
-    def namespace(self, ns: str | None) -> None:
-        """A put in ``ns``: its name is offered once (later sources get it when attached)."""
-        if ns is None or ns in self._names:
-            return
-        self._names.add(ns)
-        self._offer(("ns", ns))

@@ -39,9 +39,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.events.blocks import BlockMaker, Blocks, Names
+from kvstore.events.blocks import BlockMaker, Blocks
 from kvstore.events.hashing import BlockHasher
 from kvstore.events.media import locality
+from kvstore.events.names import Names
 from kvstore.events.records import BlockRemoved, BlockStored, Event
 from kvstore.format.catalog import Catalog, ReadTxn
 from kvstore.format.records import ChunkRecord
@@ -133,7 +134,6 @@ class EventSource:
         self._overflow = False
         self._drain_lock = threading.Lock()  # everything else
         self._disk_gen = -1  # the catalog generation the disk tier was drained at
-        self._names_seen = 0
         self.counters = collections.Counter()
 
     @property
@@ -170,9 +170,6 @@ class EventSource:
                 overflow, self._overflow = self._overflow, False
             out: list[Event] = []
             with self._catalog.read() as txn:
-                for f in facts:
-                    if f[0] == "ns":
-                        self._names.add(f[1])
                 if "disk" in self._tiers:
                     self._sync_disk(txn, out, full=overflow)
                 if "dram" in self._tiers:
@@ -181,7 +178,7 @@ class EventSource:
                     else:
                         self._apply_dram(txn, facts, out)
                 self._apply_shared(txn, facts, out)
-                if self._names.version != self._names_seen:
+                if any(t.waiting for t in self._tiers.values()):
                     self._retry_waiting(txn, out)
             stored = sum(1 for ev in out if isinstance(ev, BlockStored))
             with self._lock:  # counters change under it (stats() reads them so)
@@ -192,14 +189,11 @@ class EventSource:
                 c["removed_events"] += len(out) - stored
             return out
 
-    def _lookup(self, txn: ReadTxn) -> Callable[[bytes], ChunkRecord | None]:
-        return txn.chunk
-
     def _add(self, tier: str, rec: ChunkRecord, txn: ReadTxn, out: list[Event]) -> None:
         t = self._tiers[tier]
         if rec.key in t.chunks:
             return
-        blocks = self._maker.blocks(rec, self._lookup(txn))
+        blocks = self._maker.blocks(rec, txn.chunk, txn)
         if blocks is None:  # its chain's start is unknown (yet): announced once it is
             t.waiting[rec.key] = rec
             return
@@ -222,7 +216,7 @@ class EventSource:
             lookup = records.get
             for key, rec in records.items():
                 if key not in t.chunks:
-                    blocks = self._maker.blocks(rec, lookup)
+                    blocks = self._maker.blocks(rec, lookup, txn)
                     if blocks is None:
                         t.waiting[key] = rec
                     else:
@@ -268,11 +262,12 @@ class EventSource:
                 self._remove(f[1], f[2], out)
 
     def _retry_waiting(self, txn: ReadTxn, out: list[Event]) -> None:
-        """New namespace names: announce the chunks that waited for them."""
-        self._names_seen = self._names.version
+        """Announce the chunks that waited for their namespace's name, if it is recorded now
+        (one catalog read per such chunk and drain: only a store written before names were
+        recorded has any)."""
         for t in self._tiers.values():
             for key, rec in list(t.waiting.items()):
-                blocks = self._maker.blocks(rec, self._lookup(txn))
+                blocks = self._maker.blocks(rec, txn.chunk, txn)
                 if blocks is not None:
                     t.add(key, blocks, self._maker, out)
 

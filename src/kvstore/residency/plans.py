@@ -36,6 +36,7 @@ from kvstore.errors import (
     StoreClosed,
     StoreTampered,
 )
+from kvstore.events.names import record_name
 from kvstore.eviction.policies import EvictionPolicy, Priority
 from kvstore.format.catalog import WriteTxn
 from kvstore.format.records import ChunkRecord, ContextRecord, IndexEntry, Reservation
@@ -95,6 +96,7 @@ class Plans:
         self._policy = policy
         self._cond = threading.Condition(core.mutex)  # signals the end of a put's writing
         self._inflight: set[bytes] = set()  # new chunks puts of this process are writing
+        self._named: set[str] = set()  # namespaces whose name this process saw recorded
         self._writers = 0  # puts between plan and end
         self._seq = itertools.count()
 
@@ -108,7 +110,6 @@ class Plans:
         """A put's plan (None: nothing to write; BYPASSED: admission refused it); the index
         directories of contexts it evicted go to ``remove`` once its transaction committed.
         A :class:`PutPlan` must be given to :meth:`end` however the put ends."""
-        self.core.hooks.namespace(namespace)  # its name, for the KV events of what it stores
         return self._plan(toks, namespace, base, learn, remove)
 
     def end(self, plan: PutPlan) -> None:
@@ -481,6 +482,9 @@ class Plans:
                                                               plan.namespace))
         for rec in new:
             txn.put_chunk(rec)
+        if plan.namespace is not None and plan.namespace not in self._named:
+            record_name(txn, core.seed(plan.namespace), plan.namespace)
+            self._named.add(plan.namespace)
         txn.put_context(ContextRecord(plan.chain[-1], len(plan.toks), plan.now, plan.now,
                                       tuple(plan.chain)))
         _, dirs = core.mirror.drop_contexts(txn, superseded, keep, ahead=False)

@@ -33,10 +33,6 @@ def attach_source(core: Core, *, hasher: BlockHasher, block_size: int,
         block_size=block_size, chunk_tokens=core.config.chunk_tokens, seed_of=core.seed,
         extra_keys_of=extra_keys_of, dram_now=core.dram_ready,
         max_queue_size=max_queue_size, wake=wake)
-    with core.catalog.read() as txn:  # names the catalog keeps: those pins recorded
-        named = {p.namespace for p in txn.pins().values() if p.namespace is not None}
-    for ns in sorted(named):
-        source.offer(("ns", ns))
     core.hooks.attach(source)
     return source
 
