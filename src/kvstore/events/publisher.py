@@ -99,7 +99,9 @@ class ZmqPublisher:
         self._seq = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter(dict.fromkeys(
+            ("batches", "events", "unsent_batches", "replay_requests", "bad_replay_requests",
+             "drain_errors"), 0))
         self.last_error = ""
 
     def wake(self) -> None:

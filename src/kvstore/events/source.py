@@ -134,7 +134,9 @@ class EventSource:
         self._overflow = False
         self._drain_lock = threading.Lock()  # everything else
         self._disk_gen = -1  # the catalog generation the disk tier was drained at
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter(dict.fromkeys(
+            ("drains", "stored_events", "removed_events", "dropped_changes",
+             "lost_shared_changes", "resyncs", "disk_full_syncs", "stale_dram_copies"), 0))
 
     @property
     def block_size(self) -> int:
