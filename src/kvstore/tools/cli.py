@@ -195,7 +195,9 @@ def add_store_commands(sub: argparse._SubParsersAction) -> None:
                                              "time-to-live, then the least recently used "
                                              "beyond a cap (JSON report)")
     w.add_argument("url", help="s3://BUCKET/PREFIX?endpoint=... (credentials: AWS_* or profile=)")
-    w.add_argument("--ttl-s", type=float, default=None, help="default 7 days")
+    w.add_argument("--ttl-s", type=float, default=None,
+                   help="seconds a value may stay unused (default 7 days; 0: every value "
+                        "now)")
     w.add_argument("--max-bytes", type=int, default=None, help="cap on the values' bytes")
     w.set_defaults(func=_cmd_sweep_objects)
     _add_retention_commands(sub)

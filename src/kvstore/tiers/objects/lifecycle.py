@@ -11,6 +11,10 @@ never deleted; one unused for ``ttl_s`` may be, and is recomputed (a miss, never
 if it returns. Partial-chunk entries and boundary marks whose value is gone are deleted with
 it.
 
+``ttl_s`` 0 (an operator's "everything now", :func:`sweep_objects`): every value the listing
+finds counts as unused now and is deleted, with its markers, entries and marks; a store that
+uses one afterwards misses and recomputes it.
+
 ``max_bytes`` caps the values' bytes under the prefix: after the TTL, a sweep deletes the least
 recently used values until the rest fit.
 
@@ -23,6 +27,7 @@ Thread-safety: :func:`sweep` may run in any thread; it shares nothing but the cl
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -87,7 +92,8 @@ def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
           as_of: float | None = None,
           on_deleted: Callable[[list[bytes]], None] | None = None) -> SweepReport:
     """Delete the values under ``prefix`` unused for ``ttl_s`` (and their markers and
-    partial-chunk entries), then the least recently used beyond ``max_bytes``. ``as_of``:
+    partial-chunk entries; ``ttl_s`` 0: every value listed), then the least recently used
+    beyond ``max_bytes``. ``as_of``:
     the time (seconds since the epoch) the ages are taken at; default the service's clock at
     the listing. ``on_deleted``: given the chain keys of the values deleted (KV events)."""
     t0 = time.perf_counter()
@@ -117,8 +123,11 @@ def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
             mark = on.parse_mark(obj.name, obj.name[:obj.name.rfind("/") + 1])
             if mark is not None:
                 kid_entries.append((obj, mark.key))
+    def unused(t: float) -> bool:  # the service's clock ticks in seconds: ttl 0 is "all"
+        return ttl_s == 0 or now - t > ttl_s
+
     last = {k: max(v.modified, used.get(k, 0.0)) for k, v in values.items()}
-    doomed = {k for k, t in last.items() if now - t > ttl_s}
+    doomed = {k for k, t in last.items() if unused(t)}
     kept = sorted((t, k) for k, t in last.items() if k not in doomed)
     kept_bytes = sum(values[k].size for _, k in kept)
     if max_bytes is not None:
@@ -130,9 +139,9 @@ def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
     gone = list(doomed)
     names: list[tuple[str, int]] = [(values[k].name, values[k].size) for k in gone]
     names += [(marker_name[k], 0) for k in used if (k in doomed or k not in values)
-              and now - used[k] > ttl_s]
+              and unused(used[k])]
     names += [(obj.name, 0) for obj, key in kid_entries if key in doomed
-              or (key not in values and now - obj.modified > ttl_s)]
+              or (key not in values and unused(obj.modified))]
 
     def delete(item: tuple[str, int]) -> tuple[bool, int]:
         if stop is not None and stop.is_set():
@@ -159,15 +168,30 @@ def sweep(client: S3Client, prefix: str, *, ttl_s: float, max_bytes: int | None,
 def sweep_objects(objects: str | ObjectsConfig, *, ttl_s: float | None = None,
                   max_bytes: int | None = None) -> SweepReport:
     """Sweep an object tier's prefix once, without a store (an operator's periodic job):
-    values unused for ``ttl_s`` (default: the config's), then the least recently used
-    beyond ``max_bytes`` (default: the config's cap)."""
+    values unused for ``ttl_s`` seconds (default: the config's; 0: every value, "sweep
+    everything unused now"), then the least recently used beyond ``max_bytes`` (default:
+    the config's cap). ValueError naming ``ttl_s`` for a negative, NaN or infinite one."""
+    ttl = None if ttl_s is None else check_sweep_ttl(ttl_s)
     cfg = ObjectsConfig.of(objects)
-    if ttl_s is not None or max_bytes is not None:
-        cfg = replace(cfg, ttl_s=cfg.ttl_s if ttl_s is None else ttl_s,
-                      max_bytes=cfg.max_bytes if max_bytes is None else max_bytes)
+    if max_bytes is not None:
+        cfg = replace(cfg, max_bytes=max_bytes)
     client = cfg.client()
     try:
-        return sweep(client, cfg.prefix, ttl_s=cfg.ttl_s, max_bytes=cfg.max_bytes,
-                               deadline_s=cfg.deadline_s)
+        return sweep(client, cfg.prefix, ttl_s=cfg.ttl_s if ttl is None else ttl,
+                     max_bytes=cfg.max_bytes, deadline_s=cfg.deadline_s)
     finally:
         client.close()
+
+
+def check_sweep_ttl(ttl_s: object) -> float:
+    """``ttl_s`` of one sweep: a finite number of seconds >= 0 (0: every value)."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float):
+        raise TypeError(f"ttl_s must be a number of seconds, got {type(ttl_s).__name__}")
+    try:
+        ttl = float(ttl_s)
+    except OverflowError:
+        ttl = math.inf
+    if not math.isfinite(ttl) or ttl < 0:
+        raise ValueError(f"ttl_s must be a finite number of seconds >= 0 (0: every value "
+                         f"not in use now), got {ttl_s!r}")
+    return ttl
