@@ -218,6 +218,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.mode != "simulated":
         raise ValueError("plan runs in simulated mode")
+    if args.target is None:
+        raise ValueError("--target (the hit rate) is required for the disk-capacity plan; "
+                         "kvstore plan offload answers the prefill-offload question")
     if not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target must be in (0, 1], got {args.target}")
     cfg = config_of(args, (args.method,))
@@ -248,10 +251,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    default=None, help="also sweep disk capacities, e.g. 0.5TB,1TB,2TB,10TB")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=cmd_replay)
-    p = sub.add_parser("plan", help="disk capacity needed for a target hit rate (simulated)")
+    from engine.replay.offload_cli import add_offload_command
+
+    p = sub.add_parser("plan", help="disk capacity needed for a target hit rate (simulated); "
+                                    "'plan offload': prefill across datacenters")
     add_workload_args(p)
-    p.add_argument("--target", type=float, required=True, help="hit rate, e.g. 0.9")
+    p.add_argument("--target", type=float, default=None, help="hit rate, e.g. 0.9")
     p.add_argument("--method", type=lambda t: _methods(t)[0], default=Method("as"))
     p.add_argument("--min-disk", type=_size, default=parse_bytes("10GB"))
     p.add_argument("--max-disk", type=_size, default=parse_bytes("100TB"))
     p.set_defaults(func=cmd_plan)
+    add_offload_command(p)
