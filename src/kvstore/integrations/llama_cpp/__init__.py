@@ -5,8 +5,10 @@ cache shared by every process that names ``DIR``; ``kvstore serve --model GGUF -
 runs llama-cpp-python's OpenAI-compatible server with it. Parts: :mod:`.state` (llama.cpp's
 KV state, field by field), :mod:`.identity` (what computed a context's bytes, hence the store
 layout), :mod:`.context` (a live Llama: who asks, what it holds, restoring into it),
-:mod:`.cache` (:class:`KVStoreLlamaCache`), :mod:`.server` (``kvstore serve``), :mod:`.compat`
-(the private surface of llama-cpp-python still used, and the versions tested).
+:mod:`.cache` (:class:`KVStoreLlamaCache`), :mod:`.server` (``kvstore serve``), :mod:`.admin`
+(its retention and admin routes), :mod:`.tenants` (its API keys, and the namespace each
+request runs in), :mod:`.compat` (the private surface of llama-cpp-python still used, and the
+versions tested).
 
 Importing this package does not import ``llama_cpp``; the cache imports it when a Llama
 first calls it.

@@ -64,7 +64,7 @@ class Caller:
     admin: bool = False
 
     def reaches(self, namespace: str | None) -> bool:
-        """Whether this caller may act on the contexts of ``namespace``."""
+        """Whether this caller may act on the contexts of ``namespace``. Thread-safe."""
         return self.admin or namespace == self.namespace
 
 
@@ -81,7 +81,8 @@ def in_namespace(namespace: str | None) -> Iterator[None]:
     """Run the body with :data:`NAMESPACE` set: completions a
     :class:`~kvstore.integrations.llama_cpp.KVStoreLlamaCache` serves in it match, restore,
     store and pin in ``namespace`` only (a program serving several tenants itself uses it
-    as ``kvstore serve`` does)."""
+    as ``kvstore serve`` does). Sets the variable of the calling context only: other
+    threads and tasks keep theirs."""
     token = NAMESPACE.set(namespace)
     try:
         yield
@@ -91,7 +92,8 @@ def in_namespace(namespace: str | None) -> Iterator[None]:
 
 @contextmanager
 def acting_as(caller: Caller) -> Iterator[None]:
-    """Run the body as ``caller``: :data:`CALLER` and its namespace set."""
+    """Run the body as ``caller``: :data:`CALLER` and its namespace set, in the calling
+    context only (as :func:`in_namespace`)."""
     token = CALLER.set(caller)
     try:
         with in_namespace(caller.namespace):
@@ -136,7 +138,7 @@ class KeyRing:
 
     def caller(self, presented: str | None) -> Caller | None:
         """The caller whose key is ``presented`` (None: no such key). Every configured key
-        is compared, in constant time each, whichever matches."""
+        is compared, in constant time each, whichever matches. Thread-safe."""
         if self.open:
             return OPEN
         if not presented:
@@ -201,7 +203,8 @@ def _read_at_most(fd: int, limit: int) -> bytes:
 
 def load_keys_file(path: str) -> dict[str, str | None]:
     """The tenants of a keys file (key -> namespace), every entry checked; ValueError
-    naming ``--api-keys`` and what is wrong (an entry by its position, never its key)."""
+    naming ``--api-keys`` and what is wrong (an entry by its position, never its key).
+    Thread-safe (reads the file once)."""
     where = f"--api-keys {path!r}"
     try:  # non-blocking: a FIFO or a device is refused, not waited on
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -258,7 +261,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def key_ring(args: argparse.Namespace) -> KeyRing:
-    """The ring ``kvstore serve``'s options give; ValueError naming the option."""
+    """The ring ``kvstore serve``'s options give; ValueError naming the option (a keys file,
+    or a server open to more than loopback without ``--allow-unauthenticated``). Thread-safe."""
     tenants = {} if args.api_keys is None else load_keys_file(args.api_keys)
     if args.api_key is not None:
         check_key(args.api_key, "--api-key")
