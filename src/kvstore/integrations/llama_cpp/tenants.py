@@ -46,6 +46,7 @@ import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from kvstore.format.records import MAX_NAMESPACE_BYTES
@@ -111,7 +112,8 @@ class KeyRing:
     """The server's keys (as SHA-256 digests) and the caller each one is. Empty: an open
     server. Build it with :func:`key_ring` (or :meth:`of` from checked keys)."""
 
-    callers: Mapping[bytes, Caller] = field(default_factory=dict, repr=False)
+    callers: Mapping[bytes, Caller] = field(default_factory=lambda: MappingProxyType({}),
+                                            repr=False)
 
     @classmethod
     def of(cls, tenants: Mapping[str, str | None], admin_key: str | None = None) -> KeyRing:
@@ -119,8 +121,10 @@ class KeyRing:
         (:func:`check_key`); the admin key must not be a tenant's key."""
         callers = {_digest(k): Caller(namespace=ns) for k, ns in tenants.items()}
         if admin_key is not None:
+            if _digest(admin_key) in callers:
+                raise ValueError("the admin key is also a tenant's key")
             callers[_digest(admin_key)] = Caller(namespace=None, admin=True)
-        return cls(callers=callers)
+        return cls(callers=MappingProxyType(callers))
 
     @property
     def open(self) -> bool:
