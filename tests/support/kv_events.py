@@ -64,9 +64,10 @@ def chunk_prefixes(records, fingerprint: bytes, namespaces: Iterable[str | None]
 
 
 def held_blocks(records, keys, fingerprint: bytes, block_size: int,
-                namespaces: Iterable[str | None] = (None,)) -> set[int]:
+                namespaces: Iterable[str | None] = (None,), seed: str = NONE_SEED) -> set[int]:
     """The vLLM block hashes (ints) of the whole blocks of the chunks ``keys`` (of
-    ``records``): blocks of real tokens only (none from a PAD or STATE token on)."""
+    ``records``): blocks of real tokens only (none from a PAD or STATE token on); ``seed``:
+    vLLM's NONE_HASH seed (its default, or the engine's ``PYTHONHASHSEED``)."""
     prefixes = chunk_prefixes(records, fingerprint, namespaces)
     out: set[int] = set()
     for key in keys:
@@ -74,7 +75,7 @@ def held_blocks(records, keys, fingerprint: bytes, block_size: int,
             continue
         toks, ns, start = prefixes[key]
         real = next((i for i, t in enumerate(toks) if t >= STATE_OR_PAD), len(toks))
-        hashes = prompt_hashes(toks[:real], block_size, ns)
+        hashes = prompt_hashes(toks[:real], block_size, ns, seed)
         out.update(as_int(h) for h in hashes[start // block_size:])
     return out
 

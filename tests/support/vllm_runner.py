@@ -4,6 +4,7 @@
 after another and prints one ``RESULT {json}`` line per request. A job::
 
     {"model": DIR, "connector": {...extra config...} | null, "multiprocessing": false,
+     "kv_events": {...KVEventsConfig fields...} | null, "hash_algo": "sha256_cbor" | null,
      "prefix_caching": false, "logprobs": false (true: each token's logprob too),
      "requests": [{"ids": [...], "max_tokens": 24, "after_previous": false,
                    "pause_s": 0}, ...]}
@@ -51,6 +52,13 @@ def main(path: str) -> None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=job["connector"])
+    if job.get("kv_events") is not None:  # {"endpoint": ..., "replay_endpoint": ...}
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                **job["kv_events"])
+    if job.get("hash_algo") is not None:  # vLLM's --prefix-caching-hash-algo
+        kw["prefix_caching_hash_algo"] = job["hash_algo"]
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
               max_model_len=job.get("max_model_len", 4096), enforce_eager=True,
               kv_cache_memory_bytes=job.get("kv_cache_bytes", 256 << 20),

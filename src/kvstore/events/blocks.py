@@ -41,12 +41,14 @@ class Blocks:
 
 
 _BROKEN = b""  # a full chunk's tail where its blocks end early (no block after it is real)
+SKIP = ("not announced",)  # extra_keys_of's answer for a namespace whose chunks are not announced
 
 
 class BlockMaker:
     """Blocks of chunks for one engine's hashes (``hasher``) in blocks of ``block_size``
     tokens; ``extra_keys_of(namespace)``: the hash's extra keys of a context's first block in
-    that namespace (vLLM's for its ``cache_salt``)."""
+    that namespace (vLLM's for its ``cache_salt``), or :data:`SKIP`: the namespace's chunks
+    are announced without blocks (an engine that would not be served them)."""
 
     def __init__(self, *, hasher: BlockHasher, block_size: int, chunk_tokens: int,
                  names: Names,
@@ -104,6 +106,9 @@ class BlockMaker:
         parent, namespace, first = start
         B = self.block_size
         full = rec.n_tokens == self.chunk_tokens
+        extra = self.extra_keys_of(namespace) if first else None
+        if extra is SKIP:
+            parent = _BROKEN
         if parent == _BROKEN:
             if full:
                 self.tails[rec.key] = _BROKEN
@@ -114,7 +119,6 @@ class BlockMaker:
         if bad.size:
             n = int(bad[0]) // B * B
         ids = toks[:n].tolist()
-        extra = self.extra_keys_of(namespace) if first else None
         digests = []
         p = parent
         for i in range(0, n, B):

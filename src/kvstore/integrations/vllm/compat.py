@@ -12,6 +12,13 @@ private, each with why nothing public replaces it:
   startup, before any attention layer exists, and the scheduler process never has one; vLLM
   exposes the ISA only as ``layer.isa`` on a built model's attention layers. (Its signature
   grew from ``(dtype, block_size)`` to four arguments; the head size decides ``vec16``.)
+* ``vllm.v1.core.kv_cache_utils.hash_block_tokens`` / ``NONE_HASH`` /
+  ``maybe_convert_block_hash`` and ``vllm.utils.hashing.get_hash_fn_by_name``: how the engine
+  hashes a block (its ``--prefix-caching-hash-algo``, its NONE_HASH seed) and how its events
+  carry a hash, for the store's KV events (``take_events``) to name blocks as vLLM's own
+  events do. vLLM exposes them only to its own KV cache manager; only a connector that
+  publishes events needs them (:func:`block_hasher`, which raises
+  :class:`~kvstore.integrations.surface.UnsupportedEngine` if they are missing).
 
 :func:`check` (run when a connector starts) verifies, by feature presence, that the installed
 vLLM still has this surface and the hooks the connector relies on vLLM calling: a missing
@@ -97,5 +104,39 @@ def attention_isa(dtype, block_size: int, head_size: int, cache_dtype: str) -> s
     return _get_attn_isa(dtype, block_size, head_size, cache_dtype)
 
 
-__all__ = ["CONNECTOR_HOOKS", "TESTED_VERSIONS", "UnsupportedEngine", "attention_isa", "check",
-           "installed_version", "missing_surface"]
+class VllmBlockHasher:
+    """The engine's own block hash (:class:`kvstore.events.hashing.BlockHasher`): vLLM's
+    ``hash_block_tokens`` with its configured hash function and NONE_HASH (read when hashing:
+    vLLM sets it after the connector is made), hashes as its events carry them."""
+
+    def __init__(self, hash_fn, utils) -> None:
+        self._fn = hash_fn
+        self._utils = utils
+
+    def block_hash(self, parent, tokens, extra_keys):
+        return self._utils.hash_block_tokens(self._fn, parent, tokens, extra_keys)
+
+    def external(self, digest):
+        return self._utils.maybe_convert_block_hash(digest)
+
+
+def block_hasher(cache_config) -> VllmBlockHasher:
+    """vLLM's block hash for ``cache_config.prefix_caching_hash_algo``;
+    :class:`UnsupportedEngine` if the installed vLLM lacks what it takes."""
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+    except ImportError as e:
+        raise UnsupportedEngine(f"vLLM {installed_version()}: its block hashing ({e})") from None
+    missing = [n for n in ("hash_block_tokens", "maybe_convert_block_hash")
+               if not hasattr(kv_cache_utils, n)]
+    if missing:
+        raise UnsupportedEngine(f"vLLM {installed_version()} lacks "
+                                f"vllm.v1.core.kv_cache_utils.{missing[0]} (block hashes of "
+                                f"the store's KV events)")
+    return VllmBlockHasher(get_hash_fn_by_name(cache_config.prefix_caching_hash_algo),
+                           kv_cache_utils)
+
+
+__all__ = ["CONNECTOR_HOOKS", "TESTED_VERSIONS", "UnsupportedEngine", "VllmBlockHasher",
+           "attention_isa", "block_hasher", "check", "installed_version", "missing_surface"]

@@ -46,6 +46,7 @@ from kvstore.integrations import shared
 from kvstore.integrations.vllm import compat
 from kvstore.integrations.vllm import groups as kv_groups
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.events import ConnectorEvents, connector_events
 from kvstore.integrations.vllm.identity import vllm_layout
 from kvstore.integrations.vllm.plan import StepPlan, WorkerReport
 from kvstore.integrations.vllm.scheduler import SchedulerSide
@@ -86,12 +87,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._lease, store = None, None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._events: ConnectorEvents | None = None  # the store's, for take_events()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(store, block_size=block_size,
                                             namespace=cfg.namespace, save=cfg.save,
                                             block_ids_of=self._block_ids, groups=groups,
                                             lossy_ok=cfg.lossy_ok)
             _register_scheduler(transfer.engine_id, self)
+            self._events = connector_events(vllm_config, store, block_size=block_size,
+                                            namespace=cfg.namespace, hybrid=self._hybrid)
             if cfg.lossy_ok:
                 log.warning("kvstore: lossy_ok: KV stored through a lossy codec (%s) is served: "
                             "answers may differ from vLLM's own; each request's "
@@ -212,7 +216,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                  ) -> KVStoreConnectorStats:
         return KVStoreConnectorStats(data=dict(data or {}))
 
+    def take_events(self):
+        """The store's KV events since the last call (:mod:`.events`), which vLLM publishes
+        with its own: BlockStored / BlockRemoved of its DRAM, disk and shared tiers, in vLLM's
+        block hashes. Scheduler role; nothing without ``--kv-events-config``."""
+        return self._events.take() if self._events is not None else ()
+
     def shutdown(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         if self._worker is not None:
             self._worker.close()
         if self._lease is not None:
