@@ -286,12 +286,15 @@ def test_a_servers_reply_is_read_only_where_its_fields_have_their_types():
                   "prompt_tokens_details": {"cached_tokens": 64}},
         "kv_transfer_params": {"kvstore": {"produced": {"num_tokens": 100, "bytes": 2300},
                                            "loaded_tokens": 99, "loaded_bytes": "lots",
-                                           "load_failed": False}}})
+                                           "load_failed": False}},
+        "metrics": {"time_to_first_token_ms": 250.0, "queue_time_ms": 3.0}})
     assert (r.prompt_tokens, r.completion_tokens, r.cached_tokens) == (100, 5, 64)
     assert (r.produced_tokens, r.produced_bytes, r.loaded_tokens) == (100, 2300, 99)
     assert r.loaded_bytes is None and r.load_failed is False
-    bad = protocol.read_reply({"usage": {"prompt_tokens": -4}, "kv_transfer_params": [1]})
-    assert bad.prompt_tokens is None and bad.params is None
+    assert r.server_ttft_s == pytest.approx(0.25)
+    bad = protocol.read_reply({"usage": {"prompt_tokens": -4}, "kv_transfer_params": [1],
+                               "metrics": {"time_to_first_token_ms": "soon"}})
+    assert bad.prompt_tokens is None and bad.params is None and bad.server_ttft_s is None
     assert protocol.read_reply("nonsense") == protocol.Reply()
 
 

@@ -7,10 +7,13 @@ How each is measured (every one an exponentially weighted fit from a prior, fits
 * **producer prefill** (``fixed_s + tokens / tokens_per_s``): the wall time of each prefill-only
   request (``max_tokens=1``), against the tokens it computed (the reply's ``prompt_tokens``
   less its ``cached_tokens``, else the router's estimate) plus those the router had in flight
-  there when it was sent (they were ahead of it).
-* **consumer prefill**: its time to first token on local requests (the first server-sent
-  event with text when streamed; else the reply's time less its later tokens at the measured
-  decode time per token), against the tokens it computed plus those in flight there.
+  there when it was sent (they were ahead of it). Where the reply carries vLLM's per-request
+  metrics (``vllm serve --enable-per-request-metrics``), its ``time_to_first_token_ms``
+  (scheduled to first token: no queue) is used instead, against the tokens it computed alone.
+* **consumer prefill**: its time to first token on local requests (the server's metric where
+  it gives one; else the first server-sent event with text when streamed; else the reply's
+  time less its later tokens at the measured decode time per token), against the tokens it
+  computed plus those in flight there.
 * **link**: after a remote prefill, the KV bytes the consumer loaded (its report's
   ``loaded_bytes``, else ``loaded_tokens`` at the layout's bytes per token, else the
   prediction) over its time to first token less its prefill of the rest: bytes per second.

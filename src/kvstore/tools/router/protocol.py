@@ -204,6 +204,12 @@ class Reply:
     loaded_tokens: int | None = None
     loaded_bytes: int | None = None
     load_failed: bool | None = None
+    server_ttft_s: float | None = None  # vLLM's per-request metrics: scheduled to first token
+
+
+def _seconds(ms: Any) -> float | None:
+    ok = isinstance(ms, int | float) and not isinstance(ms, bool) and math.isfinite(ms)
+    return ms / 1e3 if ok and 0 <= ms <= 1e9 else None
 
 
 def read_reply(doc: Any) -> Reply:
@@ -219,13 +225,15 @@ def read_reply(doc: Any) -> Reply:
     ks = ks if isinstance(ks, dict) else {}
     prod = ks.get(PRODUCED) if isinstance(ks.get(PRODUCED), dict) else {}
     failed = ks.get("load_failed")
+    metrics = doc.get("metrics") if isinstance(doc.get("metrics"), dict) else {}
     return Reply(prompt_tokens=_count(usage.get("prompt_tokens")), cached_tokens=cached,
                  completion_tokens=_count(usage.get("completion_tokens")), params=params,
                  produced_tokens=_count(prod.get("num_tokens")),
                  produced_bytes=_count(prod.get("bytes")),
                  loaded_tokens=_count(ks.get("loaded_tokens")),
                  loaded_bytes=_count(ks.get("loaded_bytes")),
-                 load_failed=failed if isinstance(failed, bool) else None)
+                 load_failed=failed if isinstance(failed, bool) else None,
+                 server_ttft_s=_seconds(metrics.get("time_to_first_token_ms")))
 
 
 def sse_has_token(event: bytes) -> bool:

@@ -145,7 +145,10 @@ class Router:
             self.state.producer_failed()
             return None
         reply = protocol.read_reply(a.doc)
-        self.state.observe_producer(counted, reply, a.seconds, queued)
+        if reply.server_ttft_s is not None:  # its own prefill time, without its queue
+            self.state.observe_producer(counted, reply, reply.server_ttft_s, 0)
+        else:
+            self.state.observe_producer(counted, reply, a.seconds, queued)
         self.state.observe_chars(req, reply)
         self.state.remember("producer", counted)
         if reply.params is None:
@@ -177,6 +180,8 @@ class Router:
         reply, ttft = out
         self.state.observe_chars(req, reply)
         self.state.remember("consumer", counted)
+        if reply.server_ttft_s is not None:  # the server's own, without its queue
+            ttft, queued = reply.server_ttft_s, 0
         if remote:
             self.state.observe_remote(counted, reply, ttft, choice.transfer_bytes)
         else:
