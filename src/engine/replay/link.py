@@ -14,8 +14,8 @@ a time, as a FIFO of KV transfers; not fair sharing). A transfer may start when 
 starts (layer-wise pipelining: each layer's KV is sent once computed), so it ends no earlier
 than the time to push its bytes from its start nor than its prefill's end plus the time to
 push its last layer. A scheduler cannot read the future of the trace: :meth:`Link.estimate`
-measures the bandwidth as the mean over the last ``measure_s`` seconds and counts the bytes
-still queued ahead.
+measures the bandwidth as the mean over the last ``measure_s`` seconds and replays the
+transfers queued ahead at that bandwidth.
 """
 
 from __future__ import annotations
@@ -149,9 +149,12 @@ class BandwidthTrace:
 
 @dataclass(slots=True)
 class Transfer:
-    start_s: float
-    end_s: float
+    start_from: float  # its prefill's start: the first bytes exist
+    produced_s: float  # its prefill's end: the last layer's bytes exist
     nbytes: float
+    tail_bytes: float
+    start_s: float = 0.0
+    end_s: float = 0.0
 
 
 class Link:
@@ -170,30 +173,17 @@ class Link:
              tail_bytes: float) -> Transfer:
         """Queue a transfer of ``nbytes`` whose KV is produced from ``start_from`` until
         ``produced_s`` (the prefill), the last ``tail_bytes`` of it at ``produced_s``. Returns
-        its start and end (its bytes have left; add ``spec.latency_s`` for their arrival)."""
-        start = max(self.free_at, start_from)
-        end = max(self.trace.send_end(start, nbytes),
-                  self.trace.send_end(max(produced_s, start), tail_bytes))
-        self.free_at = end
+        it with its start and end (its bytes have left; add ``spec.latency_s`` for their
+        arrival)."""
+        tr = Transfer(start_from, produced_s, nbytes, tail_bytes)
+        tr.start_s = max(self.free_at, start_from)
+        tr.end_s = max(self.trace.send_end(tr.start_s, nbytes),
+                       self.trace.send_end(max(produced_s, tr.start_s), tail_bytes))
+        self.free_at = tr.end_s
         self.bytes_sent += nbytes
         self.transfers += 1
-        tr = Transfer(start, end, nbytes)
         self._queue.append(tr)
         return tr
-
-    def backlog_bytes(self, now: float) -> float:
-        """Bytes queued and not yet sent at ``now`` (a transfer under way counts the share of
-        its time still ahead): what the scheduler knows of the queue."""
-        q = self._queue
-        while q and q[0].end_s <= now:
-            q.popleft()
-        total = 0.0
-        for tr in q:
-            if tr.start_s >= now:
-                total += tr.nbytes
-            else:
-                total += tr.nbytes * (tr.end_s - now) / (tr.end_s - tr.start_s)
-        return total
 
     def measured_bps(self, now: float) -> float:
         """The bandwidth as a scheduler measures it: the mean over the last ``measure_s``
@@ -201,16 +191,27 @@ class Link:
         return self.trace.mean(max(0.0, now - self.spec.measure_s), now)
 
     def outlook(self, now: float) -> tuple[float, float]:
-        """What the scheduler sees at ``now``: (when the queued bytes will have left, the
-        measured bandwidth), both estimated (see :meth:`estimate`)."""
+        """What the scheduler sees at ``now``: (when the transfers queued so far will have
+        left, the measured bandwidth). The first unfinished transfer's start is known (it
+        started, or waits for its prefill's start); from there the queue is replayed at the
+        measured bandwidth (exact when the bandwidth is constant)."""
+        q = self._queue
+        while q and q[0].end_s <= now:
+            q.popleft()
         bw = self.measured_bps(now)
-        return now + self.backlog_bytes(now) / bw, bw
+        if not q:
+            return now, bw
+        end = q[0].start_s
+        for tr in q:
+            start = max(end, tr.start_from)
+            end = max(start + tr.nbytes / bw, max(tr.produced_s, start) + tr.tail_bytes / bw)
+        return max(end, now), bw
 
     def estimate(self, now: float, start_from: float, produced_s: float, nbytes: float,
                  tail_bytes: float, outlook: tuple[float, float] | None = None) -> float:
         """When a transfer queued at ``now`` would deliver its bytes (latency included), as
-        the scheduler estimates it: the measured bandwidth, the backlog ahead of it
-        (``outlook``: :meth:`outlook` at ``now``, if already computed)."""
+        the scheduler estimates it (``outlook``: :meth:`outlook` at ``now``, if already
+        computed)."""
         free, bw = outlook if outlook is not None else self.outlook(now)
         start = max(free, start_from)
         return max(start + nbytes / bw, max(produced_s, start) + tail_bytes / bw) \
