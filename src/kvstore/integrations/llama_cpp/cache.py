@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import CapacityError, KVStoreError, LayoutMismatch
+from kvstore.events.config import EventsConfig
 from kvstore.format.hashing import as_tokens
 from kvstore.integrations import retention
 from kvstore.integrations.llama_cpp import boundary, compat, context, tenants
@@ -111,7 +112,8 @@ class KVStoreLlamaCache:
     an open :class:`kvstore.Store` (its layout must be the Llama's, see :mod:`.identity`).
     ``dram_bytes`` / ``disk_bytes`` size a directory's store as :func:`kvstore.open` does;
     ``objects`` (an ``s3://`` URL or :class:`kvstore.ObjectsConfig`) gives it the object tier
-    that other machines share.
+    that other machines share; ``events`` (a :class:`kvstore.EventsConfig` or a ZMQ endpoint)
+    makes the store publish its KV events (docs/store.md, "KV events").
     Several processes may use one directory at once; each sees the others' KV.
 
     Thread-safety: every method may be called from any thread; llama-cpp-python calls the
@@ -120,11 +122,13 @@ class KVStoreLlamaCache:
 
     def __init__(self, store: str | os.PathLike[str] | Store, *, dram_bytes: int | None = None,
                  disk_bytes: int | None = None,
-                 objects: str | ObjectsConfig | None = None) -> None:
+                 objects: str | ObjectsConfig | None = None,
+                 events: EventsConfig | str | None = None) -> None:
         if isinstance(store, Store):
-            if dram_bytes is not None or disk_bytes is not None or objects is not None:
-                raise ValueError("dram_bytes/disk_bytes/objects configure a store the cache "
-                                 "opens; an open Store was given as store")
+            if dram_bytes is not None or disk_bytes is not None or objects is not None \
+                    or events is not None:
+                raise ValueError("dram_bytes/disk_bytes/objects/events configure a store the "
+                                 "cache opens; an open Store was given as store")
             self._path: str | None = None
         elif isinstance(store, str | os.PathLike):
             self._path = os.path.expanduser(os.fspath(store))
@@ -136,9 +140,12 @@ class KVStoreLlamaCache:
                             f"got {type(store).__name__}")
         if objects is not None:
             objects = ObjectsConfig.of(objects)  # checks it now, connects at first use
+        if events is not None:
+            events = EventsConfig.of(events)  # checks it now, publishes once the store opens
         self._options = {k: v for k, v in (("dram_bytes", dram_bytes),
                                            ("disk_bytes", disk_bytes),
-                                           ("objects", objects)) if v is not None}
+                                           ("objects", objects), ("events", events))
+                         if v is not None}
         self._given = store if isinstance(store, Store) else None
         self._lease: Lease | None = None
         self._lock = threading.Lock()

@@ -51,6 +51,11 @@ def add_serve_command(sub: Any) -> None:
                         "http://HOST:PORT (credentials from AWS_ACCESS_KEY_ID / "
                         "AWS_SECRET_ACCESS_KEY, or the URL's profile=)")
     tenants.add_options(s)
+    s.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish the store's KV events in vLLM's format on this ZMQ endpoint "
+                        "(e.g. tcp://*:5557; docs/store.md, 'KV events')")
+    s.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="the replay socket of --kv-events (e.g. tcp://*:5558)")
     s.set_defaults(func=run_serve)
 
 
@@ -73,6 +78,22 @@ def check_args(args: argparse.Namespace) -> None:
             ObjectsConfig(url=args.objects)
         except (TypeError, ValueError) as e:
             raise ValueError(f"--objects: {e}") from None
+    kv_events(args)
+
+
+def kv_events(args: argparse.Namespace) -> Any:
+    """The store's KV events config of ``--kv-events`` (None without it); ValueError naming
+    the option."""
+    if args.kv_events_replay is not None and args.kv_events is None:
+        raise ValueError("--kv-events-replay needs --kv-events")
+    if args.kv_events is None:
+        return None
+    from kvstore.events.config import EventsConfig
+
+    try:
+        return EventsConfig(endpoint=args.kv_events, replay_endpoint=args.kv_events_replay)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--kv-events: {e}") from None
 
 
 def build_app(args: argparse.Namespace, keys: KeyRing) -> tuple[Any, Any]:
@@ -95,9 +116,12 @@ def build_app(args: argparse.Namespace, keys: KeyRing) -> tuple[Any, Any]:
     app = server_app.create_app(
         server_settings=ServerSettings(host=args.host, port=args.port),
         model_settings=[ModelSettings(**model)])
-    cache = KVStoreLlamaCache(args.store, disk_bytes=args.disk_bytes, objects=args.objects)
+    cache = KVStoreLlamaCache(args.store, disk_bytes=args.disk_bytes, objects=args.objects,
+                              events=kv_events(args))
     llama = served_llama(server_app)
     llama.set_cache(cache)
+    if args.kv_events is not None:
+        cache.store_for(llama)  # opened now: its publisher announces the store at start
 
     @app.get("/health")
     def health() -> JSONResponse:  # open to all (the key check lets it pass): tells nothing
