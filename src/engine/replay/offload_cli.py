@@ -41,7 +41,7 @@ def add_offload_command(plan: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-next-80b-a3b")
     p.add_argument("--workload", choices=WORKLOADS, default="long-context")
     w = p.add_argument_group("workload")
-    w.add_argument("--conversations", type=int, default=2000, help="sharegpt/agent")
+    w.add_argument("--conversations", type=int, default=4000, help="sharegpt/agent")
     w.add_argument("--max-turns", type=int, default=8, help="sharegpt/agent")
     w.add_argument("--think", type=float, default=None,
                    help="mean think time (s); default 60 (sharegpt/agent), 30 (long-context)")

@@ -89,7 +89,7 @@ class ModelShape:
         """Full-attention KV of one token, all full-attention layers (keys and values)."""
         return 2 * self.full_layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
 
-    @property
+    @cached_property
     def swa_bytes_per_token(self) -> int:
         return 2 * self.swa_layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
 
@@ -97,11 +97,17 @@ class ModelShape:
     def weight_bytes(self) -> int:
         return int(self.total_params * self.weight_bytes_per_param)
 
+    @cached_property
+    def linear_state_bytes(self) -> int:
+        """Every linear layer's recurrent state, together."""
+        return self.linear_layers * self.linear_state_elems * self.kv_dtype_bytes
+
     def state_bytes(self, tokens: int) -> int:
         """The part of a ``tokens``-long context that stops growing: every linear layer's
         state and every window layer's last ``window`` tokens."""
-        return (self.linear_layers * self.linear_state_elems * self.kv_dtype_bytes
-                + self.swa_bytes_per_token * min(tokens, self.window))
+        if self.swa_layers:
+            return self.linear_state_bytes + self.swa_bytes_per_token * min(tokens, self.window)
+        return self.linear_state_bytes
 
     def kv_bytes(self, tokens: int) -> int:
         """Everything a decode needs of a ``tokens``-long context."""

@@ -128,6 +128,7 @@ class Request:
     first_token_s: float = 0.0
     finish_s: float = 0.0
     decoder: int = -1
+    decode_bytes: int = 0  # the KV it holds on its decoder (prompt and output)
 
     @property
     def ttft_s(self) -> float:
@@ -195,17 +196,21 @@ class Router:
         out = []
         outlook = sim.link.outlook(now) if sim.link is not None and d.kind != "homogeneous" \
             else None
+        flops: dict[int, float] = {}  # cached tokens -> FLOPs of the rest
+        handoff = model.kv_bytes(req.prompt) / d.rdma_bps
+        nbytes = sim.ship_bytes(req, local_held, local_held >= boundary)
         for i in ids:
             p = sim.prefillers[i]
             c = believed[i]
+            if c not in flops:
+                flops[c] = model.prefill_flops(req.prompt - c, c)
             start = max(now, p.free_at)
-            end = start + p.cost.prefill_s(req.prompt - c, c)
+            end = start + flops[c] / p.cost.hw.prefill_flops_per_s
             if p.remote:
-                nbytes = sim.ship_bytes(req, local_held, local_held >= boundary)
                 ready = sim.link.estimate(now, start, end, nbytes, nbytes / model.layers,
                                           outlook)
             else:
-                ready = end + model.kv_bytes(req.prompt) / d.rdma_bps
+                ready = end + handoff
             out.append(Option(i, c, ready))
         return out
 
@@ -337,7 +342,8 @@ class Simulation:
         pool, m = self.decode_cost.kv_pool_bytes, self.d.model
         while self._waiting:
             req = self._waiting[0]
-            need = m.kv_bytes(req.prompt + req.output)
+            need = req.decode_bytes or m.kv_bytes(req.prompt + req.output)
+            req.decode_bytes = need
             fits = [(dec.active, i) for i, dec in enumerate(self.decoders)
                     if dec.active == 0 or (dec.active < self.d.max_batch
                                            and dec.used + need <= pool)]
@@ -358,7 +364,7 @@ class Simulation:
     def _decoded(self, now: float, req: Request) -> None:
         dec = self.decoders[req.decoder]
         dec.active -= 1
-        dec.used -= self.d.model.kv_bytes(req.prompt + req.output)
+        dec.used -= req.decode_bytes
         session, k = req.session, req.turn
         turn = session.turns[k]
         if self.d.local_prefill:  # the KV decode holds, kept in the local cluster
