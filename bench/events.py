@@ -2,23 +2,27 @@
 (``kvstore.open(..., events=...)``) to a subscriber that reads nothing, against the same puts
 without events, measured in one run.
 
-Conditions, interleaved round by round (their order rotates) on fresh stores of the same sizes
-(a disk budget of ``--disk-contexts`` contexts, so the puts evict all along and the events
-announce removals too):
+Conditions, each a store of the same sizes open for the whole run (a disk budget of
+``--disk-contexts`` contexts, so the puts evict all along and the events announce removals
+too), put to in phases of ``--puts`` puts, one phase each per round (their order rotates), so
+that what else the machine does meanwhile falls on all of them alike:
 
   none          no events (the baseline)
   idle_sub      events on a ZMQ endpoint whose one subscriber is connected and never reads
                 (ZMQ drops beyond the high-water mark: the store never waits for it)
   reading_sub   events read by a subscriber thread in this process (decoding every batch)
 
-Each round puts ``--warmup`` contexts untimed, then ``--puts`` timed ones of ``--tokens`` new
-token ids each (SmolLM2's layout, fp16 KV); a round's throughput is puts per second over its
-timed puts (compared as the median over rounds, and as the median of each round's ratio to the
-same round's baseline). The ceiling is measured in the same run: ``write`` + ``fdatasync`` of
+Each store first puts ``--warmup`` contexts untimed; every put holds ``--tokens`` new token
+ids (SmolLM2's layout, fp16 KV); a phase's throughput is puts per second over its puts
+(compared as the median over phases, as the median of each round's ratio to the same round's
+baseline, and over all puts). The ceiling is measured in the same run: ``write`` + ``fdatasync`` of
 the same bytes to a new file (what a durable put cannot beat), reported as each condition's
-ratio to it. The claim: median(idle_sub) / median(none) >= 0.98.
+ratio to it. The claim: median(idle_sub) / median(none) >= 0.98. Throughput on a shared,
+noisy disk varies by more than 2% between phases, so the run also reports what the events
+cost in CPU, which noise does not blur: the publisher threads' CPU seconds (``/proc``) per put,
+against this process's CPU per put without events.
 
-    python bench/events.py [--tokens 1024] [--puts 20] [--rounds 5] [--out FILE.json]
+    python bench/events.py [--tokens 1024] [--puts 6] [--rounds 12] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -73,56 +77,80 @@ class Reader:
         self.sock.close()
 
 
-def one_round(root: str, cond: str, args, k: torch.Tensor, v: torch.Tensor,
-              rng: np.random.Generator, first: list[int]) -> dict[str, object]:
-    path = os.path.join(root, f"{cond}-{first[0]}")
-    endpoint = f"ipc://{root}/{cond}-{first[0]}.sock"
-    ctx = zmq.Context()
-    idle = reader = None
-    ctx_bytes = args.tokens * SMOL.token_bytes
-    chunk_bytes = SMOL.token_bytes * 256
-    disk = (args.tokens // 256 + 1) * args.disk_contexts * (-(-chunk_bytes // 4096) * 4096)
-    events = None
-    if cond != "none":
-        events = kvstore.EventsConfig(endpoint=endpoint, hwm=args.hwm)
-        if cond == "idle_sub":
-            idle = ctx.socket(zmq.SUB)
-            idle.setsockopt(zmq.LINGER, 0)
-            idle.setsockopt(zmq.RCVHWM, args.hwm)
-            idle.connect(endpoint)
-            idle.setsockopt(zmq.SUBSCRIBE, b"")
-        else:
-            reader = Reader(ctx, endpoint)
-    store = kvstore.open(path, layout=SMOL, dram_bytes=args.dram_contexts * ctx_bytes * 2,
-                         disk_bytes=disk, events=events)
-    samples = []
-    try:
-        for i in range(args.warmup + args.puts):
-            toks = new_tokens(rng, args.tokens, first[0])
+class Condition:
+    """One store (fresh directory) and what its events go to: the store stays open for the
+    whole run, and puts phase after phase."""
+
+    def __init__(self, root: str, cond: str, args, ctx: zmq.Context) -> None:
+        self.cond = cond
+        self.path = os.path.join(root, cond)
+        endpoint = f"ipc://{root}/{cond}.sock"
+        self.idle = self.reader = None
+        events = None
+        if cond != "none":
+            events = kvstore.EventsConfig(endpoint=endpoint, hwm=args.hwm)
+            if cond == "idle_sub":  # connected, never reads
+                self.idle = ctx.socket(zmq.SUB)
+                self.idle.setsockopt(zmq.LINGER, 0)
+                self.idle.setsockopt(zmq.RCVHWM, args.hwm)
+                self.idle.connect(endpoint)
+                self.idle.setsockopt(zmq.SUBSCRIBE, b"")
+            else:
+                self.reader = Reader(ctx, endpoint)
+        ctx_bytes = args.tokens * SMOL.token_bytes
+        slot = -(-SMOL.token_bytes * 256 // 4096) * 4096
+        disk = -(-args.tokens // 256) * args.disk_contexts * slot
+        self.store = kvstore.open(self.path, layout=SMOL, disk_bytes=disk, events=events,
+                                  dram_bytes=args.dram_contexts * ctx_bytes * 2)
+        self.put_s: list[float] = []
+        self.phases: list[float] = []  # puts per second of each phase
+        self.cpu_s = 0.0  # this process's CPU seconds during the timed phases
+
+    def phase(self, n: int, k, v, rng, first: list[int], *, timed: bool) -> None:
+        times = []
+        c0 = time.process_time()
+        for _ in range(n):
+            toks = new_tokens(rng, len(k[0, 0]), first[0])
             first[0] += 1
             t0 = time.perf_counter()
-            store.put(toks, k, v)
-            dt = time.perf_counter() - t0
-            if i >= args.warmup:
-                samples.append(dt)
-        stats = store.stats()
+            self.store.put(toks, k, v)
+            times.append(time.perf_counter() - t0)
+        if timed:
+            self.cpu_s += time.process_time() - c0
+            self.put_s += times
+            self.phases.append(n / sum(times))
+
+    def close(self) -> dict[str, object]:
+        stats = self.store.stats()
+        self.store.close()
+        if self.idle is not None:
+            self.idle.close()
+        out: dict[str, object] = {"evictions": stats["evictions"]}
+        if self.reader is not None:
+            self.reader.close()
+            out["reader_batches"] = self.reader.batches
+            out["reader_events"] = self.reader.events
         ev = stats.get("events")
-    finally:
-        store.close()
-        if idle is not None:
-            idle.close()
-        if reader is not None:
-            reader.close()
-        ctx.term()
-        shutil.rmtree(path, ignore_errors=True)
-    out: dict[str, object] = {"put_s": samples, "puts_per_s": len(samples) / sum(samples),
-                              "evicted_contexts": stats["evictions"]}
-    if ev is not None:
-        out["events"] = {k2: ev[k2] for k2 in ("stored_events", "removed_events", "batches",
-                                                "dropped_changes", "events")}
-    if reader is not None:
-        out["reader_batches"] = reader.batches
-    return out
+        if ev is not None:
+            out["events"] = {k2: ev[k2] for k2 in ("stored_events", "removed_events",
+                                                    "batches", "dropped_changes", "events")}
+        shutil.rmtree(self.path, ignore_errors=True)
+        return out
+
+
+def publisher_cpu_s() -> float:
+    """CPU seconds the store publishers' threads of this process spent (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith("kvstore-events-") and t.native_id is not None:
+            try:
+                with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def ceiling_round(root: str, nbytes: int, buf: np.ndarray, puts: int) -> list[float]:
@@ -148,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024, help="tokens per put")
-    p.add_argument("--puts", type=int, default=20, help="timed puts per round")
-    p.add_argument("--warmup", type=int, default=3, help="untimed puts first, each round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--puts", type=int, default=6, help="timed puts per phase")
+    p.add_argument("--warmup", type=int, default=4, help="untimed puts first, each store")
+    p.add_argument("--rounds", type=int, default=12, help="phases of each condition")
     p.add_argument("--disk-contexts", type=int, default=12,
                    help="the disk budget in contexts (the puts evict beyond it)")
     p.add_argument("--dram-contexts", type=int, default=4)
@@ -167,18 +195,25 @@ def main(argv: list[str] | None = None) -> int:
     buf = np.frombuffer(np.random.default_rng(1).bytes(nbytes), dtype=np.uint8)
     root = tempfile.mkdtemp(prefix="kvstore-bench-events-", dir=args.dir)
     first = [1]
-    rounds: dict[str, list[dict]] = {c: [] for c in CONDITIONS}
     ceiling: list[float] = []
+    ctx = zmq.Context()
+    conds = {c: Condition(root, c, args, ctx) for c in CONDITIONS}
+    closed: dict[str, dict] = {}
     try:
+        for c in CONDITIONS:  # warmup: segment files made, DRAM touched, evictions begun
+            conds[c].phase(args.warmup, k, v, rng, first, timed=False)
         for r in range(args.rounds):
             order = CONDITIONS[r % 3:] + CONDITIONS[:r % 3]
-            for cond in order:
-                rounds[cond].append(one_round(root, cond, args, k, v, rng, first))
-            ceiling += ceiling_round(root, nbytes, buf, args.puts // 2)
+            for c in order:
+                conds[c].phase(args.puts, k, v, rng, first, timed=True)
+            ceiling += ceiling_round(root, nbytes, buf, max(1, args.puts // 2))
             print(f"round {r}: " + ", ".join(
-                f"{c} {rounds[c][-1]['puts_per_s']:.2f} puts/s" for c in CONDITIONS),
-                flush=True)
+                f"{c} {conds[c].phases[-1]:.2f} puts/s" for c in CONDITIONS), flush=True)
+        events_cpu = publisher_cpu_s()  # both publishers, warmup included
     finally:
+        for c in CONDITIONS:
+            closed[c] = conds[c].close()
+        ctx.term()
         shutil.rmtree(root, ignore_errors=True)
     ceil_pps = 1.0 / statistics.median(ceiling)
     result: dict[str, object] = {
@@ -186,20 +221,28 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args), "bytes_per_put": nbytes, "machine": machine_info(),
         "ceiling_write_fdatasync": {**summarize(ceiling, nbytes), "puts_per_s": ceil_pps},
     }
-    base = statistics.median(x["puts_per_s"] for x in rounds["none"])
-    for cond in CONDITIONS:
-        pps = [x["puts_per_s"] for x in rounds[cond]]
-        all_puts = [s for x in rounds[cond] for s in x["put_s"]]
-        result[cond] = {"rounds": rounds[cond], "puts_per_s_rounds": pps,
-                        "puts_per_s_median": statistics.median(pps),
-                        "vs_none": statistics.median(pps) / base,
-                        "vs_ceiling": statistics.median(pps) / ceil_pps,
-                        "put": summarize(all_puts, nbytes)}
-    for cond in CONDITIONS[1:]:  # each round's ratio to the same round's baseline
-        per_round = [a["puts_per_s"] / b["puts_per_s"]
-                     for a, b in zip(rounds[cond], rounds["none"], strict=True)]
-        result[cond]["vs_none_rounds"] = per_round
-        result[cond]["vs_none_round_median"] = statistics.median(per_round)
+    base = statistics.median(conds["none"].phases)
+    for c in CONDITIONS:
+        cd = conds[c]
+        med = statistics.median(cd.phases)
+        result[c] = {"puts_per_s_phases": cd.phases, "puts_per_s_median": med,
+                     "puts_per_s_all": len(cd.put_s) / sum(cd.put_s),
+                     "vs_none": med / base, "vs_ceiling": med / ceil_pps,
+                     "put": summarize(cd.put_s, nbytes), **closed[c]}
+    for c in CONDITIONS[1:]:  # each round's ratio to the same round's baseline
+        per_round = [a / b for a, b in zip(conds[c].phases, conds["none"].phases, strict=True)]
+        result[c]["vs_none_rounds"] = per_round
+        result[c]["vs_none_round_median"] = statistics.median(per_round)
+        result[c]["vs_none_all_puts"] = (result[c]["puts_per_s_all"]
+                                         / result["none"]["puts_per_s_all"])
+    puts_with_events = sum(len(conds[c].put_s) for c in CONDITIONS[1:]) \
+        + 2 * args.warmup
+    none_cpu = conds["none"].cpu_s / len(conds["none"].put_s)
+    result["cpu"] = {
+        "put_cpu_s_none": none_cpu,  # this process's CPU per put, no events
+        "publisher_cpu_s_per_put": events_cpu / puts_with_events,
+        "publisher_vs_put": events_cpu / puts_with_events / none_cpu,
+    }
     result["claim_idle_sub_vs_none"] = result["idle_sub"]["vs_none"]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
@@ -208,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         c = result[cond]
         print(f"{cond:12s} {c['puts_per_s_median']:6.2f} puts/s  vs none {c['vs_none']:.3f}  "
               f"vs ceiling {c['vs_ceiling']:.3f}  put p50 {c['put']['p50_s'] * 1e3:.1f} ms")
+    cpu = result["cpu"]
+    print(f"CPU per put: {cpu['put_cpu_s_none'] * 1e3:.2f} ms (no events); the publisher "
+          f"thread {cpu['publisher_cpu_s_per_put'] * 1e3:.3f} ms per put "
+          f"({cpu['publisher_vs_put']:.4f} of it)")
     print(f"ceiling: write+fdatasync {ceil_pps:.2f} per s of the same bytes; wrote {args.out}")
     return 0
 

@@ -14,6 +14,7 @@ Thread-safety: none; an :class:`~kvstore.events.source.EventSource` uses it unde
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from kvstore.format.records import ChunkRecord
 
 Lookup = Callable[[bytes], ChunkRecord | None]  # a chunk record by key (the catalog's)
 MAX_DEPTH = 1 << 20  # chunks climbed to find a chain's start: beyond, a cycle (hostile records)
+RECENT = 1024  # chunks whose blocks are kept after they were hashed
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +63,25 @@ class BlockMaker:
         self.names = names
         self.extra_keys_of = extra_keys_of
         self.tails: dict[bytes, bytes] = {}  # full chunk key -> its last block's hash
+        # the chunks hashed last (one chunk reaches DRAM and disk together: hashed once)
+        self._recent: collections.OrderedDict[bytes, Blocks] = collections.OrderedDict()
 
     def blocks(self, rec: ChunkRecord, lookup: Lookup, txn: ReadTxn) -> Blocks | None:
         """The blocks of chunk ``rec`` (``lookup``: chunk records by key; ``txn``: the
         catalog, for namespace names); None if its chain's start cannot be found (a namespace
         whose name is not recorded, or an ancestor that is no longer stored)."""
+        hit = self._recent.get(rec.key)
+        if hit is not None:
+            self._recent.move_to_end(rec.key)
+            return hit
         start = self._start(rec.parent, lookup, txn)
         if start is None:
             return None
-        return self._blocks(rec, start)
+        blocks = self._blocks(rec, start)
+        self._recent[rec.key] = blocks
+        if len(self._recent) > RECENT:
+            self._recent.popitem(last=False)
+        return blocks
 
     def _start(self, parent: bytes, lookup: Lookup, txn: ReadTxn
                ) -> tuple[bytes | None, str | None, bool] | None:
@@ -132,3 +144,4 @@ class BlockMaker:
     def forget(self, key: bytes) -> None:
         """Chunk ``key`` left the store: its tail is not needed (until it is stored again)."""
         self.tails.pop(key, None)
+        self._recent.pop(key, None)

@@ -21,6 +21,7 @@ Thread-safety: pure functions; a :class:`CborBlockHasher` is immutable.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -89,20 +90,23 @@ def sha256_cbor(value: Any) -> bytes:
     return hashlib.sha256(cbor(value)).digest()
 
 
+@functools.lru_cache(maxsize=1 << 17)
+def _token_cbor(t: int) -> bytes:
+    """One token id's canonical CBOR (cached: a vocabulary's ids recur)."""
+    if t < 24:
+        return bytes((t,))
+    if t < 1 << 8:
+        return b"\x18" + _U8.pack(t)
+    if t < 1 << 16:
+        return b"\x19" + _U16.pack(t)
+    return b"\x1a" + _U32.pack(t)
+
+
 def tokens_cbor(tokens: Sequence[int]) -> bytes:
     """The canonical CBOR of a tuple of token ids (each in [0, 2**32))."""
     out = bytearray()
     _head(4, len(tokens), out)
-    for t in tokens:
-        if t < 24:
-            out.append(t)
-        elif t < 1 << 8:
-            out += b"\x18" + _U8.pack(t)
-        elif t < 1 << 16:
-            out += b"\x19" + _U16.pack(t)
-        else:
-            out += b"\x1a" + _U32.pack(t)
-    return bytes(out)
+    return bytes(out) + b"".join(map(_token_cbor, tokens))
 
 
 def namespace_extra_keys(namespace: str | None) -> tuple[tuple[str, str], ...] | None:
