@@ -10,12 +10,14 @@ mean ``burst_s``; overlapping bursts do not stack). It is generated lazily from 
 far as it is read, the same whatever order it is read in.
 
 A :class:`Link` carries one transfer at a time, first come first served (one bulk TCP flow at
-a time, as a FIFO of KV transfers; not fair sharing). A transfer may start when its prefill
-starts (layer-wise pipelining: each layer's KV is sent once computed), so it ends no earlier
-than the time to push its bytes from its start nor than its prefill's end plus the time to
-push its last layer. A scheduler cannot read the future of the trace: :meth:`Link.estimate`
-measures the bandwidth as the mean over the last ``measure_s`` seconds and replays the
-transfers queued ahead at that bandwidth.
+a time, as a FIFO of KV transfers; not fair sharing). A transfer streams its prefill's KV as
+it is computed (layer-wise pipelining), so it ends no earlier than the time to push its bytes
+from its start nor than its prefill's end plus the time to push its last layer; it starts as
+late as it can while still ending then (a prefill slower than the link would otherwise hold
+the link idle between its layers), so the link is held only while it sends at full rate.
+A scheduler cannot read the future of the trace: :meth:`Link.estimate` measures the bandwidth
+as the mean over the last ``measure_s`` seconds and replays the transfers queued ahead at that
+bandwidth.
 """
 
 from __future__ import annotations
@@ -136,6 +138,15 @@ class BandwidthTrace:
             return self.rate(t0)
         return (self.carried(t1) - self.carried(t0)) / (t1 - t0)
 
+    def start_for(self, end: float, nbytes: float) -> float:
+        """The latest start from which ``nbytes`` at the trace's rate have all left by
+        ``end`` (0 if none is late enough: the bytes take longer than ``[0, end]``)."""
+        target = self.carried(end) - nbytes
+        if target <= 0:
+            return 0.0
+        i = bisect.bisect_right(self._cum, target) - 1
+        return self._t[i] + (target - self._cum[i]) / self._r[i]
+
     def send_end(self, t0: float, nbytes: float) -> float:
         """When ``nbytes`` sent from ``t0`` at the trace's rate have all left."""
         if nbytes <= 0:
@@ -176,9 +187,13 @@ class Link:
         it with its start and end (its bytes have left; add ``spec.latency_s`` for their
         arrival)."""
         tr = Transfer(start_from, produced_s, nbytes, tail_bytes)
-        tr.start_s = max(self.free_at, start_from)
-        tr.end_s = max(self.trace.send_end(tr.start_s, nbytes),
-                       self.trace.send_end(max(produced_s, tr.start_s), tail_bytes))
+        trace = self.trace
+        # as late as it can start and still end when its last layer could (streaming from
+        # the prefill's start would hold the link while the prefill is slower than it)
+        jit = trace.start_for(trace.send_end(produced_s, tail_bytes), nbytes)
+        tr.start_s = max(self.free_at, start_from, jit)
+        tr.end_s = max(trace.send_end(tr.start_s, nbytes),
+                       trace.send_end(max(produced_s, tr.start_s), tail_bytes))
         self.free_at = tr.end_s
         self.bytes_sent += nbytes
         self.transfers += 1
@@ -203,8 +218,7 @@ class Link:
             return now, bw
         end = q[0].start_s
         for tr in q:
-            start = max(end, tr.start_from)
-            end = max(start + tr.nbytes / bw, max(tr.produced_s, start) + tr.tail_bytes / bw)
+            end = _finish(end, tr.start_from, tr.produced_s, tr.nbytes, tr.tail_bytes, bw)
         return max(end, now), bw
 
     def estimate(self, now: float, start_from: float, produced_s: float, nbytes: float,
@@ -213,11 +227,18 @@ class Link:
         the scheduler estimates it (``outlook``: :meth:`outlook` at ``now``, if already
         computed)."""
         free, bw = outlook if outlook is not None else self.outlook(now)
-        start = max(free, start_from)
-        return max(start + nbytes / bw, max(produced_s, start) + tail_bytes / bw) \
+        return _finish(free, start_from, produced_s, nbytes, tail_bytes, bw) \
             + self.spec.latency_s
 
     def utilisation(self, until: float) -> float:
         """Bytes sent over what the link could carry in ``[0, until]``."""
         cap = self.trace.carried(until)
         return self.bytes_sent / cap if cap > 0 else 0.0
+
+
+def _finish(free: float, start_from: float, produced_s: float, nbytes: float,
+            tail_bytes: float, bw: float) -> float:
+    """When a transfer ends on a link free from ``free`` at a constant ``bw`` (the rule of
+    :meth:`Link.send`)."""
+    start = max(free, start_from, produced_s + (tail_bytes - nbytes) / bw)
+    return max(start + nbytes / bw, max(produced_s, start) + tail_bytes / bw)

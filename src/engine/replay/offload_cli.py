@@ -1,5 +1,6 @@
 """``kvstore plan offload``: the deployment question of prefill across datacenters
-(:mod:`engine.replay.offload_plan`), its arguments and its printed table."""
+(:mod:`engine.replay.offload_plan`), its arguments and its printed table. Thread-safety: the
+command's one thread."""
 
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ at ``hbm_efficiency`` of its bandwidth.
 
 Where each number comes from is in :data:`MODELS` / :data:`ACCELERATORS` (``source``) and in
 docs/replay.md, "Prefill across datacenters".
+
+Thread-safety: immutable values (derived sizes cached on first use, idempotently).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ load, and the link bandwidth below which remote prefill stops paying.
   objective; the light-load P90 of mostly cached chat turns is a few milliseconds).
 - **Crossover**: the selective (and naive) deployment's throughput at each link bandwidth of a
   sweep against the homogeneous one's; where they cross (log-interpolated).
+
+Thread-safety: the functions build their own simulations; any thread may call them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ leading ``shared`` tokens are context an earlier turn of the session stored.
 :meth:`Workload.at_rate` plays the stream faster or slower: session arrivals and think times
 scaled alike (the same draws, so a sweep over rates compares one stream at different speeds:
 the request rate scales with it, the order of sessions and turns stays).
+
+Thread-safety: the records are immutable values; the builders are pure functions.
 """
 
 from __future__ import annotations

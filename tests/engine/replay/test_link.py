@@ -64,20 +64,23 @@ def test_send_end_and_carried_against_integration(shape):
         end = tr.send_end(t0, nbytes)
         assert tr.carried(end) - tr.carried(t0) == pytest.approx(nbytes, rel=1e-9)
         assert end > t0
+        assert tr.start_for(end, nbytes) == pytest.approx(t0, abs=1e-6)
+    assert tr.start_for(10.0, 1e6 * GB) == 0.0
 
 
 def test_fifo_schedule_by_hand():
     """A 1 GB/s link, 10 ms latency. Transfer A: prefill [0, 2] s, 3 GB (tail 0.1 GB): the
     link waits for the last layer, so it ends at max(0 + 3, 2 + 0.1) = 3. B queued behind it:
     prefill [1, 1.5], 1 GB: starts at 3, ends at 4. C: prefill [10, 12], 0.5 GB, tail 0.05:
-    production-bound, ends at 12.05."""
+    production-bound, it ends at 12.05 and starts as late as that allows, 11.55 (the link
+    is not held while the prefill is slower than it)."""
     link = Link(LinkSpec(bandwidth_bps=GB, latency_s=0.01))
     a = link.send(0.0, 2.0, 3 * GB, 0.1 * GB)
     b = link.send(1.0, 1.5, 1 * GB, 0.1 * GB)
     c = link.send(10.0, 12.0, 0.5 * GB, 0.05 * GB)
     assert (a.start_s, a.end_s) == pytest.approx((0.0, 3.0))
     assert (b.start_s, b.end_s) == pytest.approx((3.0, 4.0))
-    assert (c.start_s, c.end_s) == pytest.approx((10.0, 12.05))
+    assert (c.start_s, c.end_s) == pytest.approx((11.55, 12.05))
     assert link.bytes_sent == pytest.approx(4.5 * GB) and link.transfers == 3
     assert link.utilisation(20.0) == pytest.approx(4.5 / 20)
 
