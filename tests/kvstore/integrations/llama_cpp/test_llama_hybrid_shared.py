@@ -1,6 +1,7 @@
 """KVStoreLlamaCache with hybrid models across machines: one store directory (machine A)
-completes a 2,048-token prompt and writes its boundaries through to a real SeaweedFS bucket;
-a second directory (machine B, empty) continues that conversation through the same bucket and
+completes a 2,048-token prompt and writes its boundaries through to a real SeaweedFS bucket
+(``objects=``) or a real redis-server (a store opened with ``remote=``, given to the cache);
+a second directory (machine B, empty) continues that conversation through the same tier and
 restores the stored boundary from it, on Gemma 3's sliding windows, Qwen3-Next's gated delta
 nets and LFM2's short convolutions (tiny random-weight GGUFs the project builds, run by the
 real llama.cpp).
@@ -15,8 +16,10 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
+import kvstore  # noqa: E402
 from engine import hybrid_models  # noqa: E402
 from kvstore.integrations.llama_cpp import KVStoreLlamaCache  # noqa: E402
+from kvstore.integrations.llama_cpp.identity import identify  # noqa: E402
 from tests.support.llama_helpers import complete, make_llama, text_tokens  # noqa: E402
 
 MODELS = ["gemma3", "qwen3_next", "lfm2"]
@@ -42,19 +45,43 @@ def fresh(llm, cache, prompt: list[int]) -> str:
         llm.set_cache(None)
 
 
-def test_a_second_machine_restores_a_stored_prompt_from_the_bucket(llm, bucket_url, tmp_path):
-    url = bucket_url()
+@pytest.fixture(params=["objects", "remote"])
+def machine(request, llm, tmp_path):
+    """Factory: the cache of machine ``name`` (its own directory) on the shared tier, and that
+    tier's section of ``stats()``."""
+    kind = request.param
+    stores = []
+    if kind == "objects":
+        url = request.getfixturevalue("bucket_url")()
+
+        def open_cache(name: str) -> KVStoreLlamaCache:
+            return KVStoreLlamaCache(tmp_path / name, objects=url)
+    else:
+        url = request.getfixturevalue("redis_server").url
+        layout = identify(llm).layout
+
+        def open_cache(name: str) -> KVStoreLlamaCache:
+            stores.append(kvstore.open(tmp_path / name, layout=layout, remote=url))
+            return KVStoreLlamaCache(stores[-1])
+
+    yield kind, open_cache
+    for s in stores:
+        s.close()
+
+
+def test_a_second_machine_restores_a_stored_prompt(llm, machine):
+    kind, open_cache = machine
     prompt = text_tokens(llm, PROMPT, seed=3, add_bos=True)
     turn2 = prompt + text_tokens(llm, 40, seed=4)
     want = {"prompt": fresh(llm, None, prompt), "turn2": fresh(llm, None, turn2)}
-    with KVStoreLlamaCache(tmp_path / "a", objects=url) as a:
+    with open_cache("a") as a:
         assert fresh(llm, a, prompt) == want["prompt"]
-        a.store.flush(remote=True)  # its boundaries are in the bucket
-        assert a.store.stats()["objects"]["marks_written"] >= 1
-    with KVStoreLlamaCache(tmp_path / "b", objects=url) as b:
+        a.store.flush(remote=True)  # its boundaries are in the shared tier
+        assert a.store.stats()[kind]["marks_written"] >= 1
+    with open_cache("b") as b:
         assert fresh(llm, b, turn2) == want["turn2"]
         s = b.stats()
-        objects = b.store.stats()["objects"]
+        shared = b.store.stats()[kind]
     assert s["hits"] == 1 and s["restored_tokens"] >= 0.95 * PROMPT, s
     assert s["store_errors"] == s["state_errors"] == s["refused_restores"] == 0, s
-    assert objects["states_served"] == 1 and objects["bad_values"] == 0, objects
+    assert shared["states_served"] == 1 and shared["bad_values"] == 0, shared
