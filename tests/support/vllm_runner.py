@@ -6,14 +6,20 @@ after another and prints one ``RESULT {json}`` line per request. A job::
     {"model": DIR, "connector": {...extra config...} | null, "multiprocessing": false,
      "kv_events": {...KVEventsConfig fields...} | null, "hash_algo": "sha256_cbor" | null,
      "prefix_caching": false, "logprobs": false (true: each token's logprob too),
+     "max_num_batched_tokens": null, "max_num_seqs": null (vLLM's; e.g. to split a prefill),
      "requests": [{"ids": [...], "max_tokens": 24, "after_previous": false,
                    "pause_s": 0}, ...]}
 
 ``after_previous``: the prompt is the previous request's prompt + its output + ``ids`` (the next
-turn of a conversation). The engine is built as a user would build it: ``LLM(...,
-kv_transfer_config=KVTransferConfig(kv_connector="KVStoreConnector", ...))``. Between requests
-the engine runs as a server's loop runs it (``kvstore.integrations.vllm.offline.flush``: the
-ended request's tail is saved, and the store's writes are done), as after a user's think time.
+turn of a conversation). ``{"together": [request, ...], "after_tokens": [0, k, ...]}`` in place
+of a request sends several that overlap, as a server receives them: request i is added to the
+engine once the first has produced ``after_tokens[i]`` tokens (0: before the first step; its
+``max_tokens``: once it has finished), so which step each joins does not depend on the
+machine's speed; one result each, in order. The engine is built as a user would build it:
+``LLM(..., kv_transfer_config=KVTransferConfig(kv_connector="KVStoreConnector", ...))``.
+Between requests the engine runs as a server's loop runs it
+(``kvstore.integrations.vllm.offline.flush``: the ended request's tail is saved, and the store's
+writes are done), as after a user's think time.
 
 Starting Python, torch and vLLM costs about ten seconds of CPU before an engine is built, and the
 tests build dozens. :class:`EngineLauncher` pays it once per test process: its jobs are forked
@@ -43,7 +49,7 @@ def main(path: str) -> None:
         job = json.load(f)
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if job.get("multiprocessing") else "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
@@ -59,33 +65,80 @@ def main(path: str) -> None:
                                                 **job["kv_events"])
     if job.get("hash_algo") is not None:  # vLLM's --prefix-caching-hash-algo
         kw["prefix_caching_hash_algo"] = job["hash_algo"]
+    for name in ("max_num_batched_tokens", "max_num_seqs"):  # e.g. to split a prefill
+        if job.get(name) is not None:
+            kw[name] = job[name]
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"),
               max_model_len=job.get("max_model_len", 4096), enforce_eager=True,
               kv_cache_memory_bytes=job.get("kv_cache_bytes", 256 << 20),
               enable_prefix_caching=job.get("prefix_caching", False), seed=0, **kw)
     prev: list[int] = []
-    for req in job["requests"]:
-        ids = prev + list(req["ids"]) if req.get("after_previous") else list(req["ids"])
-        # an engine core in its own process saves on its own; its store's writer needs a moment
-        time.sleep(req.get("pause_s", 0))
-        sp = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 24),
-                            ignore_eos=req.get("ignore_eos", True),
-                            logprobs=1 if job.get("logprobs") else None)
-        t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
-        elapsed = time.perf_counter() - t0
-        tokens = list(out.outputs[0].token_ids)
-        result = {"prompt_len": len(ids), "tokens": tokens, "cached": out.num_cached_tokens,
-                  "seconds": elapsed, "params": out.kv_transfer_params}
-        if job.get("logprobs"):  # the chosen token's logprob at each step
-            result["logprobs"] = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs,
-                                                                  strict=True)]
-        print("RESULT " + json.dumps(result), flush=True)
-        prev = ids + tokens
+    for n, req in enumerate(job["requests"]):
+        if "together" in req:
+            for out, elapsed in _together(llm, req, job, n):
+                print("RESULT " + json.dumps(_result(job, out, elapsed)), flush=True)
+        else:
+            ids = prev + list(req["ids"]) if req.get("after_previous") else list(req["ids"])
+            # an engine core in its own process saves on its own; its writer needs a moment
+            time.sleep(req.get("pause_s", 0))
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], _sampling(job, req),
+                               use_tqdm=False)[0]
+            result = _result(job, out, time.perf_counter() - t0)
+            print("RESULT " + json.dumps(result), flush=True)
+            prev = ids + result["tokens"]
         if job.get("connector") is not None and not job.get("multiprocessing"):
             from kvstore.integrations.vllm.offline import flush
 
             flush(llm)
+
+
+def _sampling(job: dict, req: dict):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 24),
+                          ignore_eos=req.get("ignore_eos", True),
+                          logprobs=1 if job.get("logprobs") else None)
+
+
+def _result(job: dict, out, elapsed: float) -> dict:
+    tokens = list(out.outputs[0].token_ids)
+    result = {"prompt_len": len(out.prompt_token_ids), "tokens": tokens,
+              "cached": out.num_cached_tokens, "seconds": elapsed,
+              "params": out.kv_transfer_params}
+    if job.get("logprobs"):  # the chosen token's logprob at each step
+        result["logprobs"] = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs,
+                                                              strict=True)]
+    return result
+
+
+def _together(llm, group: dict, job: dict, n: int) -> list[tuple[object, float]]:
+    """Serve ``group["together"]``, request i added once request 0 has produced
+    ``group["after_tokens"][i]`` tokens, the engine stepping in between; (output, seconds
+    from its add) in order."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    reqs, after = group["together"], group["after_tokens"]
+    assert len(reqs) == len(after) and list(after) == sorted(after) and after[0] == 0
+    todo = [(f"together-{n}-{i}", r, k) for i, (r, k) in enumerate(zip(reqs, after,
+                                                                        strict=True))]
+    first = todo[0][0]
+    added: dict[str, float] = {}
+    done: dict[str, tuple[object, float]] = {}
+    produced = 0  # tokens the first request has produced
+    while todo or engine.has_unfinished_requests():
+        while todo and (produced >= todo[0][2] or first in done):
+            rid, r, _ = todo.pop(0)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r["ids"])),
+                               _sampling(job, r))
+            added[rid] = time.perf_counter()
+        for out in engine.step():
+            if out.request_id == first:
+                produced = len(out.outputs[0].token_ids)
+            if out.finished:
+                done[out.request_id] = (out, time.perf_counter() - added[out.request_id])
+    return [done[f"together-{n}-{i}"] for i in range(len(reqs))]
 
 
 @dataclass
