@@ -314,6 +314,17 @@ class Hub:
             raise out["error"]
         return out["value"]
 
+    def set_shaping(self, name: str, shaping: Shaping) -> None:
+        """Change member ``name``'s link to ``shaping``, both ends, in place (``tc qdisc
+        replace``: connections stay open; a bandwidth sweep needs no restart)."""
+        m = self._member(name)
+        if not isinstance(shaping, Shaping):
+            raise TypeError("shaping must be a Shaping")
+        for ns, dev in ((m.netns, "eth0"), (self.netns(TIER), f"v{m.index}")):
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
+                 *shaping.tbf_args())
+        m.shaping = shaping
+
     def qdisc_sent_bytes(self, name: str) -> dict[str, int]:
         """Bytes each end of member ``name``'s link has sent through its tbf qdisc:
         ``{"up": member -> tier, "down": tier -> member}`` (the kernel's own counters)."""

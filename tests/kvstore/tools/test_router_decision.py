@@ -34,75 +34,83 @@ def est(**kw) -> Estimates:
 
 
 def test_a_long_prompt_goes_remote_when_the_link_beats_the_consumers_prefill():
-    # 8000 tokens: local 8000/1000 = 8 s; remote 8000/4000 = 2 s + 80 MB / 25 MB/s = 3.2 s
+    # 8000 tokens: local 8000/1000 = 8 s; remote 8000/4000 = 2 s + 80 MB / 25 MB/s = 3.2 s,
+    # + the consumer's last token, 1/1000 s
     c = decide(Prompt(n_tokens=8000), est())
     assert c.remote and c.where == "remote"
     assert c.t_local_s == pytest.approx(8.0)
-    assert c.t_remote_s == pytest.approx(2.0 + 3.2)
+    assert c.t_remote_s == pytest.approx(2.0 + 3.2 + 0.001)
     assert c.transfer_bytes == pytest.approx(80e6)
 
 
 def test_a_slow_link_keeps_the_prefill_local():
-    # 5 MB/s: remote 2 + 16 = 18 s > 8 s
+    # 5 MB/s: remote 2 + 16 + 0.001 = 18.001 s > 8 s
     c = decide(Prompt(n_tokens=8000), est(link_bytes_per_s=5 * MB))
     assert not c.remote
-    assert c.t_remote_s == pytest.approx(18.0) and c.t_local_s == pytest.approx(8.0)
+    assert c.t_remote_s == pytest.approx(18.001) and c.t_local_s == pytest.approx(8.0)
 
 
 def test_fixed_costs_keep_short_prompts_local():
     e = est(producer=Prefill(fixed_s=0.05, tokens_per_s=4000.0),
             consumer=Prefill(fixed_s=0.05, tokens_per_s=1000.0), remote_overhead_s=0.1)
-    # 40 tokens: local 0.05 + 0.04 = 0.09; remote 0.05 + 0.01 + 0.016 + 0.1 = 0.176
+    # 40 tokens: local 0.05 + 0.04 = 0.09; remote: the producer 0.05 + 0.01, the link 0.016,
+    # the consumer's request 0.05 + 0.001, the overhead 0.1: 0.227
     c = decide(Prompt(n_tokens=40), e)
     assert not c.remote
-    assert c.t_local_s == pytest.approx(0.09) and c.t_remote_s == pytest.approx(0.176)
+    assert c.t_local_s == pytest.approx(0.09) and c.t_remote_s == pytest.approx(0.227)
 
 
 def test_what_the_consumer_holds_is_neither_computed_nor_sent():
-    # 8000 tokens, 7000 held by the consumer: local 1 s; remote 2 s + 10 MB / 25 MB/s = 2.4 s
+    # 8000 tokens, 7000 held by the consumer: local 1 s; remote 2 s + 10 MB / 25 MB/s + 0.001
     c = decide(Prompt(n_tokens=8000, cached_consumer=7000), est())
     assert not c.remote
     assert c.t_local_s == pytest.approx(1.0)
-    assert c.t_remote_s == pytest.approx(2.4) and c.transfer_bytes == pytest.approx(10e6)
+    assert c.t_remote_s == pytest.approx(2.401) and c.transfer_bytes == pytest.approx(10e6)
 
 
 def test_a_hybrid_models_fixed_state_is_sent_once():
     e = est(kv=KVBytes(per_token=1000.0, fixed=50e6))  # 50 MB of windows and states
-    # 2000 tokens: local 2 s; remote 0.5 + (2 MB + 50 MB) / 25 MB/s = 0.5 + 2.08 = 2.58 s
+    # 2000 tokens: local 2 s; remote 0.5 + (2 MB + 50 MB) / 25 MB/s + 0.001 = 2.581 s
     c = decide(Prompt(n_tokens=2000), e)
-    assert not c.remote and c.t_remote_s == pytest.approx(2.58)
-    # 8000 tokens: local 8 s; remote 2 + 58 MB / 25 MB/s = 4.32 s
+    assert not c.remote and c.t_remote_s == pytest.approx(2.581)
+    # 8000 tokens: local 8 s; remote 2 + 58 MB / 25 MB/s + 0.001 = 4.321 s
     c = decide(Prompt(n_tokens=8000), e)
-    assert c.remote and c.t_remote_s == pytest.approx(4.32)
+    assert c.remote and c.t_remote_s == pytest.approx(4.321)
 
 
 def test_queues_weigh_on_their_server():
-    # 9000 tokens already in flight to the producer: remote 9000/4000 + 2 + 3.2 = 7.45 s
+    # 9000 tokens already in flight to the producer: remote 9000/4000 + 2 + 3.2 + 0.001
     c = decide(Prompt(n_tokens=8000, queued_producer=9000), est())
-    assert c.remote and c.t_remote_s == pytest.approx(7.45)
+    assert c.remote and c.t_remote_s == pytest.approx(7.451)
     c = decide(Prompt(n_tokens=8000, queued_producer=12000), est())
-    assert not c.remote  # 3 + 2 + 3.2 = 8.2 s > 8 s
+    assert not c.remote  # 3 + 2 + 3.2 + 0.001 = 8.201 s > 8 s
     # ... and in flight to the consumer, on the local path
     c = decide(Prompt(n_tokens=1000, queued_consumer=20000), est())
     assert c.remote and c.t_local_s == pytest.approx(21.0)
 
 
 def test_misses_make_remote_prefill_cost_the_producers_time_plus_a_recompute():
-    # miss 0.5: 0.5 * 5.2 + 0.5 * (2 + 8) = 7.6 s < 8 s; miss 0.6: 2.08 + 6 = 8.08 s
+    # miss 0.5: 0.5 * 5.201 + 0.5 * (2 + 8) = 7.6005 s < 8 s; miss 0.6: 2.0804 + 6 = 8.0804 s
     assert decide(Prompt(n_tokens=8000), est(remote_miss_rate=0.5)).t_remote_s \
-        == pytest.approx(7.6)
+        == pytest.approx(7.6005)
     assert not decide(Prompt(n_tokens=8000), est(remote_miss_rate=0.6)).remote
 
 
-def test_a_tie_stays_local():
-    e = est(producer=Prefill(fixed_s=0.0, tokens_per_s=1000.0), kv=KVBytes(per_token=0.0))
-    c = decide(Prompt(n_tokens=1000), e)
+def test_a_remote_prefill_still_costs_the_consumers_request_and_a_tie_stays_local():
+    free_link = dict(kv=KVBytes(per_token=0.0))
+    same = est(producer=Prefill(fixed_s=0.0, tokens_per_s=1000.0), **free_link)
+    c = decide(Prompt(n_tokens=1000), same)  # the producer's 1 s + the consumer's 1 ms
+    assert not c.remote and c.t_remote_s == pytest.approx(1.001)
+    # 2 tokens: local 2 ms; remote 1 ms at the producer + 1 ms for the consumer's last token
+    tie = est(producer=Prefill(fixed_s=0.0, tokens_per_s=2000.0), **free_link)
+    c = decide(Prompt(n_tokens=2), tie)
     assert c.t_remote_s == c.t_local_s and not c.remote
 
 
 def test_the_crossover_bandwidth():
-    # 8000 tokens: local 8 s, producer 2 s: 80 MB must cross in 6 s -> 13.3 MB/s
-    assert crossover_bytes_per_s(8000, est()) == pytest.approx(80e6 / 6)
+    # 8000 tokens: local 8 s, producer 2 s, the consumer's last token 1 ms: 80 MB must cross
+    # in 5.999 s -> 13.3 MB/s
+    assert crossover_bytes_per_s(8000, est()) == pytest.approx(80e6 / 5.999)
     # just above it remote pays, just below it does not
     for factor, remote in ((1.01, True), (0.99, False)):
         bw = crossover_bytes_per_s(8000, est()) * factor

@@ -2,11 +2,14 @@
 consumer) or on the consumer itself: a pure function of the prompt and the router's estimates.
 
     t_local  = queue_c + prefill_c(n - cached_c)
-    t_hit    = queue_p + prefill_p(n - cached_p) + bytes(n - cached_c) / bandwidth + overhead
+    t_hit    = queue_p + prefill_p(n - cached_p) + bytes(n - cached_c) / bandwidth
+               + prefill_c(1) + overhead
     t_remote = (1 - miss) * t_hit + miss * (queue_p + prefill_p(n - cached_p) + t_local)
 
 ``prefill_x(m) = fixed_x + m / rate_x`` (a request's fixed cost and its per-token cost on that
-server), ``queue_x`` the tokens the router has in flight there divided by its rate, ``bytes(m)
+server; after a remote prefill the consumer still takes a request and computes the prompt's
+last token, ``prefill_c(1)``), ``queue_x`` the tokens the router has in flight there divided
+by its rate, ``bytes(m)
 = m * per_token + fixed`` the KV of ``m`` tokens in the model's layout (a full-attention KV per
 token, plus a hybrid's fixed state: sliding windows and recurrent states), ``miss`` the share
 of remote prefills the consumer could not load (it then recomputes, after the producer's
@@ -135,7 +138,8 @@ def decide(prompt: Prompt, est: Estimates) -> Choice:
     t_producer = (prompt.queued_producer / est.producer.tokens_per_s
                   + est.producer.seconds(uncached_p))
     nbytes = est.kv.of(uncached_c)
-    t_hit = t_producer + nbytes / est.link_bytes_per_s + est.remote_overhead_s
+    t_hit = (t_producer + nbytes / est.link_bytes_per_s + est.consumer.seconds(1)
+             + est.remote_overhead_s)
     miss = est.remote_miss_rate
     t_remote = (1.0 - miss) * t_hit + miss * (t_producer + t_local)
     return Choice(remote=t_remote < t_local, t_remote_s=t_remote, t_local_s=t_local,
@@ -146,7 +150,8 @@ def crossover_bytes_per_s(n_tokens: int, est: Estimates) -> float | None:
     """The link bandwidth at which remote prefill of ``n_tokens`` uncached tokens starts to
     pay (None: it never does, the producer alone takes as long as the consumer)."""
     t_local = est.consumer.seconds(n_tokens)
-    spare = t_local - est.producer.seconds(n_tokens) - est.remote_overhead_s
+    spare = (t_local - est.producer.seconds(n_tokens) - est.consumer.seconds(1)
+             - est.remote_overhead_s)
     if spare <= 0:
         return None
     return est.kv.of(n_tokens) / spare
