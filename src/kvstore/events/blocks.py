@@ -77,8 +77,10 @@ class BlockMaker:
         start = self._start(rec.parent, lookup, txn)
         if start is None:
             return None
-        blocks = self._blocks(rec, start)
-        self._recent[rec.key] = blocks
+        return self._remember(rec.key, self._blocks(rec, start))
+
+    def _remember(self, key: bytes, blocks: Blocks) -> Blocks:
+        self._recent[key] = blocks
         if len(self._recent) > RECENT:
             self._recent.popitem(last=False)
         return blocks
@@ -109,7 +111,7 @@ class BlockMaker:
             chain.append(rec)
             k = rec.parent
         for rec in reversed(chain):  # the ancestors' tails, from the chain's start down
-            self._blocks(rec, state)
+            self._remember(rec.key, self._blocks(rec, state))
             state = (self.tails.get(rec.key, _BROKEN), None, False)
         return state
 
