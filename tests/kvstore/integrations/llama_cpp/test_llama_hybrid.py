@@ -11,6 +11,7 @@ logits as evaluating the same tokens in the same batches.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import signal
 import subprocess
@@ -28,6 +29,7 @@ import kvstore  # noqa: E402
 from engine import hybrid_models  # noqa: E402
 from kvstore.integrations.llama_cpp import KVStoreLlamaCache, boundary  # noqa: E402
 from kvstore.integrations.llama_cpp.identity import Unsupported, identify  # noqa: E402
+from kvstore.integrations.llama_cpp.partial import read_seq  # noqa: E402
 from kvstore.pipelines.saving import Saver  # noqa: E402
 from tests.support.llama_helpers import complete, make_llama, perturbed_gguf  # noqa: E402
 from tests.support.paths import ROOT  # noqa: E402
@@ -128,26 +130,42 @@ def test_reuse_in_a_fresh_process_equals_recompute(model, prompts, oracle, tmp_p
 
 def test_a_restored_boundary_gives_bitwise_equal_logits(model, prompts, tmp_path):
     """The store's round trip of a boundary (full-attention chunks plus the partial state)
-    gives llama.cpp back the exact sequence state: the same logits, to the bit, as the same
-    tokens evaluated in the same two batches."""
+    gives llama.cpp back the exact sequence state: the same bytes as llama.cpp wrote, and the
+    same logits, to the bit, as llama.cpp's own round trip of that sequence state
+    (``llama_state_seq_get_data`` / ``set_data``, no store) followed by the same tail batch.
+
+    Against evaluating the same tokens from scratch the logits agree closely but not always to
+    the bit: a restored sliding-window cache holds its window's cells compacted where the
+    evaluated one holds them where they were written, and with some of llama.cpp's CPU kernels
+    the attention then sums in another order (seen on gemma3 with AVX-512 kernels)."""
     head, tail = prompts["a"][:200], prompts["a"][200:260]
     src = make_llama(model, n_ctx=N_CTX)
     ident = identify(src)
     with kvstore.open(tmp_path / "s", layout=ident.layout) as store:
         src.eval(head)
+        written = read_seq(src.ctx, 0)  # llama.cpp's own sequence state of the boundary
         kv, part = boundary.read_boundary(src, ident)
         store.put(head, kv.keys, kv.values, state=part)
         assert store.match(prompts["a"]) == 200
         dst = make_llama(model, n_ctx=N_CTX)
         assert boundary.restore(dst, store, ident, np.asarray(head)) is True
+        assert read_seq(dst.ctx, 0) == written  # the bytes back, exactly
     dst.eval(tail)
     src.reset()
-    ref = make_llama(model, n_ctx=N_CTX)
-    ref.eval(head)
-    ref.eval(tail)
-    a, b = last_logits(dst), last_logits(ref)
+    own = make_llama(model, n_ctx=N_CTX)  # llama.cpp's own round trip, no store
+    buf = np.frombuffer(written, dtype=np.uint8).copy()
+    ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    assert llama_cpp.llama_state_seq_set_data(own.ctx, ptr, buf.nbytes, 0) == buf.nbytes
+    own.input_ids[:len(head)] = head
+    own.n_tokens = len(head)
+    own.eval(tail)
+    fresh = make_llama(model, n_ctx=N_CTX)
+    fresh.eval(head)
+    fresh.eval(tail)
+    a, b, c = last_logits(dst), last_logits(own), last_logits(fresh)
     assert np.array_equal(a, b)
-    for m in (src, dst, ref):
+    np.testing.assert_allclose(a, c, rtol=0, atol=1e-3)
+    for m in (src, dst, own, fresh):
         m.close()
 
 
