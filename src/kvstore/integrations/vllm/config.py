@@ -20,6 +20,8 @@ from kvstore.tiers.remote.config import RemoteConfig
 
 SIZE_KEYS = ("dram_bytes", "disk_bytes", "hbm_bytes", "write_buffer_bytes")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")  # vLLM's KVTransferConfig.kv_load_failure_policy
+DEFAULT_BOUNDARY_GRACE_S = 60.0  # a replaced hybrid boundary, kept for a branch of its turn
+BOUNDARY_GRACE_DISK_SHARE = 256  # ... within this share of the disk tier (default bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +58,12 @@ class ConnectorConfig:
       KV that is not the KV vLLM computes changes answers). With True, the connector logs it
       at startup and every request's ``kv_transfer_params["kvstore"]["lossy_tokens"]`` says
       how many of the tokens it loaded came from lossy chunks.
+    * ``boundary_grace_s``, ``boundary_grace_bytes`` (hybrid models): how long (default
+      :data:`DEFAULT_BOUNDARY_GRACE_S` seconds) and how many bytes of state (default the disk
+      tier's 1/:data:`BOUNDARY_GRACE_DISK_SHARE`) a boundary that a request's own boundary
+      replaced is kept, so that another branch of that turn still finds it
+      (:mod:`~kvstore.integrations.vllm.boundaries`); 0 deletes it as soon as its replacement
+      is durable and no live request needs it.
     """
 
     store_dir: str
@@ -75,6 +83,8 @@ class ConnectorConfig:
     save: bool = True
     lossy_ok: bool = False
     kv_load_failure_policy: str | None = None
+    boundary_grace_s: float = DEFAULT_BOUNDARY_GRACE_S
+    boundary_grace_bytes: int | None = None
     extra: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
@@ -146,6 +156,7 @@ class ConnectorConfig:
             raise ValueError(f"kv_connector_extra_config['kv_load_failure_policy'] must be one "
                              f"of {list(LOAD_FAILURE_POLICIES)}, got {policy!r}")
         kw["kv_load_failure_policy"] = policy
+        kw.update(_grace(extra))
         lossy = sorted(t for t, c in (kw.get("codecs") or {}).items() if is_lossy(c))
         if lossy and not kw["lossy_ok"]:
             raise ValueError(
@@ -175,6 +186,21 @@ class ConnectorConfig:
         if not os.path.isdir(os.path.join(self.store_dir, "catalog")):
             opts["chunk_tokens"] = self.chunk_tokens or block_size  # only a new store takes it
         return opts
+
+
+def _grace(extra: Mapping[str, object]) -> dict[str, object]:
+    """``boundary_grace_s`` (a finite number >= 0) and ``boundary_grace_bytes`` (an int >= 0),
+    checked."""
+    out: dict[str, object] = {}
+    secs = extra.get("boundary_grace_s")
+    if secs is not None:
+        if isinstance(secs, bool) or not isinstance(secs, int | float) \
+                or not 0 <= secs < float("inf"):
+            raise ValueError(f"kv_connector_extra_config['boundary_grace_s'] must be a number "
+                             f"of seconds >= 0, got {secs!r}")
+        out["boundary_grace_s"] = float(secs)
+    out["boundary_grace_bytes"] = _positive(extra, "boundary_grace_bytes", minimum=0)
+    return out
 
 
 def _positive(extra: Mapping[str, object], name: str, minimum: int = 1) -> int | None:

@@ -92,7 +92,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(store, block_size=block_size,
                                             namespace=cfg.namespace, save=cfg.save,
                                             block_ids_of=self._block_ids, groups=groups,
-                                            lossy_ok=cfg.lossy_ok)
+                                            lossy_ok=cfg.lossy_ok,
+                                            grace_s=cfg.boundary_grace_s,
+                                            grace_bytes=cfg.boundary_grace_bytes)
             _register_scheduler(transfer.engine_id, self)
             self._events = connector_events(vllm_config, store, block_size=block_size,
                                             namespace=cfg.namespace, hybrid=self._hybrid)
@@ -228,6 +230,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._events = None
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._lease is not None:
             self._lease.close()
             self._lease = None

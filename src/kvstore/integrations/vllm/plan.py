@@ -58,8 +58,8 @@ class SaveSpec:
     final: bool = False
     group_block_ids: tuple[tuple[int, ...], ...] | None = None  # as LoadSpec's
     state: StatePlan | None = None  # a hybrid prompt's end: its boundary state too
-    replaces: tuple[tuple[int, ...], ...] = ()  # boundaries deleted once this one is stored
-    retain: Hint | None = None  # a final save's retention hint: pin ``tokens`` once stored
+    # a final save's (or a hybrid boundary's) retention hint: pin ``tokens`` once stored
+    retain: Hint | None = None
 
 
 @dataclass(kw_only=True)
@@ -73,13 +73,17 @@ class StepPlan(KVConnectorMetadata):
 @dataclass(kw_only=True)
 class WorkerReport(KVConnectorWorkerMetadata):
     """Per request: the tokens a load delivered, by the tier that held them when it started
-    (``{"dram": n, "disk": n, "remote": n}``), and the requests whose load failed (vLLM
-    recomputes their blocks)."""
+    (``{"dram": n, "disk": n, "remote": n}``), the requests whose load failed (vLLM
+    recomputes their blocks), and what became of hybrid boundary saves since the last report
+    (``stored``: True once durable, False if refused or failed; the scheduler side then
+    decides about the boundary each replaces, :mod:`.boundaries`)."""
 
     loaded: dict[str, dict[str, int]] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
+    stored: dict[str, bool] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         assert isinstance(other, WorkerReport)
         return WorkerReport(loaded={**self.loaded, **other.loaded},
-                            failed=self.failed | other.failed)
+                            failed=self.failed | other.failed,
+                            stored={**self.stored, **other.stored})

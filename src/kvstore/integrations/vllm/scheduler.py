@@ -17,8 +17,10 @@ machine's tiers hold that block (a remote one is counted to its last whole block
 
 **Retention hints**: a request whose ``kv_transfer_params`` carry ``{"kvstore": {"pin": true,
 "ttl_s": N}}`` (:func:`retention_hint`) gets a final save even if all its blocks were saved,
-and the worker pins that save's context once it is stored (a model of one KV-cache group of
-full attention; a hybrid's boundaries are not pinned).
+and the worker pins that save's context once it is stored. A hybrid request pins its
+boundary, its prompt's end (the worker, once the boundary's save is durable; this side at
+once if the store held it already); a pinned boundary is never deleted by a replacement. Its
+``kv_transfer_params["kvstore"]["pin"]`` says what became of the hint (:func:`pin_outcome`).
 
 **Hybrid models** (sliding-window or recurrent layers, :mod:`.groups`): the store answers only
 boundaries whose state it holds; a load fills the full-attention blocks and the boundary's
@@ -30,6 +32,9 @@ the boundary the request was loaded from: a conversation keeps its latest state,
 keeps a conversation's latest context (a boundary is as large as the windows and states of
 every layer, and a conversation's next turn extends its latest prompt whatever its answer
 re-tokenizes to). Blocks after the prompt (decode) are not saved: no boundary follows them.
+When a replaced boundary is deleted is :class:`~.boundaries.BoundaryBook`'s decision: not
+while another live request matched or loads it, never once two continuations loaded it, and
+after a grace period in which a branch of the same turn still finds it.
 
 **Several KV-cache groups** of full attention alone (layers vLLM keeps in separate block
 tables): every load and save names each group's blocks (``group_block_ids``), and loads are
@@ -42,10 +47,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations import retention
 from kvstore.integrations.retention import Hint, from_kv_transfer_params
+from kvstore.integrations.vllm.boundaries import BoundaryBook
+from kvstore.integrations.vllm.config import BOUNDARY_GRACE_DISK_SHARE, DEFAULT_BOUNDARY_GRACE_S
 from kvstore.integrations.vllm.groups import Groups
 from kvstore.integrations.vllm.hybrid import full_block_ids, state_plan
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
@@ -106,6 +115,7 @@ class _Tracked:
     loaded_from: int = 0  # a hybrid request: the stored boundary it was loaded from
     lossy_tokens: int = 0  # of the tokens loaded, those lossy chunks served (lossy_ok)
     retain: Hint | None = None  # its kv_transfer_params' retention hint (retention_hint)
+    pin: dict | None = None  # a hybrid request's hint: what became of it (pin_outcome)
 
 
 class SchedulerSide:
@@ -113,7 +123,8 @@ class SchedulerSide:
 
     def __init__(self, store: Store | None, *, block_size: int, namespace: str | None,
                  save: bool, block_ids_of, groups: Groups | None = None,
-                 lossy_ok: bool = False) -> None:
+                 lossy_ok: bool = False, grace_s: float = DEFAULT_BOUNDARY_GRACE_S,
+                 grace_bytes: int | None = None, clock=time.monotonic) -> None:
         self.store = store
         self.block_size = block_size
         self.namespace = namespace
@@ -134,6 +145,10 @@ class SchedulerSide:
         # and serializes the params only after both, so the report still completes them.
         self._ended: dict[str, dict] = {}
         self._held: set[str] = set()  # ended requests whose blocks wait for a final save
+        # a hybrid's boundaries: who needs which, which are shared, which replaced ones wait
+        self.book = None if self.groups is None or store is None else BoundaryBook(
+            store, grace_s=grace_s, grace_bytes=grace_bytes if grace_bytes is not None
+            else store.config.disk_bytes // BOUNDARY_GRACE_DISK_SHARE, clock=clock)
 
     # ---- lookups --------------------------------------------------------------------------
     def matched(self, request, num_computed: int) -> tuple[int, bool]:
@@ -160,6 +175,11 @@ class SchedulerSide:
             return 0, False
         ext = max(0, n - num_computed)
         self._lookups[request.request_id] = (num_computed, ext)
+        if self.book is not None:  # the matched boundary is not deleted until it is loaded
+            if ext > 0:
+                self.book.hold(request.request_id, ns, tokens[:n])
+            else:
+                self.book.release(request.request_id)
         return ext, ext > 0 and self._whole_loads
 
     def allocated(self, request, num_external: int) -> None:
@@ -172,6 +192,8 @@ class SchedulerSide:
                 retain=retention_hint(request))
         start, _ = self._lookups.pop(rid, (0, 0))
         if num_external <= 0 or tracked is None:
+            if self.book is not None:
+                self.book.release(rid)
             return
         tracked.loaded_from = start + num_external
         if self.lossy_ok:
@@ -205,6 +227,8 @@ class SchedulerSide:
             plan.loads.append(spec)
             tracked.deferred = self.save and self.groups is None and self._from_remote(spec)
         self._loads = []
+        if self.book is not None:
+            self.book.collect()  # replaced boundaries past their grace
         if not self.save or self.store is None:
             return plan
         loading = {spec.req_id for spec in plan.loads}
@@ -217,10 +241,8 @@ class SchedulerSide:
             # whose ids are known (async scheduling appends sampled ids later).
             done = req.num_computed_tokens + n - len(spec_tokens.get(rid, ()))
             if self.groups is not None and done >= req.num_prompt_tokens:
-                if done == req.num_prompt_tokens and self._new_boundary(tracked, done):
-                    # a hybrid prompt's end: its state exists after this step's forward only
-                    plan.saves.append(self._save(rid, tracked, done, self._block_ids_of(rid),
-                                                 boundary=True))
+                if done == req.num_prompt_tokens:
+                    self._prompt_end(plan, rid, tracked, done)
                 continue  # decode: no boundary would follow what is saved
             upto = min(done, len(req.all_token_ids)) // B * B
             if upto <= tracked.saved:
@@ -282,10 +304,12 @@ class SchedulerSide:
             if state is None:
                 full = tuple(ids[:upto // B] for ids in full)
             old = tracked.loaded_from
-            replaces = (tuple(tracked.request.all_token_ids[:old]),) if boundary and old else ()
+            if boundary and old and self.book is not None:
+                self.book.replacing(rid, tracked.namespace, tracked.request.all_token_ids[:old],
+                                    tokens, self.groups.state_size(old))
             return SaveSpec(req_id=rid, tokens=tokens, block_ids=full[0],
                             namespace=tracked.namespace, final=final, group_block_ids=full,
-                            state=state, replaces=replaces)
+                            state=state, retain=tracked.retain if boundary else None)
         if upto % B:
             tokens += (PAD,) * (B - upto % B)
         full = self._full_tables(tables, 0, len(tokens) // B)
@@ -296,11 +320,14 @@ class SchedulerSide:
 
     # ---- outcomes -------------------------------------------------------------------------
     def reported(self, report: WorkerReport) -> None:
-        """The worker's account of this step's loads."""
+        """The worker's account of this step's loads, and of hybrid boundary saves."""
         for rid, tiers in report.loaded.items():
             if (tracked := self._tracked.get(rid)) is not None:
                 tracked.loaded = {k: (tracked.loaded or {}).get(k, 0) + v
                                   for k, v in tiers.items()}
+                if self.book is not None and tracked.loaded_from:
+                    toks = tracked.request.prompt_token_ids
+                    self.book.loaded(rid, tracked.namespace, toks[:tracked.loaded_from], toks)
             elif (ended := self._ended.get(rid)) is not None:  # it ended in this step
                 merged = {k: ended["loaded_from"].get(k, 0) + v for k, v in tiers.items()}
                 ended.update(loaded_from=merged, loaded_tokens=sum(merged.values()))
@@ -310,6 +337,11 @@ class SchedulerSide:
             elif (ended := self._ended.get(rid)) is not None:
                 ended["load_failed"] = True
             log.warning("kvstore: the load of request %s failed; vLLM recomputes it", rid)
+        if self.book is not None:
+            for rid in (*report.loaded, *report.failed):
+                self.book.release(rid)  # its load is done: what it matched may go
+            for rid, durable in report.stored.items():
+                self.book.stored(rid, durable)
 
     def finished(self, request, block_ids) -> tuple[bool, dict | None]:
         """The request ended (``block_ids``: its block ids per group). If KV computed in its
@@ -320,6 +352,8 @@ class SchedulerSide:
         hybrid request saved its boundary at its prompt's end: nothing follows."""
         rid = request.request_id
         self._lookups.pop(rid, None)
+        if self.book is not None:
+            self.book.release(rid)
         tracked = self._tracked.pop(rid, None)
         if tracked is None:
             return False, None
@@ -328,6 +362,11 @@ class SchedulerSide:
                               "load_failed": tracked.load_failed}}
         if self.lossy_ok:  # how much of what was loaded is not the KV vLLM computes
             params["kvstore"]["lossy_tokens"] = tracked.lossy_tokens if tiers else 0
+        if self.groups is not None and tracked.retain is not None:
+            params["kvstore"]["pin"] = tracked.pin or pin_outcome(0, "not applied: " + (
+                "the connector's store could not be opened" if self.store is None else
+                "the connector does not save (save=False)" if not self.save else
+                "the request ended before its prompt's end (no boundary)"))
         self._ended[rid] = params["kvstore"]
         upto = min(request.num_computed_tokens, len(request.all_token_ids))
         if self.save and self.store is not None and upto > 0 and self.groups is None \
@@ -345,6 +384,26 @@ class SchedulerSide:
         """Whether final saves are planned or being copied (their requests' blocks held)."""
         return bool(self._final or self._held)
 
+    def close(self) -> None:
+        """At shutdown: replaced boundaries waiting for their grace go now (:mod:`.boundaries`).
+        """
+        if self.book is not None:
+            self.book.close()
+
+    def _prompt_end(self, plan: StepPlan, rid: str, tracked: _Tracked, done: int) -> None:
+        """A hybrid prompt's end is computed in this step: save its boundary (its state exists
+        after this step's forward only) unless the store holds it; a retention hint pins it
+        (on the worker once saved, or here at once if stored already)."""
+        if self._new_boundary(tracked, done):
+            plan.saves.append(self._save(rid, tracked, done, self._block_ids_of(rid),
+                                         boundary=True))
+            if tracked.retain is not None:
+                tracked.pin = pin_outcome(done, "pinned once its boundary is durable")
+        elif tracked.retain is not None:
+            outcome = retention.apply(self.store, tracked.request.all_token_ids[:done],
+                                      tracked.namespace, tracked.retain)
+            tracked.pin = pin_outcome(done, outcome)
+
     def _new_boundary(self, tracked: _Tracked, upto: int) -> bool:
         """Whether the store does not hold the boundary after ``upto`` tokens yet."""
         try:
@@ -352,3 +411,11 @@ class SchedulerSide:
                                     namespace=tracked.namespace) < upto
         except (KVStoreError, OSError):
             return True
+
+
+def pin_outcome(tokens: int, outcome: str) -> dict:
+    """What ``kv_transfer_params["kvstore"]["pin"]`` says of a hybrid request's retention
+    hint: the boundary it pins (``tokens``, its prompt's end; 0: none) and ``outcome``
+    (``"pinned"``, ``"pinned once its boundary is durable"``, ``"refused: ..."`` or ``"not
+    applied: ..."``)."""
+    return {"tokens": tokens, "outcome": outcome}

@@ -99,8 +99,10 @@ class WorkerSide:
         self._invalid: set[int] = set()  # block ids whose load failed this step
         self._report = WorkerReport()
         self._sent: set[str] = set()  # requests whose final save was copied
-        # Outcomes of saves, appended by the store's writer thread, counted on the forward's.
+        # Outcomes of saves, appended by the store's writer thread, counted on the forward's;
+        # and of hybrid boundary saves (req_id, durable), reported to the scheduler side.
         self._written_saves: collections.deque[str] = collections.deque()
+        self._boundaries: collections.deque[tuple[str, bool]] = collections.deque()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer KV caches, in layer order of their names."""
@@ -237,6 +239,8 @@ class WorkerSide:
             log.info("kvstore: not saving request %s now: %s", spec.req_id, e)
             self.stats.add("saves_refused")
             self._sent_if_final(spec)
+            if spec.state is not None:
+                self._boundaries.append((spec.req_id, False))
             return
         if handle.base >= len(spec.tokens) and spec.state is None:  # all stored already
             handle.abort()
@@ -324,9 +328,11 @@ class WorkerSide:
         self._saves = []
 
     def _written(self, spec: SaveSpec, future) -> None:
-        """On the store's writer thread: a save is durable, refused or failed. A stored
-        boundary deletes the ones it replaces (a conversation's earlier state)."""
+        """On the store's writer thread: a save is durable, refused or failed (a hybrid
+        boundary's outcome goes to the scheduler side, which decides about the boundary it
+        replaces)."""
         error = future.exception()
+        durable = False
         if error is not None:
             log.warning("kvstore: saving request %s failed (its KV will be recomputed when "
                         "needed): %s: %s", spec.req_id, type(error).__name__, error)
@@ -334,14 +340,11 @@ class WorkerSide:
         elif future.result() is False:
             self._written_saves.append("saves_refused")
         else:
+            durable = True
             if spec.retain is not None:
                 self._written_saves.append(self._retain(spec))
-            for tokens in spec.replaces:
-                try:
-                    self.store.delete(list(tokens), namespace=spec.namespace)
-                except STORE_ERRORS as e:
-                    log.info("kvstore: the boundary request %s replaces stays: %s",
-                             spec.req_id, e)
+        if spec.state is not None:
+            self._boundaries.append((spec.req_id, durable))
 
     def _retain(self, spec: SaveSpec) -> str:
         """Pin a stored save's context as its request's hint says; the counter to add."""
@@ -355,7 +358,10 @@ class WorkerSide:
 
     def take_report(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport()
-        return report if (report.loaded or report.failed) else None
+        while self._boundaries:
+            rid, durable = self._boundaries.popleft()
+            report.stored[rid] = durable
+        return report if (report.loaded or report.failed or report.stored) else None
 
     def take_sent(self) -> set[str]:
         out, self._sent = self._sent, set()

@@ -36,16 +36,17 @@ MODELS = {
 
 
 def start_engine(tmp_path: Path, name: str, requests: list[dict], store: Path | None,
-                 **extra) -> Callable[[], tuple[list[dict], str]]:
-    """Start serving ``requests`` on a fresh engine of hybrid ``name`` in its own process;
-    returns what waits for it: (results, its log)."""
+                 engine: dict | None = None, **extra) -> Callable[[], tuple[list[dict], str]]:
+    """Start serving ``requests`` on a fresh engine of hybrid ``name`` in its own process
+    (``engine``: more of the job's engine settings, tests/support/vllm_runner.py); returns
+    what waits for it: (results, its log)."""
     dtype, pc, _ = MODELS.get(name, ("float32", False, 0))
     job = tmp_path / f"job-{len(list(tmp_path.glob('job-*')))}.json"
     job.write_text(json.dumps({
         "model": hybrid_models.model_dir(name), "dtype": dtype, "prefix_caching": pc,
         "max_model_len": 2048, "kv_cache_bytes": 128 << 20, "logprobs": True,
         "connector": None if store is None else {"store_dir": str(store), **extra},
-        "requests": requests}))
+        "requests": requests, **(engine or {})}))
     running = LAUNCHER.start(job)
 
     def result() -> tuple[list[dict], str]:
@@ -155,6 +156,92 @@ def test_a_damaged_state_is_recomputed_exactly(served, tmp_path):
     assert "CorruptData" in log and "vLLM recomputes" in log
     assert len(want) == 1, want_log[-4000:]
     assert same(want[0], got[0], MODELS[name][2])
+
+
+# Two branches of one stored turn sent to one engine: the second added once the first has
+# produced this many of its 8 tokens (0: both in one step; 1 and 3: while the first decodes,
+# its own boundary saved or in flight; 8: once it ended, its save likely still in flight),
+# then SEQUENTIAL pairs sent one after the other (the first branch served and flushed first).
+BRANCH_AFTER = (0, 1, 3, 8)
+SEQUENTIAL = 2
+TURN = 160  # tokens of every pair's turn
+# LFM2 on vLLM's CPU build is neither batch- nor split-invariant: the same prompt's tokens
+# change with what runs beside it and with where its prefill is split, without the connector
+# too (two branches in one step: the fourth token differs between a batch that prefills
+# turn + x beside turn + y and one that prefills x beside y). Its answers are compared like
+# with like: a branch served alone (sequential, or after the other ended) against an engine
+# whose prefill stops where the loaded turn ends (max_num_batched_tokens=TURN: the same
+# split, the same batch); its overlapping branches are checked for their loads only.
+BRANCH_TOL = {"gemma3": 1e-3, "lfm2": 1e-2}
+ALIKE = {"gemma3": set(BRANCH_AFTER), "lfm2": {8}}
+ORACLE_ENGINE = {"lfm2": {"max_num_batched_tokens": TURN, "max_num_seqs": 4}}
+
+
+def branch_pairs() -> list[tuple[list[int], list[int], list[int]]]:
+    """(a stored turn, one branch's message, another's): a turn of its own for each pair."""
+    rng = random.Random(11)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(200, 40000) for _ in range(n)]
+
+    return [([1] + ids(TURN - 1), ids(20), ids(27))
+            for _ in range(len(BRANCH_AFTER) + SEQUENTIAL)]
+
+
+def branch_requests(pairs) -> list[dict]:
+    """Each pair's turn, then its two branches (overlapping, or one after the other)."""
+    reqs: list[dict] = []
+    for i, (turn, x, y) in enumerate(pairs):
+        reqs.append({"ids": turn, "max_tokens": 8})
+        if i < len(BRANCH_AFTER):
+            reqs.append({"together": [{"ids": turn + x, "max_tokens": 8},
+                                      {"ids": turn + y, "max_tokens": 8}],
+                         "after_tokens": [0, BRANCH_AFTER[i]]})
+        else:
+            reqs += [{"ids": turn + x, "max_tokens": 8}, {"ids": turn + y, "max_tokens": 8}]
+    return reqs
+
+
+@pytest.fixture(scope="module", params=["gemma3", "lfm2"])
+def branched(request, tmp_path_factory):
+    """The branch requests on an engine with the connector, and the same requests, sent the
+    same way, on one without (the oracle; LFM2's splits its prefills where the turn ends):
+    (name, pairs, results, oracle results, the store, the engine's log)."""
+    name = request.param
+    tmp = tmp_path_factory.mktemp(f"branches-{name}")
+    pairs = branch_pairs()
+    reqs = branch_requests(pairs)
+    oracle = start_engine(tmp, name, reqs, None, engine=ORACLE_ENGINE.get(name))
+    store = tmp / "store"
+    got, log = run_engine(tmp, name, reqs, store)
+    ref, ref_log = oracle()
+    assert len(ref) == 3 * len(pairs), ref_log[-4000:]
+    assert len(got) == 3 * len(pairs), log[-4000:]
+    return name, pairs, got, ref, store, log
+
+
+def test_two_branches_of_one_stored_turn_both_load_it_and_answer_as_recompute(branched):
+    """Sent together or one after the other, both branches load the turn they share (no load
+    fails after a match), answer what the engine without the connector answers to the same
+    requests sent the same way, and the turn's boundary stays stored (two continuations
+    loaded it)."""
+    name, pairs, got, ref, store, log = branched
+    for i in range(len(pairs)):
+        after = BRANCH_AFTER[i] if i < len(BRANCH_AFTER) else "sequential"
+        assert got[3 * i]["params"]["kvstore"]["loaded_tokens"] == 0
+        for j in (3 * i + 1, 3 * i + 2):
+            kv = got[j]["params"]["kvstore"]
+            assert kv["load_failed"] is False and kv["loaded_tokens"] == TURN, (after, kv)
+        for j in range(3 * i, 3 * i + 3):
+            if after == "sequential" or after in ALIKE[name] or j == 3 * i:
+                assert same(ref[j], got[j], BRANCH_TOL[name]), (
+                    after, ref[j]["tokens"], got[j]["tokens"],
+                    np.abs(np.subtract(ref[j]["logprobs"], got[j]["logprobs"])).max())
+    assert "vLLM recomputes" not in log  # the worker's warning for a load that failed
+    with kvstore.open(store) as s:
+        for turn, x, y in pairs:  # each turn shared, each branch's own end stored
+            assert [s.match(p + [0]) for p in (turn, turn + x, turn + y)] == \
+                [len(turn), len(turn + x), len(turn + y)]
 
 
 def test_a_model_without_full_attention_is_refused_at_startup(tmp_path):
