@@ -8,8 +8,9 @@ load, and the link bandwidth below which remote prefill stops paying.
   and decode instance-seconds (its ``output`` steps, each as long as a batch of requests like it
   makes it, times its share of a decode instance: ``max(1 / max_batch, its KV / the KV
   pool)``), every shared prefix assumed cached; the
-  remote cluster takes the longest prompts first, as far as its instances and the link's
-  nominal bandwidth carry them. The same rule for every deployment.
+  remote cluster takes the longest prompts first (of those the router may send there: at
+  least ``min_offload_tokens`` not cached), as far as its instances and the link's nominal
+  bandwidth carry them. The same rule for every deployment.
 - **Throughput at the objective** (:func:`max_rate`): the highest session arrival rate whose
   P90 TTFT (after the warm-up share of requests) meets the objective, by bisection over the
   rate on a log scale, each point one simulation of the same stream played at that rate
@@ -95,15 +96,18 @@ def demands(cfg: PlanConfig, workload: Workload, *, remote: bool = True) -> dict
 
 
 def fluid_capacity(dem: dict[str, np.ndarray], kind: str, *, local_prefill: int, decode: int,
-                   remote: int, link_bps: float) -> float:
-    """Requests/s the deployment could carry if work were fluid (see the module docstring)."""
+                   remote: int, link_bps: float, min_remote_tokens: int = 0) -> float:
+    """Requests/s the deployment could carry if work were fluid (see the module docstring);
+    ``selective`` sends remote only prompts with at least ``min_remote_tokens`` not cached."""
     n = len(dem["local_s"])
     dec = decode / dem["decode_s"].mean()
     if kind == "homogeneous":
         return min(local_prefill / dem["local_s"].mean(), dec)
     if kind == "naive":
         return min(remote / dem["remote_s"].mean(), link_bps / dem["link_bytes"].mean(), dec)
+    eligible = dem["new_tokens"] >= min_remote_tokens
     order = np.argsort(-dem["new_tokens"], kind="stable")  # longest first to the remote
+    order = order[:int(eligible.sum())]  # what the router may send there
     r_s = np.r_[0.0, np.cumsum(dem["remote_s"][order])] / n
     r_b = np.r_[0.0, np.cumsum(dem["link_bytes"][order])] / n
     l_s = (dem["local_s"].sum() - np.r_[0.0, np.cumsum(dem["local_s"][order])]) / n
@@ -118,9 +122,10 @@ def plan_split(cfg: PlanConfig, kind: str, dem: dict[str, np.ndarray]) -> tuple[
     """(local prefill instances, fluid capacity in requests/s) for deployment ``kind``."""
     total = cfg.homogeneous_instances if kind == "homogeneous" else cfg.local_instances
     choices = [0] if kind == "naive" else range(1, total)
+    least = min_offload_tokens(cfg) if kind == "selective" else 0
     best = max((fluid_capacity(dem, kind, local_prefill=p, decode=total - p,
-                               remote=cfg.remote_instances, link_bps=cfg.link.bandwidth_bps),
-                -p) for p in choices)
+                               remote=cfg.remote_instances, link_bps=cfg.link.bandwidth_bps,
+                               min_remote_tokens=least), -p) for p in choices)
     return -best[1], best[0]
 
 

@@ -41,6 +41,12 @@ def test_fluid_capacity_by_hand():
     long_remote = min(1 / (1.0 / 2), 40 / (30 / 2), 1 / (1.0 / 2))
     both_remote = min(1 / 0.75, 40 / 20)
     assert got == pytest.approx(max(none_remote, long_remote, both_remote))
+    # only prompts with 200 tokens or more not cached may go remote: the short one stays
+    got = fluid_capacity(dem, "selective", local_prefill=1, decode=8, remote=1, link_bps=40.0,
+                         min_remote_tokens=200)
+    assert got == pytest.approx(max(none_remote, long_remote))
+    assert fluid_capacity(dem, "selective", local_prefill=1, decode=8, remote=1,
+                          link_bps=40.0, min_remote_tokens=10**6) == pytest.approx(none_remote)
 
 
 def test_the_split_is_the_best_of_every_split():
