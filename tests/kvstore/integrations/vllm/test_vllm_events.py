@@ -99,7 +99,10 @@ def check_stream(sub: Subscriber, store: Path, *, dram_holds_all: bool
 def test_a_subscriber_sees_the_stores_blocks_across_an_engine_restart(tmp_path, model_dir,
                                                                         prompts):
     store = tmp_path / "store"
-    first = [{"ids": p, "max_tokens": 3} for p in prompts[:4]]
+    # each run ends with a prompt it served already (nothing new to store): vLLM publishes
+    # after a step, and the store's last saves commit after the step that handed them over
+    first = [{"ids": p, "max_tokens": 3} for p in prompts[:4]] + [
+        {"ids": prompts[3], "max_tokens": 1}]
     sub1, _ = run_with_subscriber(tmp_path, model_dir, first, store, "first")
     try:
         model1, disk1 = check_stream(sub1, store, dram_holds_all=True)
@@ -109,7 +112,8 @@ def test_a_subscriber_sees_the_stores_blocks_across_an_engine_restart(tmp_path, 
         assert {"GPU", "CPU", "STORAGE"} <= stored_kinds
     finally:
         sub1.close()
-    again = [{"ids": prompts[3], "max_tokens": 3}, {"ids": prompts[4], "max_tokens": 3}]
+    again = [{"ids": prompts[3], "max_tokens": 3}, {"ids": prompts[4], "max_tokens": 3},
+             {"ids": prompts[4], "max_tokens": 1}]
     sub2, results = run_with_subscriber(tmp_path, model_dir, again, store, "restart")
     try:
         assert results[0]["params"]["kvstore"]["loaded_tokens"] > 0  # served by the store
