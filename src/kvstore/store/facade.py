@@ -754,7 +754,7 @@ class Store:
     @property
     def events(self):
         """The store's own publisher of KV events (:class:`kvstore.events.publisher.
-        ZmqPublisher`), or None."""
+        ZmqPublisher`), or None. Thread-safe."""
         return self._events
 
     def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
