@@ -396,14 +396,16 @@ def crossover(points: list[tuple[float, float]]) -> float | None:
     return None
 
 
-def sweep(c: Cluster, prompts: Prompts, args: argparse.Namespace) -> dict:
-    rows = []
+def sweep(c: Cluster, prompts: Prompts, args: argparse.Namespace, out: dict) -> dict:
+    rows: list[dict] = []
+    out["sweep"] = {"tokens": args.sweep_tokens, "rows": rows}
     for mbps in args.sweep_mbps:
         for who in ("producer", "consumer"):
             c.hub.set_shaping(who, Shaping(rate_mbit=mbps))
         row = compare(c, prompts, args.sweep_tokens, args.reps, args.handoff_wait_s,
                       f"sweep{mbps:g}")
         rows.append({"mbps": mbps, **row})
+        save(out, args.out)
         print(f"sweep {mbps:g} Mbit/s: local {row['local_ttft_p50_s']:.2f} s, consumer "
               f"{row['consumer_ttft_p50_s']:.2f} s, end to end {row['end_to_end_p50_s']:.2f} s",
               flush=True)
@@ -416,12 +418,14 @@ def sweep(c: Cluster, prompts: Prompts, args: argparse.Namespace) -> dict:
                 [(r["mbps"], r["end_to_end_over_local"]) for r in rows])}
 
 
-def trace(c: Cluster, prompts: Prompts, args: argparse.Namespace, kv_bytes: float) -> dict:
+def trace(c: Cluster, prompts: Prompts, args: argparse.Namespace, kv_bytes: float,
+          out: dict) -> dict:
     c.start_router(["--kv-bytes-per-token", str(kv_bytes), "--link-mbps", str(args.link_mbps),
                     "--producer-tokens-per-s", str(args.prior_tokens_per_s),
                     "--consumer-tokens-per-s", str(args.prior_tokens_per_s),
                     "--min-deadline-s", str(args.remote_deadline_s)])
-    rows = []
+    rows: list[dict] = []
+    out["trace"] = {"rows": rows}
     for i, ids in enumerate(prompts.trace(args.trace, args.max_model_len - 8)):
         routed_s, _ = c.post("router", body(ids, f"trace{i}-router"))
         went = c.router_stats()["recent"][-1]
@@ -436,6 +440,7 @@ def trace(c: Cluster, prompts: Prompts, args: argparse.Namespace, kv_bytes: floa
         print(f"trace {i}: {len(ids)} tokens, router -> {went['went']} ({went['why']}), local "
               f"{local['seconds']:.2f} s, remote {remote['end_to_end_s']:.2f} s: "
               f"{'right' if rows[-1]['right'] else 'WRONG'}", flush=True)
+        save(out, args.out)
     right = sum(r["right"] for r in rows)
     return {"prompts": len(rows), "right": right, "accuracy": right / max(1, len(rows)),
             "rows": rows, "router_stats": c.router_stats()}
@@ -458,12 +463,20 @@ def kv_bytes_per_token(c: Cluster, prompts: Prompts, args: argparse.Namespace) -
                 "chunk_tokens": store.config.chunk_tokens, "layout": lay.to_dict()}
 
 
+def save(out: dict, path: str | None) -> None:
+    """Write what was measured so far (a run cut short keeps its rows; ``complete`` marks
+    a whole run)."""
+    if path:
+        annotate(out)
+        Path(path).write_text(json.dumps(out, indent=1, default=str))
+
+
 def annotate(out: dict) -> None:
     """The KV's rate into the consumer (loaded bytes over the consumer's time to first token:
     a lower bound, that time also holds its request and last token) against the link's
     measured ceiling, per remote sample."""
     ceiling = out["link"]["measured_mbps"]["tier->consumer"]
-    rows = list(out["lengths"]) + list(out.get("sweep", {}).get("rows", []))
+    rows = list(out.get("lengths", [])) + list(out.get("sweep", {}).get("rows", []))
     for row in rows:
         for x in row["remote"]:
             loaded = x["loaded_tokens"] or 0
@@ -530,19 +543,18 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.lengths:
             row = compare(c, prompts, n, args.reps, args.handoff_wait_s, f"len{n}")
             out["lengths"].append(row)
+            save(out, args.out)
             print(f"{n} tokens at {args.link_mbps:g} Mbit/s: local {row['local_ttft_p50_s']:.2f}"
                   f" s, consumer {row['consumer_ttft_p50_s']:.2f} s "
                   f"({row['consumer_ttft_over_local']:.2f}), end to end "
                   f"{row['end_to_end_p50_s']:.2f} s, loaded {row['loaded_tokens']}", flush=True)
-        if args.sweep_mbps:
-            out["sweep"] = sweep(c, prompts, args)
         if args.trace:
-            out["trace"] = trace(c, prompts, args, out["kv"]["per_token"])
+            out["trace"] = trace(c, prompts, args, out["kv"]["per_token"], out)
+        if args.sweep_mbps:
+            out["sweep"] = sweep(c, prompts, args, out)
     out["seconds"] = time.perf_counter() - t_start
-    annotate(out)
-    text = json.dumps(out, indent=1, default=str)
-    if args.out:
-        Path(args.out).write_text(text)
+    out["complete"] = True
+    save(out, args.out)
     print(json.dumps({k: out[k] for k in ("link", "kv")}, indent=1, default=str))
 
 
