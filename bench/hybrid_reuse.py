@@ -13,7 +13,10 @@ real small model's does.
   sliding-window model (Gemma 3: 25 sliding layers of window 512, 5 full) through vLLM with
   this connector against vLLM's ExampleConnector (which stores every token of every layer of
   every request). Each conversation has ``--turns`` turns: its previous prompt, the answer
-  generated (``--answer`` tokens) and a new message of real text.
+  generated (``--answer`` tokens) and a new message of real text. Two traces (``--trace``):
+  ``conversations``, each with a first prompt of its own (``--first`` tokens); ``system``,
+  where every conversation starts with one system prompt (``--system`` tokens, sent once
+  alone first, as a server primes it) and a first message of its own (``--message``).
 * ``turns``: the replay's real-mode workload (``make demo``'s ShareGPT conversations) through
   llama.cpp, each turn's context emptied first (as after a restart): time to first token of
   turns >= 2 with KVStoreLlamaCache against without (``kvstore replay --mode real --engine
@@ -21,6 +24,7 @@ real small model's does.
 
     python bench/hybrid_reuse.py ttft --engine llama vllm --out bench/results/hybrid_ttft.json
     python bench/hybrid_reuse.py bytes --out bench/results/hybrid_bytes.json
+    python bench/hybrid_reuse.py bytes --trace system --out bench/results/hybrid_bytes_system.json
     python bench/hybrid_reuse.py turns --out bench/results/hybrid_turns_llama.json
 """
 
@@ -139,21 +143,33 @@ def _vllm_child(job: dict) -> None:
         prev = ids + list(out.outputs[0].token_ids)
         print("RESULT " + json.dumps({"label": step["label"], "seconds": dt,
                                       "first": out.outputs[0].token_ids[:1],
-                                      "restored": out.num_cached_tokens}), flush=True)
+                                      "restored": out.num_cached_tokens,
+                                      "prompt_tokens": len(ids)}), flush=True)
         if job.get("store"):
             flush(llm)
 
 
 def run_child(job: dict, work: Path) -> list[dict]:
-    path = work / f"job-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps(job))
+    return run_children([job], work)[0]
+
+
+def run_children(jobs: list[dict], work: Path) -> list[list[dict]]:
+    """Run each job in a fresh process of its own, all at once (for measurements that do not
+    time anything: each is a restart all the same); their RESULT lines, in order."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
-    r = subprocess.run([sys.executable, __file__, "_child", str(path)], env=env,
-                       capture_output=True, text=True, timeout=3600)
-    if r.returncode != 0:
-        raise RuntimeError(f"child failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-    return [json.loads(line[7:]) for line in r.stdout.splitlines()
-            if line.startswith("RESULT ")]
+    procs = []
+    for job in jobs:
+        path = work / f"job-{time.monotonic_ns()}.json"
+        path.write_text(json.dumps(job))
+        procs.append(subprocess.Popen([sys.executable, __file__, "_child", str(path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=4 * 3600) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"child failed:\n{out[-2000:]}\n{err[-4000:]}")
+    return [[json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+            for out, _ in outs]
 
 
 def engine_job(engine: str, model: str, n_ctx: int) -> dict:
@@ -203,30 +219,52 @@ def bench_ttft(args, work: Path) -> dict:
 
 
 # ---- bytes ---------------------------------------------------------------------------------
-def bench_bytes(args, work: Path) -> dict:
-    base = engine_job("vllm", "gemma3", 4096)
-    base["prefix_caching"] = False
+def bytes_steps(args, trace: str) -> list[dict]:
+    """The requests of one ``bytes`` trace (see the module docstring)."""
     steps = []
-    text = text_ids(args.conversations * (args.first + args.turns * args.message) + 10)
+    text = text_ids(args.system + args.conversations * (args.first + args.turns * args.message)
+                    + 10)
     at = 1
+    system = [1] + text[at:at + args.system]
+    if trace == "system":
+        at += args.system
+        steps.append({"ids": system, "label": "system", "max_tokens": 1})
     for c in range(args.conversations):
-        first = [1] + text[at:at + args.first]
-        at += args.first
+        if trace == "system":
+            first = system + text[at:at + args.message]
+            at += args.message
+        else:
+            first = [1] + text[at:at + args.first]
+            at += args.first
         steps.append({"ids": first, "label": f"c{c}t0", "max_tokens": args.answer})
         for t in range(1, args.turns):
             steps.append({"ids": text[at:at + args.message], "label": f"c{c}t{t}",
                           "after_previous": True, "max_tokens": args.answer})
             at += args.message
-    run_child({**base, "example": str(work / "example"), "steps": steps}, work)
-    got = run_child({**base, "store": str(work / "store"), "steps": steps}, work)
-    ex, ours = disk_usage(work / "example"), disk_usage(work / "store" / "segments")
-    ratio = ours["allocated_bytes"] / ex["allocated_bytes"]
-    print(f"bytes: kvstore {ours['allocated_bytes'] / 1e6:.1f} MB, ExampleConnector "
-          f"{ex['allocated_bytes'] / 1e6:.1f} MB: {ratio:.3f}; tokens restored per request "
-          f"{[r['restored'] for r in got][:12]}...", flush=True)
-    return {"conversations": args.conversations, "turns": args.turns, "example": ex,
-            "kvstore_segments": ours, "ratio_allocated": ratio,
-            "restored_tokens": [r["restored"] for r in got]}
+    return steps
+
+
+def bench_bytes(args, work: Path) -> dict:
+    base = engine_job("vllm", "gemma3", 4096)
+    base["prefix_caching"] = False
+    out: dict[str, dict] = {}
+    for trace in args.trace:
+        steps = bytes_steps(args, trace)
+        example, store = work / f"example-{trace}", work / f"store-{trace}"
+        _, got = run_children([{**base, "example": str(example), "steps": steps},
+                               {**base, "store": str(store), "steps": steps}], work)
+        ex, ours = disk_usage(example), disk_usage(store / "segments")
+        ratio = ours["allocated_bytes"] / ex["allocated_bytes"]
+        restored = {r["label"]: r["restored"] for r in got}
+        print(f"bytes ({trace}): kvstore {ours['allocated_bytes'] / 1e6:.1f} MB, "
+              f"ExampleConnector {ex['allocated_bytes'] / 1e6:.1f} MB: {ratio:.3f}; tokens "
+              f"restored per request {list(restored.values())[:12]}...", flush=True)
+        out[trace] = {"requests": len(steps), "example": ex, "kvstore_segments": ours,
+                      "ratio_allocated": ratio, "restored_tokens": restored,
+                      "prompt_tokens": {r["label"]: r["prompt_tokens"] for r in got}}
+    return {"conversations": args.conversations, "turns": args.turns, "first": args.first,
+            "system": args.system, "message": args.message, "answer": args.answer,
+            "traces": out}
 
 
 # ---- turns (llama.cpp, ShareGPT) ---------------------------------------------------------
@@ -290,6 +328,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--conversations", type=int, default=20)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--first", type=int, default=600, help="bytes: the first prompt's tokens")
+    p.add_argument("--trace", nargs="+", choices=["conversations", "system"],
+                   default=["conversations", "system"],
+                   help="bytes: conversations with first prompts of their own, or after one "
+                        "system prompt")
+    p.add_argument("--system", type=int, default=480,
+                   help="bytes, --trace system: the shared system prompt's tokens")
     p.add_argument("--message", type=int, default=120, help="bytes: each later message")
     p.add_argument("--answer", type=int, default=16, help="bytes: tokens generated a turn")
     p.add_argument("--n-ctx", type=int, default=4096)
