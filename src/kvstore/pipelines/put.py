@@ -58,7 +58,7 @@ class Writer:
         its conversation's new turn (False: a copy of a context from elsewhere, a remote fill,
         which teaches nothing)."""
         self._check_codable(toks, kr, vr, base)
-        with self._planned(toks, namespace, base, learn) as plan:
+        with self.core.turns.put(), self._planned(toks, namespace, base, learn) as plan:
             if plan is BYPASSED:
                 return False
             if isinstance(plan, PutPlan):

@@ -16,6 +16,7 @@ disk read, a disk write, an fsync or a catalog commit. Lock order: a catalog wri
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from kvstore.eviction.policies import Queued
 from kvstore.format.catalog import Catalog, WriteTxn
 from kvstore.format.directory import Dir
 from kvstore.format.records import ChunkRecord, ContextRecord, IndexEntry
+from kvstore.format.write_turns import WriteTurns
 from kvstore.format.writer_registry import Owner
 from kvstore.layout import KVLayout
 from kvstore.residency.catch_up import Mirror, writing
@@ -104,6 +106,12 @@ class Core:
     forked_from: int | None = None  # the parent's pid, in a child forked after the open
     # the wall clock pins expire by (seconds since the epoch; tests give another)
     wall_clock: Callable[[], float] = time.time
+
+    @functools.cached_property
+    def turns(self) -> WriteTurns:
+        """Turns between puts and retention calls across the store's processes
+        (:mod:`kvstore.format.write_turns`); none when read-only."""
+        return WriteTurns(None if self.readonly else self.root)
 
     def forget_after_fork(self, parent: int) -> None:
         """In a child forked after this store's open (``os.register_at_fork``): every call

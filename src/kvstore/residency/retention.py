@@ -129,7 +129,7 @@ def pin(core: Core, toks: np.ndarray, namespace: str | None, ttl_s: float | None
         core.check_writable()
     now = core.wall_clock()
     expires = None if ttl_s is None else now + ttl_s
-    with writing(core.catalog, core.mirror, core.mutex) as txn:
+    with core.turns.retention(), writing(core.catalog, core.mirror, core.mutex) as txn:
         with core.mutex:
             core.check_writable()
             core.mirror.catch_up(txn)
@@ -195,7 +195,7 @@ def unpin(core: Core, toks: np.ndarray, namespace: str | None) -> bool:
     with core.mutex:
         core.check_writable()
     now = core.wall_clock()
-    with writing(core.catalog, core.mirror, core.mutex) as txn:
+    with core.turns.retention(), writing(core.catalog, core.mirror, core.mutex) as txn:
         with core.mutex:
             core.check_writable()
             core.mirror.catch_up(txn)
@@ -279,7 +279,7 @@ def delete(core: Core, toks: np.ndarray | None, namespace: str | None
     with core.mutex:
         core.check_writable()
     c = core.config.chunk_tokens
-    with writing(core.catalog, core.mirror, core.mutex) as txn:
+    with core.turns.retention(), writing(core.catalog, core.mirror, core.mutex) as txn:
         with core.mutex:
             core.check_writable()
             core.mirror.catch_up(txn)
