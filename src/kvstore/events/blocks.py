@@ -28,7 +28,7 @@ from kvstore.format.hashing import STATE_TOKEN
 from kvstore.format.records import ChunkRecord
 
 Lookup = Callable[[bytes], ChunkRecord | None]  # a chunk record by key (the catalog's)
-MAX_DEPTH = 1 << 20  # chunks climbed to find a chain's start: beyond, a cycle (hostile records)
+MAX_DEPTH = 1 << 16  # chunks climbed to find a chain's start (16M tokens of 256-token chunks)
 RECENT = 1024  # chunks whose blocks are kept after they were hashed
 
 
@@ -90,6 +90,7 @@ class BlockMaker:
         """(hash before the chunk, namespace at a chain's start, whether it is the start) for
         a chunk after ``parent``; (_BROKEN, ...) when nothing after ``parent`` is real."""
         chain: list[ChunkRecord] = []
+        seen: set[bytes] = set()  # a cycle of parents (a damaged or hostile catalog)
         k = parent
         while True:
             if k in self.names.by_seed:
@@ -106,8 +107,9 @@ class BlockMaker:
                     return None
                 state = (None, ns, True)
                 break
-            if len(chain) >= MAX_DEPTH:
+            if len(chain) >= MAX_DEPTH or k in seen:
                 return None
+            seen.add(k)
             chain.append(rec)
             k = rec.parent
         for rec in reversed(chain):  # the ancestors' tails, from the chain's start down

@@ -172,16 +172,17 @@ class EventSource:
                 overflow, self._overflow = self._overflow, False
             out: list[Event] = []
             with self._catalog.read() as txn:
+                added = False
                 if "disk" in self._tiers:
-                    self._sync_disk(txn, out, full=overflow)
+                    added = self._sync_disk(txn, out, full=overflow)
                 if "dram" in self._tiers:
                     if overflow:
                         self._resync_dram(txn, out)
                     else:
                         self._apply_dram(txn, facts, out)
                 self._apply_shared(txn, facts, out)
-                if any(t.waiting for t in self._tiers.values()):
-                    self._retry_waiting(txn, out)
+                if added and any(t.waiting for t in self._tiers.values()):
+                    self._retry_waiting(txn, out)  # a put may have recorded their name
             stored = sum(1 for ev in out if isinstance(ev, BlockStored))
             with self._lock:  # counters change under it (stats() reads them so)
                 c = self.counters
@@ -206,9 +207,10 @@ class EventSource:
         if tier == "disk" and not any(key in t.chunks for t in self._tiers.values()):
             self._maker.forget(key)
 
-    def _sync_disk(self, txn: ReadTxn, out: list[Event], *, full: bool) -> None:
+    def _sync_disk(self, txn: ReadTxn, out: list[Event], *, full: bool) -> bool:
         """The disk tier's changes since the generation last drained (all of it the first
-        time, after a lost report, or when the log no longer reaches back)."""
+        time, after a lost report, or when the log no longer reaches back); whether chunks
+        were added."""
         t = self._tiers["disk"]
         changes = None if full or self._disk_gen < 0 else txn.changes_since(self._disk_gen)
         if changes is None:
@@ -225,14 +227,17 @@ class EventSource:
                         t.add(key, blocks, self._maker, out)
             self._disk_gen = txn.gen
             self.counters["disk_full_syncs"] += 1
-            return
+            return True
+        added = False
         for key in changes.chunks:
             rec = txn.chunk(key)
             if rec is None:
                 self._remove("disk", key, out)
             else:
                 self._add("disk", rec, txn, out)
+                added = True
         self._disk_gen = changes.gen
+        return added
 
     def _apply_dram(self, txn: ReadTxn, facts, out: list[Event]) -> None:
         for f in facts:
@@ -265,7 +270,7 @@ class EventSource:
 
     def _retry_waiting(self, txn: ReadTxn, out: list[Event]) -> None:
         """Announce the chunks that waited for their namespace's name, if it is recorded now
-        (one catalog read per such chunk and drain: only a store written before names were
+        (after a drain that saw chunks added: only a store written before names were
         recorded has any)."""
         for t in self._tiers.values():
             for key, rec in list(t.waiting.items()):
