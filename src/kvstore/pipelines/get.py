@@ -31,6 +31,7 @@ from kvstore.pipelines.chunk_reads import Raced, quarantine, raw_extent, read_ve
 from kvstore.pipelines.device_copy import DeviceCopy
 from kvstore.pipelines.miss_reads import Miss, MissRead, copy_out, decode_out
 from kvstore.residency.core import Core
+from kvstore.threads.fork_join import PARALLEL_COPY_BYTES
 from kvstore.tiers.dram import Entry
 from kvstore.view.prefix_tree import Piece
 
@@ -130,8 +131,15 @@ class Reader:
 
     def _allocate(self, n_tok: int, device: torch.device | None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """New output tensors for a get without ``out=``: on CPU from the output pool (memory
+        recycled from earlier gets, or fresh memory faulted in over this thread and the
+        helpers when they are idle, as the copy that follows is split)."""
         if device is None or device.type == "cpu":
-            return self.core.buffers.kv(self.core.layout, n_tok)
+            helpers, lay = self.core.helpers, self.core.layout
+            large = n_tok * lay.token_bytes >= PARALLEL_COPY_BYTES  # K and V
+            with helpers.split_work() if large else nullcontext(False) as alone:
+                ways = min(1 + helpers.n, os.cpu_count() or 1) if alone else 1
+                return self.core.buffers.kv(lay, n_tok, ways=ways, run_all=helpers.run_all)
         shape = self.core.layout.kv_shape(n_tok)
         dt = self.core.layout.torch_dtype
         return (torch.empty(shape, dtype=dt, device=device),

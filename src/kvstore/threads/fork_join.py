@@ -60,15 +60,30 @@ class Helpers:
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
             fn, args, fut = item
+            del item
+            result: Any = None
+            error: BaseException | None = None
+            ran = False
+            # The task is over before its caller hears of it: what it referenced is no longer
+            # held here (an idle helper keeping a get's outputs alive would keep them out of the
+            # output pool), and it no longer counts as busy (a caller splitting its next piece
+            # of work right after this one sees the helpers idle).
             try:
-                if fut.set_running_or_notify_cancel():
+                ran = fut.set_running_or_notify_cancel()
+                if ran:
                     try:
-                        fut.set_result(fn(*args))
+                        result = fn(*args)
                     except BaseException as e:  # handed to the waiting caller via the future
-                        fut.set_exception(e)
+                        error = e
             finally:
+                del fn, args
                 with self._lock:
                     self._busy -= 1
+            if ran and error is not None:
+                fut.set_exception(error)
+            elif ran:
+                fut.set_result(result)
+            del fut, result, error
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)``; :class:`StoreClosed` once :meth:`close` began. A task queued
