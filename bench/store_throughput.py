@@ -2,8 +2,11 @@
 
 For each layout (SmolLM2-135M and a Llama-8B-sized one) and one context of ``T`` tokens:
 
-1. ``dram_get``: ``store.get`` of a context resident in the DRAM tier (also ``get(out=...)``)
-   vs ``np.copyto`` of the same number of bytes (ceiling).
+1. ``dram_get``: ``store.get`` of a context resident in the DRAM tier into new tensors (also
+   ``get(out=...)``) vs ``np.copyto`` of the same number of bytes between preallocated arrays
+   (``copy_ceiling``) and vs ``np.empty`` + ``np.copyto`` for K and for V (``copy_alloc_ceiling``:
+   what any API returning new tensors pays); the ratio of the last two is reported on its own
+   (``get_new_vs_alloc_copy``: medians, every repetition's ratio, the load average).
 2. ``cold_get``: ``store.get`` after ``store.drop_caches()`` (DRAM tier emptied, segment pages
    fadvise-dropped) vs a buffered sequential read of a file of the same size, its page cache
    dropped first, read in large ``preadv`` calls into a preallocated buffer (ceiling).
@@ -25,6 +28,8 @@ the K+V payload of the context (``T * layout.token_bytes``); GB/s is 1e9 bytes p
    other's, from disk) against one process doing all of it.
 
     python bench/store_throughput.py [--smol-tokens 2048] [--llama-tokens 2048] [--reps 9]
+    python bench/store_throughput.py --measures dram --layouts smollm2-135m --smol-tokens 46592 \
+        --threads-tokens 0 --share-tokens 0     # only 1. (a 1 GiB context)
 """
 
 from __future__ import annotations
@@ -70,11 +75,14 @@ CHUNK_TOKENS = 256
 READ_BLOCK = 8 << 20  # ceiling reads: 8 MiB preadv calls
 WRITE_BLOCK = 8 << 20
 
+GET_NEW_TARGET = 0.8  # get() into new tensors against np.empty + np.copyto of K and V
+
 # (metric, ceiling or alternative it is compared with, target ratio or None)
 COMPARISONS: list[tuple[str, str, float | None, str]] = [
     ("dram_get", "copy_ceiling", 0.5, "DRAM get >= 50% of np.copyto bandwidth"),
     ("dram_get_out", "copy_ceiling", None, "get(out=prealloc) vs np.copyto (info)"),
-    ("dram_get", "copy_alloc_ceiling", 0.8, "get (new tensors) >= 80% of allocating copy"),
+    ("dram_get", "copy_alloc_ceiling", GET_NEW_TARGET,
+     "get (new tensors) >= 80% of allocating copy"),
     ("cold_get", "read_ceiling", 0.8, "cold disk get >= 80% of raw sequential read"),
     ("cold_get_out", "read_ceiling", 0.8, "cold get(out=prealloc) >= 80% of raw read"),
     ("put", "write_ceiling", 0.8, "durable put >= 80% of raw write+fsync"),
@@ -130,12 +138,13 @@ def timed(fn: Callable[[], object]) -> float:
 
 # ---------------------------------------------------------------------------------- bench
 def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int,
-                 workdir: str, profile: bool, log: Callable[[str], None]) -> dict[str, object]:
+                 workdir: str, profile: bool, log: Callable[[str], None],
+                 dram_only: bool = False) -> dict[str, object]:
     nbytes = n_tok * layout.token_bytes
     n_chunks = -(-n_tok // CHUNK_TOKENS)
     slot_bytes = layout.chunk_bytes(CHUNK_TOKENS)
     slot_stride = -(-slot_bytes // 4096) * 4096
-    n_puts = warmup + reps + 1
+    n_puts = 1 if dram_only else warmup + reps + 1
     # No eviction while measuring: every put fits on disk; DRAM holds two contexts and a spare.
     disk_bytes = (n_puts + 4) * n_chunks * slot_stride
     dram_bytes = (2 * n_chunks + 1) * slot_stride
@@ -149,8 +158,8 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
     keys = torch.randn(layout.kv_shape(n_tok), generator=gen).to(layout.torch_dtype)
     values = torch.randn(layout.kv_shape(n_tok), generator=gen).to(layout.torch_dtype)
     kv_out = (torch.empty_like(keys), torch.empty_like(values))
-    raw_src = np.concatenate([keys.numpy().view(np.uint8).ravel(),
-                              values.numpy().view(np.uint8).ravel()])
+    raw_k, raw_v = keys.numpy().view(np.uint8).ravel(), values.numpy().view(np.uint8).ravel()
+    raw_src = np.concatenate([raw_k, raw_v])
     assert raw_src.nbytes == nbytes
     raw_dst = np.empty_like(raw_src)
     raw_dst.fill(0)  # fault the pages in now, not while timing
@@ -172,7 +181,8 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
     ctx = fresh()  # the context read back by every get
     store.put(ctx, keys, values)
     ceil_file = os.path.join(root, "ceiling.bin")
-    raw_write(ceil_file, raw_src)
+    if not dram_only:
+        raw_write(ceil_file, raw_src)
     pt_file = os.path.join(root, "kv.pt")
     st_file = os.path.join(root, "kv.safetensors")
     write_no = 0
@@ -182,8 +192,16 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
         return h["dram"], h["disk"]
 
     def run_rep(store_first: bool) -> dict[str, float]:
-        nonlocal write_no
         s: dict[str, float] = {}
+        if not dram_only:
+            io_rep(store_first, s)
+        dram_rep(store_first, s)
+        if not dram_only:
+            naive_rep(s)
+        return s
+
+    def io_rep(store_first: bool, s: dict[str, float]) -> None:
+        nonlocal write_no
 
         # 3. durable put of a whole new context vs write+fsync of a new file.
         write_no += 1
@@ -219,6 +237,12 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
         for f in ((cold_store, cold_ceil) if store_first else (cold_ceil, cold_store)):
             f()
 
+    def alloc_copy() -> None:
+        """The allocating copy a get into new tensors is measured against: new K and V."""
+        np.copyto(np.empty_like(raw_k), raw_k)
+        np.copyto(np.empty_like(raw_v), raw_v)
+
+    def dram_rep(store_first: bool, s: dict[str, float]) -> None:
         # 1. get from the DRAM tier (the cold get just loaded ctx) vs np.copyto of the bytes.
         def dram_store() -> None:
             d0 = hits()
@@ -229,12 +253,13 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
 
         def dram_ceil() -> None:
             s["copy_ceiling"] = timed(lambda: np.copyto(raw_dst, raw_src))
-            # the same copy into freshly allocated memory, as get() without out= does
-            s["copy_alloc_ceiling"] = timed(lambda: np.copyto(np.empty_like(raw_src), raw_src))
+            # the same bytes copied into new memory, as get() without out= returns them
+            s["copy_alloc_ceiling"] = timed(alloc_copy)
 
         for f in ((dram_store, dram_ceil) if store_first else (dram_ceil, dram_store)):
             f()
 
+    def naive_rep(s: dict[str, float]) -> None:
         # 4. naive alternatives: torch.save/load and safetensors, durable save, cold load.
         def torch_save() -> None:
             torch.save({"keys": keys, "values": values}, pt_file)
@@ -259,11 +284,11 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
             drop_file_cache(path)
             s[f"{tag}_load"] = timed(load)
             os.unlink(path)
-        return s
 
     # Other processes' CPU use during each repetition, as a fraction of the machine: on a
     # 2-core box a concurrent job visibly slows copies and checksums (recorded, not corrected).
     other_cpu: list[float] = []
+    load_start = os.getloadavg()
     t_start = time.perf_counter()
     for rep in range(warmup + reps):
         keep = rep >= warmup
@@ -293,6 +318,8 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
     metrics = {k: summarize(v, nbytes) for k, v in samples.items() if v}
     ratios = []
     for metric, base, target, label in COMPARISONS:
+        if metric not in metrics or base not in metrics:
+            continue
         r = metrics[metric]["gbps_p50"] / metrics[base]["gbps_p50"]
         ratios.append({"metric": metric, "vs": base, "ratio_p50": r, "target": target,
                        "met": None if target is None else bool(r >= target), "label": label})
@@ -306,6 +333,17 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
         "elapsed_s": elapsed,
         "other_cpu_frac_samples": other_cpu,
         "other_cpu_frac_p50": float(np.median(other_cpu)),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "get_new_vs_alloc_copy": {
+            "ratio_p50": (metrics["dram_get"]["gbps_p50"]
+                          / metrics["copy_alloc_ceiling"]["gbps_p50"]),
+            "target": GET_NEW_TARGET,
+            "per_rep": [a / g for g, a in zip(samples["dram_get"], samples["copy_alloc_ceiling"],
+                                             strict=True)],
+            "dram_get_gbps_p50": metrics["dram_get"]["gbps_p50"],
+            "copy_alloc_ceiling_gbps_p50": metrics["copy_alloc_ceiling"]["gbps_p50"],
+        },
         "metrics": metrics,
         "ratios": ratios,
         "store_stats": stats,
@@ -541,6 +579,13 @@ def bench_processes(n_tok: int, n_ctx: int, workdir: str,
 
 def print_table(results: dict[str, dict[str, object]]) -> None:
     for name, r in results.items():
+        g = r["get_new_vs_alloc_copy"]
+        print(f"\n{name}: get() into new tensors / allocating copy (np.empty + np.copyto, K and V)"
+              f": {g['dram_get_gbps_p50']:.2f} / {g['copy_alloc_ceiling_gbps_p50']:.2f} GB/s = "
+              f"{g['ratio_p50']:.2f} (target {g['target']}: "
+              f"{'met' if g['ratio_p50'] >= g['target'] else 'NOT met'}); per repetition "
+              + " ".join(f"{x:.2f}" for x in g["per_rep"])
+              + f"; load average {r['loadavg_start'][0]:.1f} -> {r['loadavg_end'][0]:.1f}")
         m = r["metrics"]
         print(f"\n{name}: {r['tokens']} tokens, {r['bytes'] / 1e6:.1f} MB K+V per context; "
               f"other processes used {r['other_cpu_frac_p50']:.0%} of the CPUs (median rep)")
@@ -576,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also cProfile a few puts/gets per layout and store the text in the JSON")
     p.add_argument("--quiet", action="store_true", help="no per-repetition progress lines")
+    p.add_argument("--measures", choices=("all", "dram"), default="all",
+                   help="dram: only the DRAM gets and their copy ceilings (no puts, cold gets "
+                        "or naive alternatives; for large contexts)")
     p.add_argument("--threads-tokens", type=int, default=1024,
                    help="context length of the reader/writer threads section (0: skip it)")
     p.add_argument("--threads-seconds", type=float, default=3.0,
@@ -599,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         results = {n: bench_layout(n, LAYOUTS[n], tokens[n], args.reps, args.warmup, workdir,
-                                   args.profile, log) for n in names}
+                                   args.profile, log, dram_only=args.measures == "dram")
+                   for n in names}
         threads = (bench_threads(LAYOUTS["smollm2-135m"], args.threads_tokens, 8,
                                  args.threads_seconds, workdir, log)
                    if args.threads_tokens else None)
