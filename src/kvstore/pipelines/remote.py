@@ -48,6 +48,7 @@ from kvstore.format.hashing import chunk_hash, common_prefix_len
 from kvstore.format.records import ChunkRecord
 from kvstore.pipelines.gather import gather
 from kvstore.pipelines.remote_boundaries import Boundaries
+from kvstore.pipelines.remote_found import Found
 from kvstore.pipelines.remote_loads import LayerLoads
 from kvstore.residency.core import Core
 from kvstore.threads.background import Worker
@@ -135,6 +136,7 @@ class RemoteLink(LayerLoads):
         self._lossy: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # a hybrid layout's boundary states: their marks, lookups, states (no thread)
         self.boundaries = Boundaries(core, tier, lambda: self.prefill_rate)
+        self.found = Found()  # what matches found, for the loads that follow them
         # chunks to write through (key, None), and boundary marks after them (key, the mark)
         self._writes: Worker[tuple[bytes, tuple[bytes, Mark] | None]] = Worker(
             self._write_batch, name=f"kvstore-{name}-write", batch=16,
@@ -177,8 +179,8 @@ class RemoteLink(LayerLoads):
               exact: bool = False) -> int:
         """How many leading tokens the local tiers and the remote tier together serve, of
         which the remote part only if fetching it pays (``exact``: up to the first value a
-        lossy codec encoded, and not into a partial chunk, whose codec the match does not
-        read)."""
+        lossy codec encoded; a stored chunk the prompt's last chunk is a prefix of counts
+        after its header says it is not lossy: one more round trip)."""
         local = served(pieces)
         if local == len(toks):
             return local
@@ -192,14 +194,22 @@ class RemoteLink(LayerLoads):
         headers, kids = self.tier.headers_and_kids([(ch.key, ch.tokens) for ch in rest],
                                                    [(ch.parent, ch.tokens) for ch in rest])
         self._count("matches")
+        self.found.note_headers([(ch.key, h) for ch, h in zip(rest, headers, strict=True)
+                                 if h is not None])
         options: list[tuple[int, int]] = []
         end, nbytes = base, 0
         found: list[tuple[bytes, rv.Header]] = []
         for ch, h, ks in zip(rest, headers, kids, strict=True):
             if exact and h is not None and h.lossy:
                 break
-            if h is None:  # a stored partial chunk may still share a prefix with the rest
-                kid = None if exact else best_kid(ks, ch.tokens)
+            if h is None:  # a stored chunk may still share a prefix with the rest
+                ks = [(k, t) for k, t in ks if k != ch.key]  # not the one that is missing
+                self.found.note_kids(ch.parent, ks)
+                kid = best_kid(ks, ch.tokens)
+                if kid is not None and exact:  # served only if its value is not lossy
+                    kh = self.tier.headers([(kid[0], kid[1])])[0]
+                    self.found.note_headers([(kid[0], kh)] if kh is not None else [])
+                    kid = None if kh is None or kh.lossy else kid
                 if kid is not None and end + kid[2] > local:
                     end += kid[2]
                     nbytes += len(kid[1]) * self.core.layout.token_bytes
@@ -273,17 +283,46 @@ class RemoteLink(LayerLoads):
         """(key, tokens) of the values that hold ``rest``: each chunk's own, but a hybrid
         layout's partial last chunk, which the chunk of a boundary stored after it holds."""
         items = [(ch.key, ch.tokens) for ch in rest]
-        tail = self.boundaries.tail(rest[-1].parent, rest[-1].tokens) if rest else None
+        if not rest:
+            return items
+        ch, c = rest[-1], self.core.config.chunk_tokens
+        tail = self.boundaries.tail(ch.parent, ch.tokens)
+        if tail is None and len(ch.tokens) < c and self.found.header(ch.key) is None:
+            tail = self.found.kid(ch.parent, ch.tokens)  # the stored chunk a match found
         if tail is not None:
             items[-1] = tail
         return items
 
     def _kid(self, ch: _Chunk) -> tuple[bytes, np.ndarray] | None:
-        """A stored partial chunk after ``ch.parent`` that starts with all of ``ch.tokens``."""
-        kid = best_kid(self.tier.kids([(ch.parent, ch.tokens)])[0], ch.tokens)
+        """A stored chunk after ``ch.parent`` that starts with all of ``ch.tokens`` (one a
+        match found, else one round trip)."""
+        got = self.found.kid(ch.parent, ch.tokens)
+        if got is not None:
+            return got
+        kids = self.tier.kids([(ch.parent, ch.tokens)])[0]
+        self.found.note_kids(ch.parent, kids)
+        kid = best_kid(kids, ch.tokens)
         if kid is None or kid[2] < len(ch.tokens):
             return None
         return kid[0], kid[1]
+
+    def block_end(self, toks: np.ndarray, namespace: str | None, end: int) -> np.ndarray:
+        """``toks`` continued to ``end`` as the stored chunk holding their last token goes on
+        (a load into pages fills its last block whole): for a hybrid layout the chunk of a
+        boundary after them (STATE), else the stored chunk the tail is a prefix of. KeyError if
+        this tier holds none that reaches ``end``."""
+        _, rest = self._rest(toks, namespace, self._local(toks, namespace))
+        if not rest:
+            raise KeyError("the last block of the load is stored locally")
+        if self.core.layout.boundary_state:
+            return np.concatenate([toks, np.full(end - len(toks), STATE, dtype=toks.dtype)])
+        ch = rest[-1]
+        with self.tier.deadline():
+            kid = self._kid(ch)
+        if kid is None or ch.start + len(kid[1]) < end:
+            raise KeyError(f"the shared tier holds no chunk that fills the load's last block "
+                           f"(to {end})")
+        return np.concatenate([toks[:ch.start], kid[1][:end - ch.start]]).astype(toks.dtype)
 
     def _kid_extent(self, ch: _Chunk) -> tuple[np.ndarray, int, rv.Header] | None:
         """(verified extent, its tokens, its header) of :meth:`_kid`; two more round
@@ -390,7 +429,6 @@ class RemoteLink(LayerLoads):
         send: list[tuple[bytes, bytes]] = []
         kids: list[tuple[bytes, bytes, np.ndarray]] = []
         recs: list[ChunkRecord] = []  # of what is sent, for the KV events
-        c = self.core.config.chunk_tokens
         for k, e in zip(keys, there, strict=True):
             if e is None:
                 tier.count("write_failed")
@@ -403,8 +441,8 @@ class RemoteLink(LayerLoads):
                     tier.count("write_failed")
                     continue
                 rec, ext = got
-                if rec.n_tokens < c:  # findable by a longer prompt through its parent
-                    kids.append((rec.parent, rec.key, rec.tokens))
+                # findable by a prompt whose chunk there is a prefix of it
+                kids.append((rec.parent, rec.key, rec.tokens))
                 send.append((k, self._value(k, rec, ext)))
                 recs.append(rec)
         if send:
@@ -465,13 +503,13 @@ class RemoteLink(LayerLoads):
         are other keys."""
         if not chunks:
             return 0
-        c = self.core.config.chunk_tokens
         keys = [k for k, _, _ in chunks]
         with self._lock:  # not "just fetched" any more: a later put sends them again
             for k in keys:
                 self._recent.pop(k, None)
                 self._lossy.pop(k, None)
-        kids = [(parent, k, toks) for k, parent, toks in chunks if len(toks) < c]
+        kids = [(parent, k, toks) for k, parent, toks in chunks]
+        self.found.forget(keys)
         # a boundary's first chunk (STATE in it, after a chunk that is not the state's): its
         # mark goes first, so no reader is sent to values that are going
         states = {k for k, _, toks in chunks if (toks == STATE).all()}

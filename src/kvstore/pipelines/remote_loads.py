@@ -39,8 +39,8 @@ def check_block_starts(rest: list[_Chunk], block_tokens: int) -> None:
 
 class LayerLoads:
     """The layer-wise loads of :class:`~kvstore.pipelines.remote.RemoteLink` (a mixin: it uses
-    the link's ``core``, ``tier``, ``get``, ``_local``, ``_rest``, ``_items``, ``_kid``,
-    ``_get_local``, ``_count`` and ``_served_lossy``)."""
+    the link's ``core``, ``tier``, ``found``, ``get``, ``_local``, ``_rest``, ``_items``,
+    ``_kid``, ``_get_local``, ``_count`` and ``_served_lossy``)."""
 
     def layer_load(self, toks: np.ndarray, namespace: str | None, *, start: int,
                    buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
@@ -49,12 +49,11 @@ class LayerLoads:
         """``Store.load_layers`` of tokens that extend past the local tiers into the remote
         one: into ``out``, ``pages`` or an execution buffer of ``hbm(device)`` on the CPU,
         layer by layer (:meth:`load_layers`); to a CUDA device through host memory at once.
-        With ``start`` (positions [start, n) only) all of them are fetched at once and the tail
-        handed out as an already loaded load."""
+        With ``start`` (positions [start, n) only) the chunks holding them are fetched at once
+        and the tail handed out as an already loaded load."""
         lay = self.core.layout
         if start:
-            k, v = self.get(toks, namespace, None, None)  # [L, H, n, D] each
-            k, v = k[:, :, start:], v[:, :, start:]  # [L, H, n - start, D]
+            k, v = self._tail_kv(toks, namespace, start)  # [L, H, n - start, D] each
             if pages is not None:
                 kr, vr = chunk_extent.raw(k), chunk_extent.raw(v)
                 for layer in range(lay.num_layers):
@@ -85,6 +84,40 @@ class LayerLoads:
                                 kv=(kv[0], kv[1]), on_close=lambda _after: tier.release(buf),
                                 on_abandon=lambda: tier.forget(nbytes))
 
+    def _tail_kv(self, toks: np.ndarray, namespace: str | None, start: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV of positions [start, n) of ``toks`` [L, H, n - start, D]: only the shared
+        tier's chunks that hold them are fetched (all of ``toks`` when the local prefix reaches
+        past ``start``); KeyError (a miss)."""
+        base, rest = self._rest(toks, namespace, self._local(toks, namespace))
+        if base > start:
+            k, v = self.get(toks, namespace, None, None)  # [L, H, n, D] each
+            return k[:, :, start:], v[:, :, start:]
+        lay, n = self.core.layout, len(toks)
+        need = [ch for ch in rest if ch.start + len(ch.tokens) > start]
+        items = self._items(need)
+        with self.tier.deadline():
+            got = self.tier.values_and_headers(items)
+            if got and got[-1] is None and all(g is not None for g in got[:-1]):
+                kid = self._kid(need[-1])  # the tail inside a longer stored chunk
+                if kid is not None:
+                    items[-1], got[-1] = kid, self.tier.values_and_headers([kid])[0]
+        if any(g is None for g in got):
+            self._count("misses")
+            raise KeyError(f"{sum(g is None for g in got)} of the {len(need)} chunks holding "
+                           f"tokens {start}..{n} are not usable in the remote tier: a miss")
+        k, v = chunk_extent.empty_kv(lay, n - start, 2)
+        kr, vr = chunk_extent.raw(k), chunk_extent.raw(v)
+        L, H, D = lay.num_layers, lay.num_kv_heads, lay.head_dim
+        for ch, (_, t), (ext, _) in zip(need, items, got, strict=True):  # type: ignore[misc]
+            x = np.asarray(ext).view(chunk_extent.int_dtype(lay)).reshape(L, 2, H, len(t), D)
+            a, b = max(start, ch.start), ch.start + len(ch.tokens)
+            kr[:, :, a - start:b - start] = x[:, 0, :, a - ch.start:b - ch.start]
+            vr[:, :, a - start:b - start] = x[:, 1, :, a - ch.start:b - ch.start]
+        self._count("gets")
+        self._count("served_tokens", n - start)
+        return k, v
+
     def load_layers(self, toks: np.ndarray, namespace: str | None, *,
                     buffer_layers: int | None, kv: tuple[torch.Tensor, torch.Tensor] | None,
                     on_close: Callable[[torch.cuda.Event | None], None] | None,
@@ -99,13 +132,17 @@ class LayerLoads:
         # one deadline for the whole load: its loader thread fetches the layers by it
         with self.tier.deadline() as expires:
             items = self._items(rest)
-            headers = self.tier.headers(items)
+            headers = [self.found.header(k) for k, _ in items]  # what the match read
+            ask = [i for i, h in enumerate(headers) if h is None]
+            for i, h in zip(ask, self.tier.headers([items[i] for i in ask]) if ask else [],
+                            strict=True):
+                headers[i] = h
             keys = [k for k, _ in items]
             if headers and headers[-1] is None and all(h is not None for h in headers[:-1]):
-                kid = self._kid(rest[-1])  # the tail inside a longer stored partial chunk
+                kid = self._kid(rest[-1])  # the tail inside a longer stored chunk
                 if kid is not None:
                     keys[-1] = kid[0]
-                    headers[-1] = self.tier.headers([kid])[0]
+                    headers[-1] = self.found.header(kid[0]) or self.tier.headers([kid])[0]
         if any(h is None for h in headers):
             self._count("misses")
             if on_close is not None:

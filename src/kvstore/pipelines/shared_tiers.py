@@ -64,6 +64,10 @@ class SharedTier(Protocol):
                    device: torch.device, hbm: Callable, pages: Pages | None) -> LayerLoad:
         """A layer-wise load of ``toks`` [start, T) (local prefix, then this tier)."""
 
+    def block_end(self, toks: np.ndarray, namespace: str | None, end: int) -> np.ndarray:
+        """``toks`` continued to ``end`` as the chunk this tier holds with their last token
+        goes on (a load into pages fills its last block whole); KeyError."""
+
     def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
         """A context was stored locally: write it through (in the background)."""
 
@@ -155,6 +159,9 @@ class SharedTiers:
 
     def layer_load(self, toks: np.ndarray, namespace: str | None, **kw) -> LayerLoad:
         return self._first(lambda t: t.layer_load(toks, namespace, **kw))
+
+    def block_end(self, toks: np.ndarray, namespace: str | None, end: int) -> np.ndarray:
+        return self._first(lambda t: t.block_end(toks, namespace, end))
 
     def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
         for t in self._tiers:

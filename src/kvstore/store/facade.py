@@ -606,12 +606,12 @@ class Store:
 
     def _to_block_end(self, toks: np.ndarray, namespace: str | None, end: int) -> np.ndarray:
         """``toks`` continued to ``end`` as the stored chunk holding the last of them
-        continues (:func:`~kvstore.pipelines.pages.to_block_end`); for a hybrid boundary
-        another machine stored, that is its own chunk, whose tokens after it are STATE."""
+        continues (:func:`~kvstore.pipelines.pages.to_block_end`): a chunk of this machine's,
+        else one a shared tier holds (for a hybrid boundary another machine stored, its own
+        chunk, whose tokens after it are STATE)."""
         pieces = self._resolve(toks, namespace)
-        if served(pieces) < len(toks) and self._shared and self.layout.boundary_state:
-            return np.concatenate([toks, np.full(end - len(toks), boundary_state.STATE,
-                                                 dtype=toks.dtype)])
+        if served(pieces) < len(toks) and self._shared:
+            return self._shared.block_end(toks, namespace, end)
         return to_block_end(toks, pieces, end)
 
     def rows(self, tokens: object, *, namespace: str | None = None) -> RowReader:

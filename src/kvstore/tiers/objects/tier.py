@@ -108,6 +108,8 @@ class ObjectTier:
         self._prefix = cfg.prefix
         self._client: S3Client | None = None
         self._pool: ThreadPoolExecutor | None = None
+        # write-through and renewals: threads of their own, never queued ahead of a read
+        self._background: ThreadPoolExecutor | None = None
         self.breaker = Breaker("objects", failures=cfg.breaker_failures,
                                retry_s=cfg.breaker_retry_s, probe=self._ping)
         self._renewed: collections.OrderedDict[bytes, float] = collections.OrderedDict()
@@ -123,6 +125,8 @@ class ObjectTier:
         (the store works from its other tiers meanwhile). Starts the background sweeper."""
         self._client = self.cfg.client()
         self._pool = ThreadPoolExecutor(self.cfg.parallel, thread_name_prefix="kvstore-objects")
+        self._background = ThreadPoolExecutor(max(1, self.cfg.parallel // 2),
+                                              thread_name_prefix="kvstore-objects-write")
         try:
             r = self._client.request("HEAD", None, max_bytes=SMALL,
                                      expires=time.monotonic() + self.cfg.deadline_s)
@@ -163,8 +167,9 @@ class ObjectTier:
             self._sweeper.join()
         self._renewals.close()
         self.breaker.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._background):
+            if pool is not None:
+                pool.shutdown(wait=True)
         if self._client is not None:
             self._client.close()
 
@@ -211,10 +216,13 @@ class ObjectTier:
 
     def _requests(self, reqs: Sequence[tuple[str, str | None, dict]], *,
                   observe: bool = True, probe: bool = False,
-                  then: Callable[[int, Reply], object] | None = None) -> list:
+                  then: Callable[[int, Reply], object] | None = None,
+                  background: bool = False) -> list:
         """The requests (method, object name, request options), in parallel, each ending by
         the public call's deadline; a reply per request (None: failed or not in time), or
-        what ``then(i, reply)`` made of request i's reply in the worker thread."""
+        what ``then(i, reply)`` made of request i's reply in the worker thread.
+        ``background``: write-through's and renewals' own threads (never queued ahead of a
+        read)."""
         if not reqs:
             return []
         expires = call_expires()
@@ -223,9 +231,10 @@ class ObjectTier:
         if not self.breaker.allow():
             self.count("refused_calls")
             return [None] * len(reqs)
-        assert self._pool is not None
+        pool = self._background if background else self._pool
+        assert pool is not None
         t0 = time.perf_counter()
-        futs = [self._pool.submit(self._one, m, n, kw, expires, then, i)
+        futs = [pool.submit(self._one, m, n, kw, expires, then, i)
                 for i, (m, n, kw) in enumerate(reqs)]
         out: list = []
         for f in futs:
@@ -492,7 +501,7 @@ class ObjectTier:
         """Whether each key's value is in the bucket (None: no answer). Found ones are
         renewed."""
         replies = self._requests([("HEAD", on.value_name(self._prefix, k),
-                                   {"max_bytes": SMALL}) for k in keys])
+                                   {"max_bytes": SMALL}) for k in keys], background=True)
         out = [None if r is None or r.status not in (200, 404) else r.status == 200
                for r in replies]
         self._renew([k for k, e in zip(keys, out, strict=True) if e])
@@ -506,7 +515,8 @@ class ObjectTier:
         p = self._prefix
         replies = self._requests([("PUT", on.value_name(p, k),
                                    {"body": v, "headers": {"if-none-match": "*"},
-                                    "max_bytes": SMALL}) for k, v in items], observe=False)
+                                    "max_bytes": SMALL}) for k, v in items], observe=False,
+                                 background=True)
         out: list[bool | None] = []
         for r in replies:
             out.append(None if r is None else True if 200 <= r.status < 300
@@ -515,7 +525,7 @@ class ObjectTier:
         stored = {k for (k, _), ok in zip(items, out, strict=True) if ok is not None}
         self._requests([("PUT", on.kid_name(p, parent, key, toks),
                          {"max_bytes": SMALL}) for parent, key, toks in kids if key in stored],
-                       observe=False)
+                       observe=False, background=True)
         return out
 
     def delete(self, keys: Sequence[bytes],
@@ -538,7 +548,8 @@ class ObjectTier:
     def put_marks(self, items: Sequence[tuple[bytes, marks.Mark]]) -> int:
         """Write the entry of each (parent, mark) (an empty object); how many were written."""
         got = self._requests([("PUT", on.mark_name(self._prefix, parent, m),
-                               {"max_bytes": SMALL}) for parent, m in items], observe=False)
+                               {"max_bytes": SMALL}) for parent, m in items], observe=False,
+                             background=True)
         return sum(r is not None and 200 <= r.status < 300 for r in got)
 
     def delete_marks(self, items: Sequence[tuple[bytes, bytes]]) -> int:
@@ -579,7 +590,7 @@ class ObjectTier:
     def _renew_batch(self, keys: list[bytes]) -> None:
         with self.deadline():
             got = self._requests([("PUT", on.use_name(self._prefix, k), {"max_bytes": SMALL})
-                                  for k in keys], observe=False)
+                                  for k in keys], observe=False, background=True)
         self.count("renewed", sum(r is not None and 200 <= r.status < 300 for r in got))
 
     def sweep(self) -> lifecycle.SweepReport:
