@@ -15,7 +15,7 @@ advised ranges get them; numpy's own advice starts 4 KiB into a block, so its fi
 2 MiB stay small pages). It is faulted in before it is handed out, with one
 ``madvise(MADV_POPULATE_WRITE)`` per part (Linux 5.14+; else one write per page), split over
 the caller's threads when it asks: the copy that follows then writes into resident memory
-(the gather's non-temporal stores into pages not yet faulted in measured 0.6-0.8 of the same
+(the gather's non-temporal stores into pages not yet faulted in measured 0.7-0.8 of the same
 copy into prefaulted ones here).
 """
 
