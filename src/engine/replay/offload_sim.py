@@ -170,7 +170,8 @@ class SimResult:
 
 class Router:
     """Places requests (see the module docstring). ``force``: request seq -> instance, to
-    replay a decision differently (the tests' brute force)."""
+    replay a decision differently (the tests' brute force). Thread-safety: none (its
+    simulation's thread)."""
 
     def __init__(self, sim: Simulation, force: dict[int, int] | None = None) -> None:
         self.sim, self.force = sim, force or {}
@@ -215,6 +216,7 @@ class Router:
         return out
 
     def choose(self, req: Request, now: float) -> Option:
+        """The soonest of :meth:`options` (ties: the lowest instance, local first)."""
         opts = self.options(req, now)
         if req.seq in self.force:
             return next(o for o in opts if o.instance == self.force[req.seq])
@@ -222,13 +224,13 @@ class Router:
 
 
 class Simulation:
-    """One deployment serving one workload (see the module docstring)."""
+    """One deployment serving one workload (see the module docstring); :meth:`run` once.
+    Thread-safety: none (one thread runs it)."""
 
     def __init__(self, d: Deployment, workload: Workload, *,
                  force: dict[int, int] | None = None) -> None:
         self.d, self.workload = d, workload
         m = d.model
-        self.hybrid = m.hybrid
         self.view: EventView | GlobalView
         caches = []
         publish = None
