@@ -12,8 +12,8 @@ block held: no prompt ever matches a PAD position, so they are never served as K
 prompt that shares the request's tokens then matches into that block, and the load fills the
 block whole (``Store.load_layers`` with pages): vLLM computes from the first token the store
 does not hold, so a repeated prompt computes its last token only and a conversation's next
-turn its new message only. A match that ends inside a block is taken only where this
-machine's tiers hold that block (a remote one is counted to its last whole block).
+turn its new message only. A match that ends inside a block is taken where a tier holds the
+stored chunk that fills that block (this machine's, or a shared tier's: the load reads it).
 
 **Retention hints**: a request whose ``kv_transfer_params`` carry ``{"kvstore": {"pin": true,
 "ttl_s": N}}`` (:func:`retention_hint`) gets a final save even if all its blocks were saved,
@@ -158,7 +158,6 @@ class SchedulerSide:
         is a miss."""
         if self.store is None or skip_reason(request) is not None:
             return 0, False
-        B = self.block_size
         tokens = request.all_token_ids
         limit = len(tokens) - 1
         if limit <= num_computed:
@@ -166,9 +165,6 @@ class SchedulerSide:
         ns = request_namespace(self.namespace, request.cache_salt)
         try:
             n = self.store.match(tokens[:limit], namespace=ns, exact=not self.lossy_ok)
-            if n % B and n > num_computed and self.groups is None and \
-                    self.store.residency(tokens[:n], namespace=ns)["missing"]:
-                n = n // B * B  # the remote tier's chunks are fetched whole blocks at a time
         except (KVStoreError, OSError) as e:
             log.warning("kvstore: lookup of request %s failed (a miss): %s",
                         request.request_id, e)

@@ -100,9 +100,9 @@ def reused_limit(prompt_len: int) -> int:
 
 
 def remote_limit(prompt_len: int) -> int:
-    """What the remote tier serves of a prompt it holds whole: its whole blocks (fetched
-    chunk by chunk), not the last token."""
-    return whole_blocks(prompt_len - 1)
+    """What the remote tier serves of a prompt it holds whole: all but the last token, as
+    this machine's tiers (the last block filled from the stored chunk that holds it)."""
+    return prompt_len - 1
 
 
 @pytest.fixture(scope="module")
