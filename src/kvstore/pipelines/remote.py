@@ -14,7 +14,10 @@ says it of Redis, and holds for both.
 * ``load_layers``: the same, layer by layer with ``GETRANGE``, in round trips of 1, 2, 4, 8,
   ... layers, so the first layers arrive first.
 * write-through: each put queues its chunks; a worker thread sends those Redis lacks
-  (``EXISTS``, then ``SET NX``), reading them from the local tiers when it gets to them.
+  (``EXISTS``, then ``SET NX``, and each chunk's entry in its parent's kids set, so that a
+  prompt whose chunk there is a prefix of it finds it), reading them from the local tiers when
+  it gets to them; then a hybrid boundary's mark (:mod:`.remote_boundaries`).
+* a load right after a match starts from what the match found (:mod:`.remote_found`).
 * prefetch: the scheduler's next jobs whose prompts Redis serves further than the local tiers
   are fetched (and filled) by a worker thread.
 
@@ -23,7 +26,7 @@ that only the remote could have served raises ``KeyError`` like any miss), and i
 ``stats()["remote"]``. Each public call's remote round trips end by one deadline
 (``RemoteConfig.deadline_s``, :mod:`kvstore.tiers.remote.deadline`): what has not arrived by then is
 a miss too. Local eviction never deletes a remote copy; ``Store.delete`` does
-(:meth:`RemoteLink.delete`: ``DEL``, and ``SREM`` of a partial chunk's kids entry).
+(:meth:`RemoteLink.delete`: ``DEL``, and ``SREM`` of the chunk's kids entry).
 
 Thread-safety: every method may be called from any thread at once; no method holds the store's
 metadata lock during a remote call.

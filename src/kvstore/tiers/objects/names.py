@@ -6,9 +6,10 @@
   KV the same way, and KV of another model is never under its name.
 * ``u/<chain key>``: an empty marker, written when a store uses (fetches, or finds when writing)
   the value: its time is the value's last use (:mod:`kvstore.tiers.objects.lifecycle`).
-* ``k/<parent key>/<head>-<n>-<chain key>``: an empty entry saying a partial chunk of ``n``
-  tokens whose first (up to 8) ids are ``head`` follows chunk ``parent``: a longer prompt
-  finds it by listing its parent's entries that begin like its own tokens
+* ``k/<parent key>/<head>-<n>-<chain key>``: an empty entry saying a chunk of ``n`` tokens
+  whose first (up to 8) ids are ``head`` follows chunk ``parent``: a prompt whose chunk there
+  is a prefix of it (or shares a prefix with it) finds it by listing its parent's entries that
+  begin like its own tokens
   (:func:`kids_listing`; S3 has no sets).
 * ``b/<parent key>/<offset>-<state tokens>-<chain key>``: an empty entry saying a hybrid
   layout's boundary state begins ``offset`` tokens into the chunk after ``parent``, carrying

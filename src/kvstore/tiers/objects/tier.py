@@ -10,9 +10,10 @@ instead of pipelined commands:
 * values: a ranged ``GET`` of at most the size a value of those tokens can have (a value padded
   with junk is refused by its size, never read beyond it); layers: one ranged ``GET`` per
   chunk and layer, in parallel (``ObjectsConfig.parallel`` requests in flight);
-* partial chunks: listed under their parent (:mod:`kvstore.tiers.objects.names`), then their
-  headers read; a hybrid layout's boundary marks (:mod:`kvstore.tiers.remote.marks`): listed
-  under their parent, one listing per parent, in the round of the headers;
+* chunks a prompt's chunk is a prefix of: listed under their parent
+  (:mod:`kvstore.tiers.objects.names`), then their headers read; a hybrid layout's boundary
+  marks (:mod:`kvstore.tiers.remote.marks`): listed under their parent, one listing per
+  parent, in the round of the headers;
 * writes: ``PUT`` with ``If-None-Match: *`` (an object is written whole or not at all, and one
   that is there is not written again; every store writes the same bytes under a name anyway).
 
@@ -54,7 +55,7 @@ from kvstore.tiers.remote.estimate import LinkEstimate
 
 LIST_BYTES = 4 << 20  # one page of a listing (1,000 entries)
 SMALL = 0  # the body of a HEAD, or of a PUT's or DELETE's success
-MAX_KIDS = 32  # partial chunks after one parent whose headers one lookup reads
+MAX_KIDS = 32  # chunks after one parent whose headers one lookup reads
 PROBE_START = 64 << 10
 PROBE_ENOUGH_S = 0.02
 RENEWED = 1 << 16  # keys whose renewal this process remembers
