@@ -143,6 +143,8 @@ class OutputPool:
         memory is resident: a fresh buffer is faulted in first (``ways``, ``run_all``: see
         :func:`fresh_buffer`)."""
         nbytes = int(np.prod(shape)) * layout.itemsize
+        if not nbytes:  # e.g. the write buffer of a save with nothing new to store
+            return torch.empty(shape, dtype=layout.torch_dtype)
         buf = self._take(nbytes, ways, run_all)
         arr = buf[:nbytes].view(_NP_INT[layout.itemsize]).reshape(shape)
         # The tensor (and every view of it) keeps ``arr`` itself alive: torch.from_numpy holds
