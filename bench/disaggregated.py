@@ -32,8 +32,10 @@ Until the connector honours ``kv_role`` (``kv_producer`` / ``kv_consumer``), ``-
 producer stored by its own lookup, through Redis, and the producer's reply carries no
 ``kvstore.produced``. A ``kv_both`` producer answers before its saves reach the tier, so
 ``--handoff tier`` (the default) does what a ``kv_consumer`` will do itself: the consumer's
-request waits until the tier has read the prompt's KV (Redis's own input-bytes counter, then
-0.2 s of quiet), and that wait counts in the end-to-end time (``handoff_wait_s``);
+request waits until the producer has sent the prompt's KV up its link (the kernel's tbf
+counter, then 0.2 s of quiet), and that wait counts in the end-to-end time
+(``handoff_wait_s``); before each measurement both links are quiet for a second (earlier
+saves written through, untimed);
 ``--handoff none`` sends it at once. ``--roles split`` runs ``kv_producer`` /
 ``kv_consumer``.
 
@@ -69,7 +71,7 @@ from benchutil import machine_info  # noqa: E402
 from tests.support.netns import Hub, Shaping, measure_tcp  # noqa: E402
 
 PORT = 8000
-QUIET_BYTES = 4096  # the tier's input growth that is not KV (our own INFO polls: ~25 bytes)
+QUIET_BYTES = 16384  # a link's traffic that is not KV (acknowledgements, health checks)
 START_S = 900.0
 REQUEST_S = 900.0
 
@@ -156,7 +158,8 @@ class Cluster:
         roles = {"producer": "kv_producer", "consumer": "kv_consumer"} if a.roles == "split" \
             else {"producer": "kv_both", "consumer": "kv_both"}
         for who in ("producer", "consumer"):
-            extra = {"store_dir": str(self.work / f"{who}-store"), **shared}
+            extra = {"store_dir": str(self.work / f"{who}-store"), "dram_bytes": a.dram_bytes,
+                     "write_buffer_bytes": a.write_buffer_bytes, **shared}
             conn = {"kv_connector": "KVStoreConnector",
                     "kv_connector_module_path": "kvstore.integrations.vllm",
                     "kv_role": roles[who], "kv_connector_extra_config": extra}
@@ -213,26 +216,25 @@ class Cluster:
 
         self.router, self._router_thread = self.hub.call_in("tier", start)
 
-    def tier_input_bytes(self) -> int | None:
-        """Bytes the tier's Redis has read from its clients (None: another tier)."""
-        if self.args.tier != "redis":
-            return None
-        info = self.hub.call_in("tier", self.tier.cli, "info", "stats")
-        fields = dict(ln.split(":", 1) for ln in info.splitlines() if ":" in ln)
-        return int(fields["total_net_input_bytes"])
+    def sent_bytes(self, who: str) -> int:
+        """Bytes ``who`` has sent up its link (the kernel's tbf counter): the producer's are
+        its saves written through to the tier, and little else."""
+        return self.hub.qdisc_sent_bytes(who)["up"]
 
-    def quiet_tier(self, quiet_s: float = 0.3, limit_s: float = 120.0) -> int | None:
-        """Wait until the tier has read nothing for ``quiet_s`` (earlier requests' saves
-        written through); its input bytes then."""
-        last, since, end = self.tier_input_bytes(), time.monotonic(), time.monotonic() + limit_s
-        while last is not None and time.monotonic() < end:
+    def quiet(self, quiet_s: float = 1.0, limit_s: float = 300.0) -> None:
+        """Until neither server has sent anything up its link for ``quiet_s`` (earlier
+        requests' saves written through)."""
+        def both() -> int:
+            return self.sent_bytes("producer") + self.sent_bytes("consumer")
+
+        last, since, end = both(), time.monotonic(), time.monotonic() + limit_s
+        while time.monotonic() < end:
             time.sleep(0.05)
-            now = self.tier_input_bytes()
+            now = both()
             if now - last > QUIET_BYTES:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
-                break
-        return last
+                return
 
     def router_stats(self) -> dict:
         _, _, doc = self.hub.call_in("tier", http, "GET", f"{self.router.url}/router/stats")
@@ -320,19 +322,20 @@ def body(ids: list[int], salt: str, params: dict | None = None) -> dict:
 
 
 def measure_local(c: Cluster, ids: list[int], salt: str) -> dict:
-    c.quiet_tier()  # earlier requests' saves written through (untimed)
+    c.quiet()  # earlier requests' saves written through (untimed)
     dt, doc = c.post("consumer", body(ids, salt))
     return {"seconds": dt, "server_ttft_s": _server_ttft(doc), "tokens": len(ids)}
 
 
 def wait_for_tier(c: Cluster, start: int, nbytes: int, deadline_s: float) -> float:
-    """Until the tier has read ``nbytes`` since ``start`` and then nothing for 0.2 s (the
-    producer's saves written through), at most ``deadline_s``; the seconds waited. What a
-    ``kv_consumer`` does (docs/vllm.md): wait, by a deadline, until the tier holds the KV."""
+    """Until the producer has sent ``nbytes`` up its link since ``start`` and then nothing for
+    0.2 s (its saves written through to the tier), at most ``deadline_s``; the seconds
+    waited. What a ``kv_consumer`` does (docs/vllm.md): wait, by a deadline, until the tier
+    holds the KV."""
     t0 = time.monotonic()
     last, since = start, t0
     while time.monotonic() - t0 < deadline_s:
-        now = c.tier_input_bytes()
+        now = c.sent_bytes("producer")
         if now - last > QUIET_BYTES:
             last, since = now, time.monotonic()
         elif now - start >= nbytes and time.monotonic() - since >= 0.2:
@@ -345,10 +348,11 @@ def measure_remote(c: Cluster, ids: list[int], salt: str, handoff_s: float) -> d
     from kvstore.tools.router.protocol import PRODUCE
 
     ask = {"do_remote_decode": True, "do_remote_prefill": False, "kvstore": {PRODUCE: True}}
-    start = c.quiet_tier() if c.args.handoff == "tier" else None
+    c.quiet()
+    start = c.sent_bytes("producer")
     tp, pdoc = c.post("producer", body(ids, salt, ask))
     params = pdoc.get("kv_transfer_params") or None
-    if start is not None:  # the whole blocks' KV at least (a tail is saved as a whole block)
+    if c.args.handoff == "tier":  # the whole blocks' KV at least (a tail: a whole block)
         block = c.kv["chunk_tokens"]
         handoff_s = wait_for_tier(c, start, -(-len(ids) // block) * block * c.kv["per_token"],
                                   c.args.remote_deadline_s)
@@ -505,13 +509,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prior-tokens-per-s", type=float, default=1000.0,
                    help="the router's prior prefill rate of both servers")
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
+                   help="vLLM's KV cache per server (an 8K prompt of SmolLM2 fp32: 369 MB)")
+    p.add_argument("--dram-bytes", type=int, default=256 << 20,
+                   help="each server's store DRAM tier")
+    p.add_argument("--write-buffer-bytes", type=int, default=512 << 20,
+                   help="each server's store write buffer: above one prompt's KV, or its save "
+                        "is dropped while an earlier one is written")
     p.add_argument("--remote-deadline-s", type=float, default=60.0)
     p.add_argument("--handoff", choices=("tier", "none"), default="tier",
-                   help="tier: the consumer's request waits until the tier has read the "
-                        "prompt's KV (Redis's own counters), as a kv_consumer would, counted in "
-                        "the end-to-end time; none: at once (kv_both then loads what was "
-                        "written through by then)")
+                   help="tier: the consumer's request waits until the producer has sent the "
+                        "prompt's KV up its link (tbf counters), as a kv_consumer would, "
+                        "counted in the end-to-end time; none: at once (kv_both then loads "
+                        "what was written through by then)")
     p.add_argument("--handoff-wait-s", type=float, default=0.0,
                    help="with --handoff none: a fixed pause instead")
     p.add_argument("--producer-cpus", default="", help="VLLM_CPU_OMP_THREADS_BIND, e.g. 0-1")

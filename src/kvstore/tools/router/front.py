@@ -19,6 +19,7 @@ from kvstore.tools.router.service import Router
 
 log = logging.getLogger("kvstore.router")
 MAX_BODY_BYTES = 64 << 20
+IDLE_S = 15.0
 
 
 class _Sink:
@@ -63,7 +64,8 @@ class _Sink:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: RouterHTTPServer
+    timeout = IDLE_S  # a kept-alive connection silent this long is closed (and a shutdown
+    server: RouterHTTPServer  # waits no longer for it)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         log.debug("%s %s", self.address_string(), format % args)
