@@ -2,8 +2,10 @@
 stored boundary, which boundaries several continuations share, and when a replaced one goes.
 
 A hybrid request leaves one boundary, at its prompt's end, which replaces the boundary it was
-loaded from: a conversation keeps its latest state (a boundary costs the model's windows and
-states whatever its prompt's length, :mod:`.scheduler`). Replacing is deleting, and this
+loaded from, and any boundary this engine saved since along its prompt (a request sent before
+the previous turn's save was durable loads an older boundary; the previous turn's own is then
+replaced as well): a conversation keeps its latest state (a boundary costs the model's windows
+and states whatever its prompt's length, :mod:`.scheduler`). Replacing is deleting, and this
 module decides when a delete may happen:
 
 * **held**: a boundary that a live request of this engine matched is not deleted, from the
@@ -47,6 +49,7 @@ from kvstore.store.facade import Store
 log = logging.getLogger("vllm.kvstore")
 
 MAX_TRACKED = 65536  # boundaries whose loaders (and shared marks) are remembered, LRU
+RECENT_SAVES = 256  # this engine's latest boundary saves, which a longer prompt replaces
 SUFFIX_TOKENS = 256  # of a loader's prompt after the boundary, what tells continuations apart
 
 
@@ -99,8 +102,10 @@ class BoundaryBook:
     scheduler thread only."""
 
     def __init__(self, store: Store, *, grace_s: float, grace_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 state_size: Callable[[int], int], clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self.store = store
+        self._state_size = state_size  # bytes of a boundary's state after n tokens
         self.grace_s = grace_s
         self.grace_bytes = grace_bytes
         self._clock = clock
@@ -108,7 +113,10 @@ class BoundaryBook:
         self._holders: dict[bytes, int] = {}  # boundary -> how many live requests hold it
         self._loaders: OrderedDict[bytes, tuple[_Loader, ...]] = OrderedDict()
         self._shared: OrderedDict[bytes, None] = OrderedDict()
-        self._saving: dict[str, Replaced] = {}  # req_id -> its save's replacement, in flight
+        # req_id -> what its boundary save replaces once durable (the save in flight)
+        self._saving: dict[str, list[Replaced]] = {}
+        # this engine's latest boundary saves, not replaced yet: (namespace, tokens)
+        self._recent: OrderedDict[bytes, tuple[str | None, tuple[int, ...]]] = OrderedDict()
         self._waiting: OrderedDict[bytes, Replaced] = OrderedDict()  # durable, oldest first
         self._waiting_bytes = 0
         self.deleted = 0  # replaced boundaries deleted (counters for logs and tests)
@@ -177,19 +185,31 @@ class BoundaryBook:
 
     # ---- saves ---------------------------------------------------------------------------
     def replacing(self, req_id: str, namespace: str | None, old: Sequence[int],
-                  new: Sequence[int], nbytes: int) -> None:
-        """``req_id``'s boundary save (after ``new``) replaces the boundary after ``old``
-        (``nbytes`` of state) once it is durable (:meth:`stored`)."""
-        self._saving[req_id] = Replaced(namespace=namespace, old=tuple(old), new=tuple(new),
-                                        nbytes=nbytes)
+                  new: Sequence[int]) -> None:
+        """``req_id``'s boundary save (after ``new``) replaces, once it is durable
+        (:meth:`stored`), the boundary after ``old`` (the one it was loaded from; empty: none)
+        and every boundary this engine saved since whose tokens ``new`` extends."""
+        new = tuple(new)
+        olds = [tuple(old)] if len(old) else []
+        for key, (ns, toks) in list(self._recent.items()):
+            if ns == namespace and len(old) < len(toks) < len(new) \
+                    and new[:len(toks)] == toks:
+                olds.append(toks)
+                del self._recent[key]
+        self._recent[boundary_id(namespace, new)] = (namespace, new)
+        while len(self._recent) > RECENT_SAVES:
+            self._recent.popitem(last=False)
+        if olds:
+            self._saving[req_id] = [Replaced(namespace=namespace, old=o, new=new,
+                                             nbytes=self._state_size(len(o))) for o in olds]
 
     def stored(self, req_id: str, durable: bool) -> None:
         """The worker's report of ``req_id``'s boundary save: durable (what it replaces starts
         its grace), or refused or failed (what it replaces stays: still the latest)."""
-        r = self._saving.pop(req_id, None)
-        if r is None or not durable:
-            return
-        self._wait(r, self._clock())
+        replaced = self._saving.pop(req_id, ())
+        if durable:
+            for r in replaced:
+                self._wait(r, self._clock())
 
     def _wait(self, r: Replaced, now: float) -> None:
         key = r.key
@@ -231,14 +251,16 @@ class BoundaryBook:
         """At shutdown: every replaced boundary whose replacement is stored goes now (a
         restart ends the grace; held, shared and pinned ones stay). Returns how many."""
         now = self._clock()
-        for rid, r in list(self._saving.items()):
+        for rid, replaced in list(self._saving.items()):
+            new, ns = replaced[0].new, replaced[0].namespace
             try:
-                stored = self.store.match(list(r.new), namespace=r.namespace) == len(r.new)
+                stored = self.store.match(list(new), namespace=ns) == len(new)
             except (KVStoreError, OSError):
                 stored = False
             if stored:
                 del self._saving[rid]
-                self._wait(r, now)
+                for r in replaced:
+                    self._wait(r, now)
         out = [r for k, r in self._waiting.items() if k not in self._holders]
         self._waiting.clear()
         self._waiting_bytes = 0

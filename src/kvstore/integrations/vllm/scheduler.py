@@ -148,7 +148,8 @@ class SchedulerSide:
         # a hybrid's boundaries: who needs which, which are shared, which replaced ones wait
         self.book = None if self.groups is None or store is None else BoundaryBook(
             store, grace_s=grace_s, grace_bytes=grace_bytes if grace_bytes is not None
-            else store.config.disk_bytes // BOUNDARY_GRACE_DISK_SHARE, clock=clock)
+            else store.config.disk_bytes // BOUNDARY_GRACE_DISK_SHARE,
+            state_size=self.groups.state_size, clock=clock)
 
     # ---- lookups --------------------------------------------------------------------------
     def matched(self, request, num_computed: int) -> tuple[int, bool]:
@@ -299,10 +300,9 @@ class SchedulerSide:
             state = state_plan(self.groups, tables, upto) if boundary else None
             if state is None:
                 full = tuple(ids[:upto // B] for ids in full)
-            old = tracked.loaded_from
-            if boundary and old and self.book is not None:
-                self.book.replacing(rid, tracked.namespace, tracked.request.all_token_ids[:old],
-                                    tokens, self.groups.state_size(old))
+            if boundary and self.book is not None:
+                self.book.replacing(rid, tracked.namespace,
+                                    tracked.request.all_token_ids[:tracked.loaded_from], tokens)
             return SaveSpec(req_id=rid, tokens=tokens, block_ids=full[0],
                             namespace=tracked.namespace, final=final, group_block_ids=full,
                             state=state, retain=tracked.retain if boundary else None)

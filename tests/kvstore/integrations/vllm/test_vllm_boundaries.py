@@ -228,6 +228,8 @@ def test_one_conversation_loading_its_turn_twice_does_not_share_it(store):
     put_boundary(store, P + X + [30, 31])
     eng.step(report=durable("a", "a2"))
     assert not eng.side.book.shared(None, P) and not stored(store, P)
+    # the longer prompt's boundary is the conversation's latest: it replaced a's too
+    assert not stored(store, P + X) and stored(store, P + X + [30, 31])
     # the same prompt twice: a regenerated answer wants the turn before it
     put_boundary(store, P)
     eng = Engine(store, clock, grace_s=0.0)
@@ -236,6 +238,38 @@ def test_one_conversation_loading_its_turn_twice_does_not_share_it(store):
     eng.step()
     eng.step(report=loaded("r1", "r2"))
     assert eng.side.book.shared(None, P)
+
+
+def test_a_turn_sent_before_the_previous_one_was_durable_replaces_it_too(store):
+    """An agent's next request often comes before the previous turn's boundary is durable: it
+    matches an older boundary, and its own boundary then replaces both (the conversation keeps
+    its latest state, not one boundary per turn)."""
+    put_boundary(store, P)
+    eng = Engine(store, Clock(), grace_s=0.0)
+    eng.arrive("t1", P + X)
+    eng.step()
+    eng.step(report=loaded("t1"), compute=("t1",))  # t1's boundary: planned, not durable
+    assert eng.arrive("t2", P + X + Y) == len(P)  # P + X is not stored yet
+    eng.step()
+    eng.step(report=loaded("t2"), compute=("t2",))
+    put_boundary(store, P + X)
+    put_boundary(store, P + X + Y)
+    eng.step(report=durable("t1", "t2"))
+    assert [stored(store, t) for t in (P, P + X, P + X + Y)] == [False, False, True]
+    # another conversation's boundary, or one this prompt does not extend, is not replaced
+    other = [5] + P[1:]
+    put_boundary(store, other)
+    eng.arrive("o", other + Y)
+    eng.step()
+    eng.step(report=loaded("o"), compute=("o",))
+    eng.arrive("b", P + X + Y + [1, 2])
+    eng.step()
+    eng.step(report=loaded("b"), compute=("b",))
+    put_boundary(store, other + Y)
+    put_boundary(store, P + X + Y + [1, 2])
+    eng.step(report=durable("o", "b"))
+    assert [stored(store, t) for t in (other + Y, P + X + Y, P + X + Y + [1, 2])] == \
+        [True, False, True]
 
 
 def test_a_failed_save_keeps_what_it_would_have_replaced(store):
@@ -276,7 +310,8 @@ def test_a_pinned_boundary_is_never_replaced_and_a_hint_pins_a_hybrid_boundary(s
 
 
 def test_holds_and_loaders_are_per_request_and_per_namespace(store):
-    book = BoundaryBook(store, grace_s=0.0, grace_bytes=0, clock=Clock())
+    book = BoundaryBook(store, grace_s=0.0, grace_bytes=0, state_size=GROUPS.state_size,
+                        clock=Clock())
     book.hold("a", None, P)
     book.hold("b", None, P)
     book.hold("a", "tenant", P)  # a new match replaces a's hold
