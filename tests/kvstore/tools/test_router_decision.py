@@ -160,12 +160,31 @@ def test_the_linear_fit_is_weighted_least_squares_with_the_prior_as_two_half_poi
     assert 1 / fit.line[1] == pytest.approx(2000.0, rel=0.05)  # it found the new rate
 
 
-def test_the_linear_fit_falls_back_to_a_line_through_the_origin_when_the_slope_is_not_positive():
+def test_the_linear_fit_keeps_the_priors_slope_when_the_samples_give_none():
     fit = LinearFit(fixed_s=0.0, tokens_per_s=1000.0, alpha=0.5)
     for n, t in ((1000, 5.0), (2000, 1.0), (3000, 0.5)):  # longer prompts faster: noise
         fit.observe(n, t)
     a, b = fit.line
-    assert a == 0.0 and b > 0
+    assert b == pytest.approx(1 / 1000)
+    # the fixed part: the weighted mean of t - n / 1000 over the prior's points and these
+    w = [0.5 * 0.5 * 0.5 * 0.5, 0.5 * 0.5 * 0.5 * 0.5, 0.5 * 0.5, 0.5, 1.0]
+    r = [0.0, 0.0, 5.0 - 1.0, 1.0 - 2.0, 0.5 - 3.0]
+    assert a == pytest.approx(max(0.0, sum(x * y for x, y in zip(w, r, strict=True)) / sum(w)))
+
+
+def test_an_unmeasured_server_compares_with_the_measured_one_as_the_priors_say():
+    st = RouterState(Priors(kv_bytes_per_token=1.0, producer_tokens_per_s=2000.0,
+                            consumer_tokens_per_s=1000.0, producer_fixed_s=0.05,
+                            consumer_fixed_s=0.1))
+    req = protocol.parse("/v1/completions", json.dumps({"prompt": list(range(100))}).encode())
+    c = st.count(req)
+    for n, t in ((100, 0.6), (1000, 1.5), (3000, 3.5)):  # 0.5 s + 1 ms a token
+        st.observe_local(c, protocol.Reply(prompt_tokens=n, cached_tokens=0), t, 0)
+    e = st.estimates()
+    # the producer: twice the consumer's measured rate, half its fixed cost (the priors')
+    assert e.producer.tokens_per_s == pytest.approx(2 * e.consumer.tokens_per_s)
+    assert e.producer.fixed_s == pytest.approx(e.consumer.fixed_s / 2)
+    assert e.consumer.fixed_s > 0.2  # measured, not the prior's 0.1
 
 
 def test_a_ratio_fit_starts_at_its_prior_and_moves_by_alpha():

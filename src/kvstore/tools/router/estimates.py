@@ -21,6 +21,11 @@ How each is measured (every one an exponentially weighted fit from a prior, fits
   state), where it gives one; else the flags' layout.
 * **misses**: the share of remote prefills whose consumer reported a failed or empty load.
 * **characters per token**: the servers' ``usage.prompt_tokens`` against the prompts' text.
+
+A server the router has not measured yet is taken to compare with the other as the priors
+say (the other's fit scaled by the ratio of the two priors): with the default, equal priors,
+the first local requests also tell the router how fast the producer likely is, and a short
+prompt never looks cheaper on a producer only because nothing was measured there yet.
 """
 
 from __future__ import annotations
@@ -116,12 +121,22 @@ class RouterState:
         with self._lock:
             return self._estimates()
 
-    def _estimates(self) -> Estimates:
-        def prefill(s: str) -> Prefill:
-            fixed, per = self._fit[s].line
-            return Prefill(fixed_s=fixed, tokens_per_s=1.0 / per)
+    def _prefill(self, server: str) -> Prefill:
+        """A server's prefill line: its own fit once it has observations; before, the other
+        server's fit scaled by the ratio of their priors (the flags say how the two compare;
+        what the router measured says how fast this machine is), else its prior."""
+        other = "consumer" if server == "producer" else "producer"
+        fit, ofit = self._fit[server], self._fit[other]
+        fixed, per = fit.line
+        if fit.samples == 0 and ofit.samples > 0:
+            ofixed, oper = ofit.line
+            per = oper * ofit.tokens_per_s / fit.tokens_per_s
+            fixed = ofixed * fit.fixed_s / ofit.fixed_s if ofit.fixed_s > 0 else fit.fixed_s
+        return Prefill(fixed_s=fixed, tokens_per_s=1.0 / per)
 
-        return Estimates(producer=prefill("producer"), consumer=prefill("consumer"),
+    def _estimates(self) -> Estimates:
+        return Estimates(producer=self._prefill("producer"),
+                         consumer=self._prefill("consumer"),
                          link_bytes_per_s=self._link.current,
                          kv=KVBytes(per_token=self._per_token.current,
                                     fixed=self.priors.kv_fixed_bytes),

@@ -57,8 +57,9 @@ class RatioFit:
 class LinearFit:
     """Seconds = ``fixed_s + tokens / tokens_per_s``, fitted by exponentially weighted least
     squares; the prior is two points of weight one half (at 0 and ``span`` tokens) on the
-    prior's line. A fit whose slope comes out non-positive (samples too alike, noise) falls back
-    to the line through the origin and the samples' weighted means."""
+    prior's line. A fit whose slope comes out non-positive (samples too alike, noise) keeps the
+    prior's slope and fits the fixed part alone (the weighted mean of ``t - n * slope``, at
+    least 0): short prompts alone say what a request costs, not what a token does."""
 
     fixed_s: float
     tokens_per_s: float
@@ -102,4 +103,5 @@ class LinearFit:
             slope = (w * wnt - wn * wt) / det
             if slope > 0:
                 return max(0.0, (wt - slope * wn) / w), slope
-        return 0.0, wt / wn if wn > 0 else 1.0 / self.tokens_per_s
+        slope = 1.0 / self.tokens_per_s
+        return max(0.0, (wt - slope * wn) / w), slope
