@@ -427,7 +427,8 @@ def trace(c: Cluster, prompts: Prompts, args: argparse.Namespace, kv_bytes: floa
     c.start_router(["--kv-bytes-per-token", str(kv_bytes), "--link-mbps", str(args.link_mbps),
                     "--producer-tokens-per-s", str(args.prior_tokens_per_s),
                     "--consumer-tokens-per-s", str(args.prior_tokens_per_s),
-                    "--min-deadline-s", str(args.remote_deadline_s)])
+                    "--min-deadline-s", str(args.remote_deadline_s),
+                    "--prefill-timeout-s", str(REQUEST_S)])
     rows: list[dict] = []
     out["trace"] = {"rows": rows}
     for i, ids in enumerate(prompts.trace(args.trace, args.max_model_len - 8)):

@@ -117,9 +117,11 @@ def post_json(up: Upstream, path: str, body: dict[str, Any], *, timeout_s: float
                 resp = conn.getresponse()
                 raw = resp.read(MAX_REPLY_BYTES + 1)
             except (OSError, http.client.HTTPException) as e:
+                if dog.fired.is_set():  # the watchdog shut the socket: say so
+                    raise UpstreamError(f"{up.name} {up.url}{path}: no whole reply in "
+                                        f"{timeout_s:g} s", timed_out=True) from None
                 raise UpstreamError(f"{up.name} {up.url}{path}: {type(e).__name__}: {e}",
-                                    timed_out=dog.fired.is_set()
-                                    or isinstance(e, TimeoutError)) from None
+                                    timed_out=isinstance(e, TimeoutError)) from None
             if dog.fired.is_set():
                 raise UpstreamError(f"{up.name} {up.url}{path}: no whole reply in "
                                     f"{timeout_s:g} s", timed_out=True)
