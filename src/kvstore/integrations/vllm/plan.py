@@ -60,6 +60,9 @@ class SaveSpec:
     state: StatePlan | None = None  # a hybrid prompt's end: its boundary state too
     # a final save's (or a hybrid boundary's) retention hint: pin ``tokens`` once stored
     retain: Hint | None = None
+    # a producer's save of a request's whole prompt (:mod:`.roles`): never dropped for a
+    # full write buffer (it waits, after the step's other saves are handed over)
+    produce: bool = False
 
 
 @dataclass(kw_only=True)
@@ -68,6 +71,9 @@ class StepPlan(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # requests whose prompt ends in this step and whose KV a consumer will look for: the
+    # step's wait_for_save returns once it is durable where the consumer looks (:mod:`.roles`)
+    produce: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -76,14 +82,18 @@ class WorkerReport(KVConnectorWorkerMetadata):
     (``{"dram": n, "disk": n, "remote": n}``), the requests whose load failed (vLLM
     recomputes their blocks), and what became of hybrid boundary saves since the last report
     (``stored``: True once durable, False if refused or failed; the scheduler side then
-    decides about the boundary each replaces, :mod:`.boundaries`)."""
+    decides about the boundary each replaces, :mod:`.boundaries`), and of producers' prompts
+    (``produced``: ``{"error": None or why it is not durable, "wait_s": seconds the step
+    waited for it}``)."""
 
     loaded: dict[str, dict[str, int]] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
     stored: dict[str, bool] = field(default_factory=dict)
+    produced: dict[str, dict] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         assert isinstance(other, WorkerReport)
         return WorkerReport(loaded={**self.loaded, **other.loaded},
                             failed=self.failed | other.failed,
-                            stored={**self.stored, **other.stored})
+                            stored={**self.stored, **other.stored},
+                            produced={**self.produced, **other.produced})

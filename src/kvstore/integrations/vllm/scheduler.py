@@ -55,9 +55,11 @@ from kvstore.integrations import retention
 from kvstore.integrations.retention import Hint, from_kv_transfer_params
 from kvstore.integrations.vllm.boundaries import BoundaryBook
 from kvstore.integrations.vllm.config import BOUNDARY_GRACE_DISK_SHARE, DEFAULT_BOUNDARY_GRACE_S
+from kvstore.integrations.vllm.exchange import ExchangeBook
 from kvstore.integrations.vllm.groups import Groups
 from kvstore.integrations.vllm.hybrid import full_block_ids, state_plan
 from kvstore.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, WorkerReport
+from kvstore.integrations.vllm.roles import Exchange
 from kvstore.store.facade import Store
 
 log = logging.getLogger("vllm.kvstore")
@@ -116,6 +118,9 @@ class _Tracked:
     lossy_tokens: int = 0  # of the tokens loaded, those lossy chunks served (lossy_ok)
     retain: Hint | None = None  # its kv_transfer_params' retention hint (retention_hint)
     pin: dict | None = None  # a hybrid request's hint: what became of it (pin_outcome)
+    produce: bool = False  # a producer's request (:mod:`.roles`): its prompt made durable
+    produced: dict | None = None  # ... planned at its prompt's end: the worker's outcome
+    load_start: int = 0  # the first token its load filled
 
 
 class SchedulerSide:
@@ -124,8 +129,10 @@ class SchedulerSide:
     def __init__(self, store: Store | None, *, block_size: int, namespace: str | None,
                  save: bool, block_ids_of, groups: Groups | None = None,
                  lossy_ok: bool = False, grace_s: float = DEFAULT_BOUNDARY_GRACE_S,
-                 grace_bytes: int | None = None, clock=time.monotonic) -> None:
+                 grace_bytes: int | None = None, clock=time.monotonic,
+                 exchange: Exchange | None = None) -> None:
         self.store = store
+        self._clock = clock
         self.block_size = block_size
         self.namespace = namespace
         self.save = save
@@ -140,11 +147,14 @@ class SchedulerSide:
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (start, tokens) last answered
         self._loads: list[tuple[str, int, int]] = []  # allocated, not planned yet
         self._final: list[SaveSpec] = []
-        # req_id -> the kv_transfer_params["kvstore"] given to vLLM for a request that ended in
+        # req_id -> the kv_transfer_params given to vLLM for a request that ended in
         # this step: vLLM asks request_finished before it hands over the step's worker report,
         # and serializes the params only after both, so the report still completes them.
         self._ended: dict[str, dict] = {}
         self._held: set[str] = set()  # ended requests whose blocks wait for a final save
+        # kv_role: what producers answer, what consumers wait for (:mod:`.exchange`)
+        self.exchange = ExchangeBook(exchange or Exchange(), store, block_size=block_size,
+                                     groups=self.groups, clock=clock)
         # a hybrid's boundaries: who needs which, which are shared, which replaced ones wait
         self.book = None if self.groups is None or store is None else BoundaryBook(
             store, grace_s=grace_s, grace_bytes=grace_bytes if grace_bytes is not None
@@ -152,11 +162,12 @@ class SchedulerSide:
             state_size=self.groups.state_size, clock=clock)
 
     # ---- lookups --------------------------------------------------------------------------
-    def matched(self, request, num_computed: int) -> tuple[int, bool]:
+    def matched(self, request, num_computed: int) -> tuple[int | None, bool]:
         """Tokens after ``num_computed`` (block-aligned) that the store can fill, leaving at
         least the last token to compute (ending inside a block only where this machine holds
-        that block), and whether the load is asynchronous (a hybrid model's). A failing store
-        is a miss."""
+        that block), and whether the load is asynchronous (a hybrid model's, or a remote
+        prefill's). None ("not yet"): a remote prefill's KV is not all there yet and its
+        deadline has not passed (:mod:`.roles`). A failing store is a miss."""
         if self.store is None or skip_reason(request) is not None:
             return 0, False
         tokens = request.all_token_ids
@@ -164,12 +175,14 @@ class SchedulerSide:
         if limit <= num_computed:
             return 0, False
         ns = request_namespace(self.namespace, request.cache_salt)
-        try:
-            n = self.store.match(tokens[:limit], namespace=ns, exact=not self.lossy_ok)
-        except (KVStoreError, OSError) as e:
-            log.warning("kvstore: lookup of request %s failed (a miss): %s",
-                        request.request_id, e)
-            return 0, False
+        wait = self.exchange.awaiting(request, ns)
+        if wait is not None and not wait.done and not wait.due(self._clock()):
+            return None, False  # not yet: no probe before its time
+        n = self._match(request, tokens[:limit], ns)
+        if wait is not None and not wait.done:
+            if not wait.probed(self._clock(), n):
+                return None, False
+            wait.start = num_computed
         ext = max(0, n - num_computed)
         self._lookups[request.request_id] = (num_computed, ext)
         if self.book is not None:  # the matched boundary is not deleted until it is loaded
@@ -177,7 +190,16 @@ class SchedulerSide:
                 self.book.hold(request.request_id, ns, tokens[:n])
             else:
                 self.book.release(request.request_id)
-        return ext, ext > 0 and self._whole_loads
+        return ext, ext > 0 and (self._whole_loads
+                                 or self.exchange.remote_load(request.request_id))
+
+    def _match(self, request, tokens, ns: str | None) -> int:
+        try:
+            return self.store.match(tokens, namespace=ns, exact=not self.lossy_ok)
+        except (KVStoreError, OSError) as e:
+            log.warning("kvstore: lookup of request %s failed (a miss): %s",
+                        request.request_id, e)
+            return 0
 
     def allocated(self, request, num_external: int) -> None:
         """vLLM allocated the request's blocks; ``num_external`` tokens are to be loaded."""
@@ -186,13 +208,15 @@ class SchedulerSide:
         if tracked is None and skip_reason(request) is None:
             tracked = self._tracked[rid] = _Tracked(
                 request, request_namespace(self.namespace, request.cache_salt),
-                retain=retention_hint(request))
+                retain=retention_hint(request),
+                produce=self.save and self.exchange.produces(request))
         start, _ = self._lookups.pop(rid, (0, 0))
         if num_external <= 0 or tracked is None:
             if self.book is not None:
                 self.book.release(rid)
             return
         tracked.loaded_from = start + num_external
+        tracked.load_start = start
         if self.lossy_ok:
             tracked.lossy_tokens = self._lossy(tracked, start, start + num_external)
         self._loads.append((rid, start, num_external))
@@ -220,7 +244,8 @@ class SchedulerSide:
             tracked = self._tracked[rid]
             tables = self._block_ids_of(rid)
             toks = tracked.request.all_token_ids
-            spec = self._load_spec(rid, tracked, tables, toks, start, n)
+            spec = self._load_spec(rid, tracked, tables, toks, start, n,
+                                   whole=self._whole_loads or self.exchange.remote_load(rid))
             plan.loads.append(spec)
             tracked.deferred = self.save and self.groups is None and self._from_remote(spec)
         self._loads = []
@@ -237,6 +262,14 @@ class SchedulerSide:
             # Tokens whose KV exists after this step (draft tokens may be rejected) and
             # whose ids are known (async scheduling appends sampled ids later).
             done = req.num_computed_tokens + n - len(spec_tokens.get(rid, ()))
+            if tracked.produce and req.num_computed_tokens < req.num_prompt_tokens <= done:
+                # its prompt ends in this step: saved whole, durable when the step returns
+                plan.produce.append(rid)
+                tracked.produced = {}
+                if self.groups is None and tracked.saved < req.num_prompt_tokens:
+                    plan.saves.append(self._save(rid, tracked, req.num_prompt_tokens,
+                                                 self._block_ids_of(rid), produce=True))
+                    continue
             if self.groups is not None and done >= req.num_prompt_tokens:
                 if done == req.num_prompt_tokens:
                     self._prompt_end(plan, rid, tracked, done)
@@ -250,10 +283,11 @@ class SchedulerSide:
             plan.saves.append(self._save(rid, tracked, upto, self._block_ids_of(rid)))
         return plan
 
-    def _load_spec(self, rid: str, tracked: _Tracked, tables, toks, start: int, n: int
-                   ) -> LoadSpec:
+    def _load_spec(self, rid: str, tracked: _Tracked, tables, toks, start: int, n: int, *,
+                   whole: bool) -> LoadSpec:
         """The load of tokens [start, start + n) into the request's blocks (``tables``: its
-        block ids per group); a hybrid model's with its boundary state's blocks."""
+        block ids per group); a hybrid model's with its boundary state's blocks. ``whole``:
+        asynchronous for vLLM (several groups, a remote prefill's)."""
         B, end = self.block_size, start + n
         lo, hi = start // B, -(-end // B)
         full = self._full_tables(tables, lo, hi)
@@ -261,7 +295,7 @@ class SchedulerSide:
             return LoadSpec(req_id=rid, tokens=tuple(toks[:end]), start=start,
                             block_ids=full[0], namespace=tracked.namespace,
                             group_block_ids=full if len(full) > 1 else None,
-                            whole=self._whole_loads)
+                            whole=whole)
         return LoadSpec(req_id=rid, tokens=tuple(toks[:end]), start=start, block_ids=full[0],
                         namespace=tracked.namespace, group_block_ids=full,
                         state=state_plan(self.groups, tables, end, keep_below=start),
@@ -286,11 +320,12 @@ class SchedulerSide:
             return False
 
     def _save(self, rid: str, tracked: _Tracked, upto: int, tables, *, final: bool = False,
-              boundary: bool = False) -> SaveSpec:
+              boundary: bool = False, produce: bool = False) -> SaveSpec:
         """Save the request's first ``upto`` tokens (``tables``: its block ids per group); a
-        final save's partial last block filled up with :data:`PAD`, or, for a hybrid model
-        (at its end, or a ``boundary``: its prompt's end), kept whole with the boundary state
-        after ``upto`` beside it."""
+        partial last block filled up with :data:`PAD` (a final save's, a producer's prompt),
+        or, for a hybrid model (at its end, or a ``boundary``: its prompt's end), kept whole
+        with the boundary state after ``upto`` beside it. ``produce``: a producer's prompt,
+        never dropped for a full write buffer."""
         B = self.block_size
         tracked.saved = upto // B * B if boundary and not final else upto
         tracked.deferred = False
@@ -305,14 +340,15 @@ class SchedulerSide:
                                     tracked.request.all_token_ids[:tracked.loaded_from], tokens)
             return SaveSpec(req_id=rid, tokens=tokens, block_ids=full[0],
                             namespace=tracked.namespace, final=final, group_block_ids=full,
-                            state=state, retain=tracked.retain if boundary else None)
+                            state=state, retain=tracked.retain if boundary else None,
+                            produce=produce)
         if upto % B:
             tokens += (PAD,) * (B - upto % B)
         full = self._full_tables(tables, 0, len(tokens) // B)
         return SaveSpec(req_id=rid, tokens=tokens, block_ids=full[0],
                         group_block_ids=full if len(full) > 1 else None,
                         namespace=tracked.namespace, final=final,
-                        retain=tracked.retain if final else None)
+                        retain=tracked.retain if final else None, produce=produce)
 
     # ---- outcomes -------------------------------------------------------------------------
     def reported(self, report: WorkerReport) -> None:
@@ -325,19 +361,25 @@ class SchedulerSide:
                     toks = tracked.request.prompt_token_ids
                     self.book.loaded(rid, tracked.namespace, toks[:tracked.loaded_from], toks)
             elif (ended := self._ended.get(rid)) is not None:  # it ended in this step
-                merged = {k: ended["loaded_from"].get(k, 0) + v for k, v in tiers.items()}
-                ended.update(loaded_from=merged, loaded_tokens=sum(merged.values()))
+                ks = ended["kvstore"]
+                merged = {k: ks["loaded_from"].get(k, 0) + v for k, v in tiers.items()}
+                ks.update(loaded_from=merged, loaded_tokens=sum(merged.values()))
         for rid in report.failed:
             if (tracked := self._tracked.get(rid)) is not None:
                 tracked.load_failed = True
             elif (ended := self._ended.get(rid)) is not None:
-                ended["load_failed"] = True
+                ended["kvstore"]["load_failed"] = True
             log.warning("kvstore: the load of request %s failed; vLLM recomputes it", rid)
         if self.book is not None:
             for rid in (*report.loaded, *report.failed):
                 self.book.release(rid)  # its load is done: what it matched may go
             for rid, durable in report.stored.items():
                 self.book.stored(rid, durable)
+        for rid, outcome in report.produced.items():  # a producer's prompt: durable or not
+            if (tracked := self._tracked.get(rid)) is not None:
+                tracked.produced = outcome
+            elif (ended := self._ended.get(rid)) is not None and "produced" in ended["kvstore"]:
+                self.exchange.outcome(ended, outcome)
 
     def finished(self, request, block_ids) -> tuple[bool, dict | None]:
         """The request ended (``block_ids``: its block ids per group). If KV computed in its
@@ -352,10 +394,16 @@ class SchedulerSide:
             self.book.release(rid)
         tracked = self._tracked.pop(rid, None)
         if tracked is None:
+            self.exchange.forget(rid)
             return False, None
         tiers = tracked.loaded or {}
         params = {"kvstore": {"loaded_tokens": sum(tiers.values()), "loaded_from": dict(tiers),
                               "load_failed": tracked.load_failed}}
+        params["kvstore"].update(self.exchange.consumer_report(
+            rid, start=tracked.load_start, loaded=sum(tiers.values()),
+            failed=tracked.load_failed))
+        if tracked.produced is not None:  # its prompt's end was planned: offered to consumers
+            self.exchange.produced(params, request, tracked.namespace, tracked.produced)
         if self.lossy_ok:  # how much of what was loaded is not the KV vLLM computes
             params["kvstore"]["lossy_tokens"] = tracked.lossy_tokens if tiers else 0
         if self.groups is not None and tracked.retain is not None:
@@ -363,7 +411,7 @@ class SchedulerSide:
                 "the connector's store could not be opened" if self.store is None else
                 "the connector does not save (save=False)" if not self.save else
                 "the request ended before its prompt's end (no boundary)"))
-        self._ended[rid] = params["kvstore"]
+        self._ended[rid] = params
         upto = min(request.num_computed_tokens, len(request.all_token_ids))
         if self.save and self.store is not None and upto > 0 and self.groups is None \
                 and (upto > tracked.saved or tracked.deferred or tracked.retain is not None):
@@ -392,7 +440,7 @@ class SchedulerSide:
         (on the worker once saved, or here at once if stored already)."""
         if self._new_boundary(tracked, done):
             plan.saves.append(self._save(rid, tracked, done, self._block_ids_of(rid),
-                                         boundary=True))
+                                         boundary=True, produce=tracked.produce))
             if tracked.retain is not None:
                 tracked.pin = pin_outcome(done, "pinned once its boundary is durable")
         elif tracked.retain is not None:

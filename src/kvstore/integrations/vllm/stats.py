@@ -23,6 +23,9 @@ COUNTERS = (
     "save_failures",  # saves the store failed to write (disk full, IO error)
     "pins",  # saved contexts pinned by their request's retention hint
     "pins_refused",  # ... that the store refused to pin (over a cap, or not stored whole)
+    "produced",  # producers' prompts made durable where a consumer looks (kv_role)
+    "produce_failures",  # ... that could not be (a save refused or failed, a tier's wait)
+    "produce_wait_seconds",  # time wait_for_save waited for them to be durable
 )
 
 
@@ -49,7 +52,8 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out = {name: self.data[name] for name in COUNTERS}
-        out["load_seconds"] = round(float(out["load_seconds"]), 4)
+        for name in ("load_seconds", "produce_wait_seconds"):
+            out[name] = round(float(out[name]), 4)
         return out
 
     def is_empty(self) -> bool:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.integrations import retention
 from kvstore.integrations.vllm.groups import Groups
 from kvstore.integrations.vllm.hybrid import StatePages
@@ -81,8 +81,11 @@ class WorkerSide:
     writer threads work behind the store's own handles)."""
 
     def __init__(self, store: Store | None, *, block_size: int,
-                 buffer_layers: int | None, groups: Groups | None = None) -> None:
+                 buffer_layers: int | None, groups: Groups | None = None,
+                 durable: str = "disk") -> None:
         self.store = store
+        # where a producer's prompt must be durable: "disk", or a shared tier's write-through
+        self.durable = durable
         self.block_size = block_size
         self.buffer_layers = buffer_layers
         self.groups = groups if groups is not None and groups.hybrid else None
@@ -103,6 +106,10 @@ class WorkerSide:
         # and of hybrid boundary saves (req_id, durable), reported to the scheduler side.
         self._written_saves: collections.deque[str] = collections.deque()
         self._boundaries: collections.deque[tuple[str, bool]] = collections.deque()
+        # this step's producers' prompts: their saves' futures, and why one is not durable
+        self._produce: dict[str, list] = {}
+        self._produce_errors: dict[str, str] = {}
+        self._produce_later: list[SaveSpec] = []  # found the write buffer full: in end()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer KV caches, in layer order of their names."""
@@ -136,7 +143,10 @@ class WorkerSide:
     # ---- one step -------------------------------------------------------------------------
     def begin(self, plan: StepPlan) -> None:
         """The step's plan is bound (before the forward): open its saves."""
+        self._produce = {rid: [] for rid in plan.produce}
         if self.store is None:
+            self._produce_errors = {rid: "the connector's store could not be opened"
+                                    for rid in plan.produce}
             return
         for spec in plan.saves:
             self._open_save(spec)
@@ -231,17 +241,33 @@ class WorkerSide:
         self._report.failed.add(spec.req_id)
         self.stats.add("load_failures")
 
-    def _open_save(self, spec: SaveSpec) -> None:
+    def _open_save(self, spec: SaveSpec, *, wait: bool = False) -> None:
         try:
             handle = self.store.begin_save(list(spec.tokens), namespace=spec.namespace,
-                                           wait=False, state=spec.state is not None)
-        except STORE_ERRORS as e:
-            log.info("kvstore: not saving request %s now: %s", spec.req_id, e)
-            self.stats.add("saves_refused")
-            self._sent_if_final(spec)
-            if spec.state is not None:
-                self._boundaries.append((spec.req_id, False))
+                                           wait=wait, state=spec.state is not None)
+        except CapacityError as e:
+            if spec.produce and not wait:  # waits in end(), once the others are handed over
+                self._produce_later.append(spec)
+                return
+            self._refused(spec, e)
             return
+        except STORE_ERRORS as e:
+            self._refused(spec, e)
+            return
+        self._opened(spec, handle)
+
+    def _refused(self, spec: SaveSpec, e: BaseException) -> None:
+        """A save that could not be opened (the write buffer full, the store closing)."""
+        log.info("kvstore: not saving request %s now: %s", spec.req_id, e)
+        if spec.produce:
+            self._produce_errors[spec.req_id] = f"its save was refused: {e}"
+        self.stats.add("saves_refused")
+        self._sent_if_final(spec)
+        if spec.state is not None:
+            self._boundaries.append((spec.req_id, False))
+
+    def _opened(self, spec: SaveSpec, handle: SaveHandle) -> None:
+        """An opened save: aborted if the store holds it all, else copied as layers attend."""
         if handle.base >= len(spec.tokens) and spec.state is None:  # all stored already
             handle.abort()
             self.stats.add("saves_already_stored")
@@ -311,6 +337,15 @@ class WorkerSide:
                 self._report.loaded[load.spec.req_id] = load.tiers
                 self.stats.add("loaded_tokens", load.spec.num_tokens)
             self._loads = []
+        self._hand_over()
+        while self._produce_later:  # the write buffer was full: wait for room now
+            self._open_save(self._produce_later.pop(0), wait=True)
+            self._hand_over()
+        if self._produce:
+            self._make_durable()
+
+    def _hand_over(self) -> None:
+        """Hand the open saves to the store's writer (layers not copied yet are copied now)."""
         for save in self._saves:
             for layer in range(len(self._caches)):
                 if layer not in save.given:
@@ -322,10 +357,55 @@ class WorkerSide:
             else:
                 future = save.handle.finish()
             future.add_done_callback(lambda f, spec=save.spec: self._written(spec, f))
+            if save.spec.produce and save.spec.req_id in self._produce:
+                self._produce[save.spec.req_id].append(future)
             self.stats.add("saves")
             self.stats.add("saved_tokens", new)
             self._sent_if_final(save.spec)
         self._saves = []
+
+    def _make_durable(self) -> None:
+        """Block until this step's producers' prompts are durable where a consumer looks:
+        their saves written (and earlier saves of the store), then, with a shared tier,
+        everything queued for its write-through sent (``Store.flush(remote=True)``). Each
+        outcome goes to the scheduler side in the step's report."""
+        t0 = time.perf_counter()
+        produce, errors = self._produce, self._produce_errors
+        self._produce, self._produce_errors = {}, {}
+        for rid, futures in produce.items():
+            for f in futures:
+                try:
+                    if f.result() is False:
+                        errors.setdefault(rid, "the store's admission refused its save")
+                except STORE_ERRORS as e:
+                    errors.setdefault(rid, f"its save failed: {type(e).__name__}: {e}")
+        if self.store is not None:
+            why = self._flush()
+            for rid in produce if why else ():
+                errors.setdefault(rid, why)
+        wait_s = time.perf_counter() - t0
+        self.stats.add("produce_wait_seconds", wait_s)
+        for rid in produce:
+            self._report.produced[rid] = {"error": errors.get(rid), "wait_s": round(wait_s, 4)}
+            self.stats.add("produce_failures" if rid in errors else "produced")
+            if rid in errors:
+                log.warning("kvstore: request %s: its prompt's KV is not durable in %s, a "
+                            "consumer recomputes it: %s", rid, self.durable, errors[rid])
+
+    def _flush(self) -> str | None:
+        """``Store.flush`` (with the shared tiers' write-through if ``durable`` is one); why
+        it could not be waited for, or None. The error a flush raises is the first of any
+        save since the last flush (this step's saves' own are in their futures): the wait is
+        then made again, once."""
+        remote = self.durable != "disk"
+        for attempt in range(2):
+            try:
+                self.store.flush(remote=remote)
+                return None
+            except STORE_ERRORS as e:
+                if attempt:
+                    return f"the store's flush failed twice: {type(e).__name__}: {e}"
+        return None
 
     def _written(self, spec: SaveSpec, future) -> None:
         """On the store's writer thread: a save is durable, refused or failed (a hybrid
@@ -389,4 +469,4 @@ class WorkerSide:
                 load.handle.close()
         for save in self._saves:
             save.handle.abort()
-        self._loads, self._saves = [], []
+        self._loads, self._saves, self._produce_later = [], [], []

@@ -223,14 +223,14 @@ def test_a_load_from_the_remote_tier_defers_its_save_to_the_next_one(tmp_path, r
         local.num_computed_tokens = 8
         (save,) = s.plan({"b": 3}, {}).saves
         assert save.tokens == tuple(ids[:8])
-    # a remote match that ends inside a block (here a partial chunk) counts to the block's
-    # start: the load fills whole blocks from chunks on this machine only
+    # a remote match that ends inside a block (here a partial chunk) counts to its last
+    # token, as a local one: the load fills that block from the shared tier's chunk
     with kvstore.open(tmp_path / "other", **opts) as other:
         other.put(ids[:10], *causal_kv(LAYOUT, ids[:10]))
         other.flush(remote=True)
     with kvstore.open(tmp_path / "third", **opts) as third:
         assert third.match(ids) == 10
-        assert side(third, {}).matched(request("c", ids), 0)[0] == 8
+        assert side(third, {}).matched(request("c", ids), 0)[0] == 10
 
 
 def test_lossy_kv_is_served_only_when_asked_for_by_name(tmp_path):
