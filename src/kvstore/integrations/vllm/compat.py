@@ -19,6 +19,12 @@ private, each with why nothing public replaces it:
   events do. vLLM exposes them only to its own KV cache manager; only a connector that
   publishes events needs them (:func:`block_hasher`, which raises
   :class:`~kvstore.integrations.surface.UnsupportedEngine` if they are missing).
+* ``Request._all_token_ids``: a hybrid producer's request computes its prompt but the last
+  token (the consumer computes that one from the state after the others: a recurrent state
+  holds no earlier position), as vLLM's own disaggregated connectors (NIXL's, MoRIIO's) do;
+  vLLM has no public way to shorten a request before it is scheduled, and its ``Request``
+  keeps the ids in that list beside ``prompt_token_ids`` (:func:`drop_last_prompt_token`,
+  which changes nothing on a request not laid out so).
 
 :func:`check` (run when a connector starts) verifies, by feature presence, that the installed
 vLLM still has this surface and the hooks the connector relies on vLLM calling: a missing
@@ -138,5 +144,23 @@ def block_hasher(cache_config) -> VllmBlockHasher:
                            kv_cache_utils)
 
 
+def drop_last_prompt_token(request) -> bool:
+    """Shorten ``request`` (vLLM's scheduler-side ``Request``, not scheduled yet) by its last
+    prompt token, with one output token to sample, as vLLM's NIXL scheduler shortens a
+    prefill-only request of a recurrent model. False, and nothing changed, if the request is
+    not laid out as vLLM 0.32 lays it out (or has fewer than two prompt tokens)."""
+    ids = getattr(request, "_all_token_ids", None)
+    prompt = getattr(request, "prompt_token_ids", None)
+    if not isinstance(ids, list) or not isinstance(prompt, list) or len(prompt) < 2 \
+            or len(ids) != len(prompt) or request.num_prompt_tokens != len(prompt):
+        return False
+    del prompt[-1:]
+    del ids[-1:]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    return True
+
+
 __all__ = ["CONNECTOR_HOOKS", "TESTED_VERSIONS", "UnsupportedEngine", "VllmBlockHasher",
-           "attention_isa", "block_hasher", "check", "installed_version", "missing_surface"]
+           "attention_isa", "block_hasher", "check", "drop_last_prompt_token",
+           "installed_version", "missing_surface"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvstore.integrations.vllm import roles
+from kvstore.integrations.vllm import compat, roles
 from kvstore.integrations.vllm.groups import Groups
 from kvstore.integrations.vllm.roles import Exchange, Mismatch, RemotePrefill
 from kvstore.store.facade import Store
@@ -44,12 +44,21 @@ class ExchangeBook:
         self._clock = clock
         self._arrivals: dict[str, float] = {}  # req_id -> when vLLM added it (monotonic)
         self._waits: dict[str, RemotePrefill] = {}
+        # a hybrid producer's requests, shortened by their last token: their whole prompts
+        self._prompts: dict[str, list[int]] = {}
 
     # ---- consumer -------------------------------------------------------------------------
     def arrived(self, request) -> None:
-        """vLLM added ``request``: a remote prefill's wait counts from now."""
+        """vLLM added ``request``: a remote prefill's wait counts from now; a hybrid model's
+        request to produce computes its prompt but the last token (the boundary a consumer
+        loads, which then computes that token: a recurrent state holds no earlier
+        position), as vLLM's own disaggregated connectors do."""
         if self.role.awaits(getattr(request, "kv_transfer_params", None)):
             self._arrivals[request.request_id] = self._clock()
+        elif self.groups is not None and self.produces(request):
+            prompt = list(request.prompt_token_ids or ())
+            if compat.drop_last_prompt_token(request):
+                self._prompts[request.request_id] = prompt
 
     def awaiting(self, request, namespace: str | None) -> RemotePrefill | None:
         """The remote prefill of ``request`` (None: it is not one). On first sight its
@@ -104,6 +113,7 @@ class ExchangeBook:
         """``rid`` ended without being served (aborted while it waited)."""
         self._arrivals.pop(rid, None)
         self._waits.pop(rid, None)
+        self._prompts.pop(rid, None)
 
     # ---- producer -------------------------------------------------------------------------
     def produces(self, request) -> bool:
@@ -115,15 +125,16 @@ class ExchangeBook:
                  outcome: dict | None) -> None:
         """Add to a produced request's ``params`` (its response's ``kv_transfer_params``)
         what the producer stored; ``outcome``: the worker's report of its durability ({}
-        while it has not come: it follows in the same step, :meth:`outcome`)."""
-        prompt = list(request.prompt_token_ids)
-        n = len(prompt)
-        state = self.groups.state_size(n) if self.groups is not None else 0
+        while it has not come: it follows in the same step, :meth:`outcome`). A hybrid's
+        prompt is the whole one (its boundary is stored before the last token)."""
+        stored = len(request.prompt_token_ids)
+        prompt = self._prompts.pop(request.request_id, None) or list(request.prompt_token_ids)
+        state = self.groups.state_size(stored) if self.groups is not None else 0
         params.update(do_remote_prefill=True, do_remote_decode=False, prompt_token_ids=prompt)
         params["kvstore"][roles.PRODUCED] = roles.produced_record(
             layout=self.store.layout, namespace=namespace, prompt=prompt,
             chunk_tokens=self.store.config.chunk_tokens, block_tokens=self.block_size,
-            durable=self.exchange.durable, state_bytes=state,
+            durable=self.exchange.durable, stored_tokens=stored, state_bytes=state,
             engine_id=self.exchange.engine_id)
         if outcome:
             self.outcome(params, outcome)

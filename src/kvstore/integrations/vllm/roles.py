@@ -143,14 +143,15 @@ def loaded_bytes(layout: KVLayout, start: int, loaded: int, block_tokens: int,
 
 
 def produced_record(*, layout: KVLayout, namespace: str | None, prompt: Sequence[int],
-                    chunk_tokens: int, block_tokens: int, durable: str, state_bytes: int,
-                    engine_id: str | None) -> dict:
-    """``kvstore.produced``: what a producer stored of ``prompt`` (all of it) and where."""
-    n = len(prompt)
-    return {"version": VERSION, "num_tokens": n, "namespace": namespace,
+                    chunk_tokens: int, block_tokens: int, durable: str, stored_tokens: int,
+                    state_bytes: int, engine_id: str | None) -> dict:
+    """``kvstore.produced``: what a producer stored of ``prompt`` and where (its first
+    ``stored_tokens`` tokens' KV: all of them, or for a hybrid the boundary before the last,
+    which a consumer computes anyway; ``state_bytes``: that boundary's state)."""
+    return {"version": VERSION, "num_tokens": len(prompt), "namespace": namespace,
             "chain_key": chain_key(layout, namespace, prompt, chunk_tokens),
             "layout_fingerprint": layout.fingerprint.hex(), "durable": durable,
-            "bytes": stored_bytes(layout, n, block_tokens, state_bytes),
+            "bytes": stored_bytes(layout, stored_tokens, block_tokens, state_bytes),
             "engine_id": engine_id}
 
 
