@@ -126,7 +126,7 @@ class ObjectTier:
         (the store works from its other tiers meanwhile). Starts the background sweeper."""
         self._client = self.cfg.client()
         self._pool = ThreadPoolExecutor(self.cfg.parallel, thread_name_prefix="kvstore-objects")
-        self._background = ThreadPoolExecutor(max(1, self.cfg.parallel // 2),
+        self._background = ThreadPoolExecutor(self.cfg.parallel,
                                               thread_name_prefix="kvstore-objects-write")
         try:
             r = self._client.request("HEAD", None, max_bytes=SMALL,
