@@ -69,7 +69,6 @@ class _Loader:
     req_id: str
     length: int  # tokens after the boundary
     head: tuple[int, ...]  # the first SUFFIX_TOKENS of them
-    digest: bytes  # of all of them
 
     def same_line(self, other: _Loader) -> bool:
         """Whether one prompt extends the other (one conversation, not two continuations).
@@ -151,10 +150,9 @@ class BoundaryBook:
         if key in self._shared:
             self._shared.move_to_end(key)
             return
-        after = np.asarray(prompt[len(boundary):], dtype=np.uint32)
+        after = prompt[len(boundary):]
         me = _Loader(req_id=req_id, length=len(after),
-                     head=tuple(int(t) for t in after[:SUFFIX_TOKENS]),
-                     digest=hashlib.blake2b(after.tobytes(), digest_size=16).digest())
+                     head=tuple(int(t) for t in after[:SUFFIX_TOKENS]))
         before = self._loaders.pop(key, ())
         if any(x.req_id == req_id for x in before):  # loaded again (after a preemption)
             self._loaders[key] = before
@@ -264,7 +262,10 @@ class BoundaryBook:
         out = [r for k, r in self._waiting.items() if k not in self._holders]
         self._waiting.clear()
         self._waiting_bytes = 0
-        return self._delete(out)
+        n = self._delete(out)
+        log.info("kvstore: %d replaced boundaries deleted, %d kept as two continuations "
+                 "loaded them", self.deleted, self.kept_shared)
+        return n
 
     def _delete(self, victims: list[Replaced]) -> int:
         if not victims:
