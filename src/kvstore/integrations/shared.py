@@ -5,24 +5,115 @@ same directory in one process raises :class:`~kvstore.StoreLocked`), yet an engi
 several parts that each want the store in one process: vLLM's scheduler-side and worker-side
 connectors live in one process when it runs without multiprocessing. :func:`acquire` opens the
 directory on first use and hands out leases; the store closes when the last lease does.
+
+A lease's ``store`` follows its directory: when the directory vanishes under the process
+(removed, or another one put in its place: every write to the old one fails with
+:class:`~kvstore.StoreTampered`), the next call after at most :data:`VANISHED_CHECK_S` closes
+the old store and opens a fresh one at the path (one warning logged), so an engine resumes
+reuse without a restart. What the old directory held is gone; nothing it held is served.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import kvstore
+from kvstore.errors import KVStoreError
 from kvstore.store.facade import Store
+
+log = logging.getLogger("kvstore")
+
+VANISHED_CHECK_S = 1.0  # how often a lease's store checks that its directory is still there
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The directory at ``path`` (device, inode), or None if nothing is there."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
 
 
 @dataclass(eq=False)
 class _Entry:
+    """The store open at ``key`` and the directory it was opened on; ``lock`` guards
+    ``store``, ``ident`` and ``checked`` (when the directory was last checked)."""
+
+    key: str
     store: Store
     options: dict[str, object]
+    ident: tuple[int, int] | None
     leases: set[int] = field(default_factory=set)
+    checked: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @functools.cached_property
+    def view(self) -> FollowingStore:
+        """The one :class:`FollowingStore` every lease of this entry hands out."""
+        return FollowingStore(self)
+
+    def current(self) -> Store:
+        """The store, reopened first if its directory vanished (checked at most every
+        :data:`VANISHED_CHECK_S`). Thread-safe."""
+        with self.lock:
+            now = time.monotonic()
+            if now - self.checked >= VANISHED_CHECK_S:
+                self.checked = now
+                if _identity(self.key) != self.ident:
+                    self._reopen()
+            return self.store
+
+    def _reopen(self) -> None:
+        """Close the store whose directory vanished and open a fresh one at the path. The old
+        one closes first (its catalog's file may share an inode number with the new one's).
+        A fresh open that fails leaves the closed store (its calls raise StoreClosed, which
+        the integrations take as misses) and is tried again at the next check."""
+        old = self.store
+        try:
+            old.close(abandon_pending=True)
+        except (KVStoreError, OSError) as e:  # its files are gone: nothing of it to save
+            log.info("kvstore: closing the store of the vanished directory %s: %s", self.key, e)
+        try:
+            fresh = kvstore.open(self.key, **self.options)
+        except (KVStoreError, OSError, ValueError) as e:
+            log.warning("kvstore: the store directory %s vanished under this process and a "
+                        "fresh one could not be opened there (%s); tried again in %.0f s",
+                        self.key, e, VANISHED_CHECK_S)
+            return
+        self.store, self.ident = fresh, _identity(self.key)
+        log.warning("kvstore: the store directory %s vanished under this process (removed or "
+                    "replaced); a fresh store is open there, and what the old one held is gone",
+                    self.key)
+
+
+class FollowingStore:
+    """The :class:`~kvstore.Store` a lease holds, as the store open at its directory now: every
+    attribute is that store's (:meth:`_Entry.current`), so a caller that kept it follows a
+    reopen. Thread-safety: as the store's methods."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: _Entry) -> None:
+        self._entry = entry
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._entry.current(), name)
+
+    def __enter__(self) -> FollowingStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None  # the lease closes the store, not its users
+
+    def __repr__(self) -> str:
+        return repr(self._entry.current())
 
 
 # Options that only a store's creation uses: a store open already satisfies them if it has them.
@@ -47,10 +138,10 @@ class Lease:
     (idempotent; the last lease of a directory closes its store). A context manager.
     Thread-safety: ``close`` may be called from any thread."""
 
-    def __init__(self, key: str, lease_id: int, store: Store) -> None:
+    def __init__(self, key: str, lease_id: int, entry: _Entry) -> None:
         self._key = key
         self._id = lease_id
-        self.store = store
+        self.store = entry.view
 
     def close(self) -> None:
         with _lock:
@@ -62,7 +153,8 @@ class Lease:
             if last:
                 del _open[self._key]
         if last:
-            entry.store.close()
+            with entry.lock:
+                entry.store.close()
 
     def __enter__(self) -> Lease:
         return self
@@ -81,13 +173,14 @@ def acquire(path: str | os.PathLike[str], **options: object) -> Lease:
     with _lock:
         entry = _open.get(key)
         if entry is None:
-            entry = _Entry(store=kvstore.open(key, **options), options=dict(options))
+            store = kvstore.open(key, **options)
+            entry = _Entry(key=key, store=store, options=dict(options), ident=_identity(key))
             _open[key] = entry
         else:
             _check_same(key, entry, options)
         _next_id += 1
         entry.leases.add(_next_id)
-        return Lease(key, _next_id, entry.store)
+        return Lease(key, _next_id, entry)
 
 
 def _check_same(key: str, entry: _Entry, now: Mapping[str, object]) -> None:

@@ -3,6 +3,7 @@ lease."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -54,3 +55,51 @@ def test_threads_acquiring_at_once_get_one_store(tmp_path):
     for le in leases:
         le.close()
     assert "closed" in repr(leases[0].store)
+
+
+def test_a_vanished_directory_is_opened_fresh_and_reuse_resumes(tmp_path, monkeypatch, caplog):
+    """The directory removed under a lease: the old store refuses writes (StoreTampered); the
+    lease's store, even as a caller kept it, is a fresh one at the path after the next check,
+    serving nothing of the old and storing again; one warning says so."""
+    import shutil
+
+    from kvstore.integrations import shared
+
+    path = tmp_path / "s"
+    with acquire(path, **OPTS) as lease:
+        kept = lease.store  # as the engines' parts keep it
+        old = list(range(1, 9))
+        kept.put(old, *causal_kv(SMALL, old))
+        shutil.rmtree(path)
+        new = list(range(20, 32))
+        with pytest.raises(kvstore.StoreTampered):  # within the check's interval: the old one
+            kept.put(new, *causal_kv(SMALL, new))
+        monkeypatch.setattr(shared, "VANISHED_CHECK_S", 0.0)
+        with caplog.at_level("WARNING", logger="kvstore"):
+            assert kept.match(old) == 0  # nothing of the old directory is served
+            kept.put(new, *causal_kv(SMALL, new))
+            assert kept.match(new) == len(new)
+        assert [r for r in caplog.records if "vanished" in r.getMessage()] and \
+            sum("vanished" in r.getMessage() for r in caplog.records) == 1
+        assert path.is_dir() and kept is lease.store
+    with kvstore.open(path) as s:  # the fresh store is a real one, closed with the lease
+        assert s.match(new) == len(new) and s.match(old) == 0
+
+
+def test_a_directory_replaced_by_another_store_is_followed(tmp_path, monkeypatch):
+    """Another store directory moved in at the path (a restore from a backup): the lease's
+    store serves what that one holds."""
+    import shutil
+
+    from kvstore.integrations import shared
+
+    monkeypatch.setattr(shared, "VANISHED_CHECK_S", 0.0)
+    path, backup = tmp_path / "s", tmp_path / "b"
+    toks = list(range(1, 13))
+    with kvstore.open(backup, **OPTS) as s:
+        s.put(toks, *causal_kv(SMALL, toks))
+    with acquire(path, **OPTS) as lease:
+        assert lease.store.match(toks) == 0
+        shutil.rmtree(path)
+        os.rename(backup, path)
+        assert lease.store.match(toks) == len(toks)

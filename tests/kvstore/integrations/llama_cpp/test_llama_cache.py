@@ -179,6 +179,27 @@ def test_a_context_larger_than_the_disk_budget_is_not_stored(llm, prompts, oracl
         assert s["saves"] == 0 and s["errors"] == {"CapacityError": 1}
 
 
+def test_a_store_directory_removed_under_the_cache_is_opened_fresh(llm, prompts, oracle,
+                                                                   tmp_path, monkeypatch):
+    """The directory deleted while the cache runs (its store refuses every write then): the
+    next completion opens a fresh directory at the path and stores there, and the one after
+    reuses it, without a restart."""
+    from kvstore.integrations import shared
+
+    monkeypatch.setattr(shared, "VANISHED_CHECK_S", 0.0)
+    store = tmp_path / "store"
+    with KVStoreLlamaCache(store) as cache:
+        assert run_with_cache(llm, cache, prompts["long"]) == oracle["long"]
+        shutil.rmtree(store)
+        assert run_with_cache(llm, cache, prompts["a"]) == oracle["a"]
+        s = cache.stats()
+        assert s["saves"] == 2 and s["store_errors"] == 0
+        assert run_with_cache(llm, cache, prompts["a"]) == oracle["a"]
+        assert cache.stats()["hits"] == s["hits"] + 1
+        assert cache.store.stats()["disk"]["chunks"] == 3  # a's only: nothing of the old
+    assert verify_path(store)["ok"]
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """A real 4 MiB tmpfs mounted under tmp_path (needs root, else the test is skipped)."""
