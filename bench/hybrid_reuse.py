@@ -17,6 +17,15 @@ real small model's does.
   ``conversations``, each with a first prompt of its own (``--first`` tokens); ``system``,
   where every conversation starts with one system prompt (``--system`` tokens, sent once
   alone first, as a server primes it) and a first message of its own (``--message``).
+* ``pairs``: two branches of one stored prompt through vLLM with this connector (``--size
+  tiny`` models by default): each pair's prompt (``--prompt`` tokens of real text) is served
+  alone and stored, then its two branches (the prompt and a message of their own), the second
+  sent ``--offsets-ms`` after the first (the engine stepping in between, as a server's loop
+  does: it joins at the next step) or once the first has ended. Per pair: whether each branch
+  loaded the stored prompt, whether a load failed after its match, and whether its answer
+  (greedy tokens and their logprobs) is the reference's: the same engine without the
+  connector serving each request alone (LFM2's with its prefill split where the stored prompt
+  ends; only its branches served alone are compared like with like, docs/vllm.md).
 * ``turns``: the replay's real-mode workload (``make demo``'s ShareGPT conversations) through
   llama.cpp, each turn's context emptied first (as after a restart): time to first token of
   turns >= 2 with KVStoreLlamaCache against without (``kvstore replay --mode real --engine
@@ -25,6 +34,8 @@ real small model's does.
     python bench/hybrid_reuse.py ttft --engine llama vllm --out bench/results/hybrid_ttft.json
     python bench/hybrid_reuse.py bytes --out bench/results/hybrid_bytes.json
     python bench/hybrid_reuse.py bytes --trace system --out bench/results/hybrid_bytes_system.json
+    python bench/hybrid_reuse.py pairs --model gemma3 lfm2 --answer 8 \
+        --out bench/results/hybrid_pairs_vllm.json
     python bench/hybrid_reuse.py turns --out bench/results/hybrid_turns_llama.json
 """
 
@@ -74,7 +85,8 @@ def text_ids(n: int, skip: int = 0) -> list[int]:
 # ---- one measurement, in its own process --------------------------------------------------
 def child_main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    (_llama_child if job["engine"] == "llama" else _vllm_child)(job)
+    {"llama": _llama_child, "vllm": _vllm_child, "vllm_pairs": _vllm_pairs_child}[
+        job["engine"]](job)
 
 
 def _llama_child(job: dict) -> None:
@@ -267,6 +279,182 @@ def bench_bytes(args, work: Path) -> dict:
             "traces": out}
 
 
+# ---- pairs (two branches of one stored prompt, through vLLM) ------------------------------
+PAIR_TOL = {"gemma3": 1e-3, "lfm2": 1e-2}  # logprob tolerance of another prefill split
+# LFM2 on vLLM's CPU build moves with the prefill split and the batch (docs/vllm.md): its
+# reference splits its prefill where the stored prompt ends, and only branches served alone
+# are compared with it like with like
+PAIR_REFERENCE_ENGINE = {"lfm2": {"max_num_batched_tokens": None, "max_num_seqs": 4}}
+
+
+def _vllm_pairs_child(job: dict) -> None:
+    """Each pair: its stored prompt alone (then flushed: stored), then its two branches, the
+    second added ``offset_ms`` after the first (the engine stepping in between, as a server's
+    loop does) or, ``offset_ms`` None, once the first has ended (no flush between).
+    ``job["alone"]``: every request served alone (the reference). One RESULT line a
+    request."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from kvstore.integrations.vllm.offline import flush
+
+    kw = {k: v for k, v in job.get("engine_args", {}).items() if v is not None}
+    if job.get("store"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config={"store_dir": job["store"]})
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["n_ctx"],
+              enforce_eager=True, kv_cache_memory_bytes=128 << 20, seed=0,
+              enable_prefix_caching=False, **kw)
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                        logprobs=1)
+
+    def emit(pair: int, role: str, out, seconds: float, added_after_s: float = 0.0) -> None:
+        toks = list(out.outputs[0].token_ids)
+        print("RESULT " + json.dumps({
+            "pair": pair, "role": role, "seconds": seconds, "added_after_s": added_after_s,
+            "tokens": toks, "logprobs": [lp[t].logprob for t, lp in
+                                         zip(toks, out.outputs[0].logprobs, strict=True)],
+            "cached": out.num_cached_tokens, "prompt_tokens": len(out.prompt_token_ids),
+            "kvstore": (out.kv_transfer_params or {}).get("kvstore")}), flush=True)
+
+    def alone(pair: int, role: str, ids: list[int]) -> None:
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        emit(pair, role, out, time.perf_counter() - t0)
+
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])],
+                 SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    for i, p in enumerate(job["pairs"]):
+        alone(i, "prompt", p["prompt"])
+        flush(llm)  # the prompt is stored (durable) before its branches come
+        first, second = p["prompt"] + p["x"], p["prompt"] + p["y"]
+        if job.get("alone") or p["offset_ms"] is None:
+            alone(i, "first", first)
+            alone(i, "second", second)
+        else:
+            ids = {f"p{i}-first": first, f"p{i}-second": second}
+            t0 = time.perf_counter()
+            engine.add_request(f"p{i}-first", TokensPrompt(prompt_token_ids=first), sp)
+            added = {f"p{i}-first": t0}
+            done: dict[str, tuple[object, float]] = {}
+            while len(done) < 2:
+                late = time.perf_counter() - t0
+                if len(added) == 1 and late >= p["offset_ms"] / 1e3:
+                    engine.add_request(f"p{i}-second",
+                                       TokensPrompt(prompt_token_ids=ids[f"p{i}-second"]), sp)
+                    added[f"p{i}-second"] = time.perf_counter()
+                if not engine.has_unfinished_requests():  # the first ended before the offset
+                    time.sleep(max(0.0, p["offset_ms"] / 1e3 - late))
+                    continue
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = (out, time.perf_counter() - added[out.request_id])
+            for role in ("first", "second"):
+                rid = f"p{i}-{role}"
+                emit(i, role, *done[rid], added_after_s=added[rid] - t0)
+        flush(llm)
+
+
+def pair_specs(args) -> list[dict]:
+    """``--pairs-per-offset`` pairs at each ``--offsets-ms`` and one after the other, each with
+    a stored prompt of its own (``--prompt`` tokens of real text) and two branch messages
+    (``--message`` and ``--message`` + 7 tokens)."""
+    offsets: list[float | None] = [*args.offsets_ms, None]
+    n = len(offsets) * args.pairs_per_offset
+    each = args.prompt + 2 * args.branch + 7
+    text = text_ids(n * each + 2)
+    out = []
+    for k in range(n):
+        at = 1 + k * each
+        prompt = [1] + text[at:at + args.prompt - 1]
+        at += args.prompt - 1
+        x = text[at:at + args.branch]
+        y = text[at + args.branch:at + 2 * args.branch + 7]
+        out.append({"prompt": prompt, "x": x, "y": y, "offset_ms": offsets[k % len(offsets)]})
+    return out
+
+
+def _pair_record(spec: dict, got: dict, ref: dict, name: str, prompt_len: int) -> dict:
+    """One pair's outcome: each branch's load and whether its answer is the reference's."""
+    rec: dict[str, object] = {"offset_ms": spec["offset_ms"]}
+    overlapped = False
+    for role in ("first", "second"):
+        g, r = got[role], ref[role]
+        ks = g["kvstore"] or {}
+        diff = float(np.max(np.abs(np.subtract(g["logprobs"], r["logprobs"]))))
+        rec[role] = {"loaded_tokens": ks.get("loaded_tokens", 0),
+                     "load_failed": bool(ks.get("load_failed", False)),
+                     "loaded_prompt": ks.get("loaded_tokens", 0) >= prompt_len
+                     and not ks.get("load_failed", False),
+                     "added_after_s": g["added_after_s"], "seconds": g["seconds"],
+                     "same_tokens": g["tokens"] == r["tokens"], "max_logprob_diff": diff,
+                     "same": g["tokens"] == r["tokens"] and diff <= PAIR_TOL[name]}
+    if spec["offset_ms"] is not None:  # the second came before the first ended
+        overlapped = got["second"]["added_after_s"] < got["first"]["seconds"]
+    rec["overlapped"] = overlapped
+    # like with like: LFM2's answers depend on the batch, so only branches served alone
+    rec["alike"] = name != "lfm2" or not overlapped
+    return rec
+
+
+def bench_pairs(args, work: Path) -> dict:
+    specs = pair_specs(args)
+    out: dict[str, dict] = {}
+    for name in args.model:
+        from engine import hybrid_models
+
+        base = {"engine": "vllm_pairs", "model": hybrid_models.model_dir(name, args.size),
+                "dtype": DTYPES.get(name, "float32"), "n_ctx": args.n_ctx,
+                "max_tokens": args.answer, "pairs": specs}
+        ref_engine = dict(PAIR_REFERENCE_ENGINE.get(name, {}))
+        if "max_num_batched_tokens" in ref_engine:  # the split where the stored prompt ends
+            ref_engine["max_num_batched_tokens"] = args.prompt
+        got, ref = run_children([{**base, "store": str(work / f"pairs-{name}")},
+                                 {**base, "alone": True, "engine_args": ref_engine}], work)
+        by = {(r["pair"], r["role"]): r for r in got}
+        rby = {(r["pair"], r["role"]): r for r in ref}
+        recs = [_pair_record(s, {k: by[(i, k)] for k in ("first", "second")},
+                             {k: rby[(i, k)] for k in ("first", "second")}, name, args.prompt)
+                for i, s in enumerate(specs)]
+        for i, r in enumerate(recs):
+            r["prompt_loaded_tokens"] = (by[(i, "prompt")]["kvstore"] or {}).get(
+                "loaded_tokens", 0)
+            r["prompt_same"] = by[(i, "prompt")]["tokens"] == rby[(i, "prompt")]["tokens"]
+        branches = [r[k] for r in recs for k in ("first", "second")]
+        alike = [r[k] for r in recs if r["alike"] for k in ("first", "second")]
+        summary = {
+            "pairs": len(recs),
+            "load_failures": sum(b["load_failed"] for b in branches),
+            "second_loaded": sum(r["second"]["loaded_prompt"] for r in recs),
+            "second_loaded_share": sum(r["second"]["loaded_prompt"] for r in recs) / len(recs),
+            "first_loaded": sum(r["first"]["loaded_prompt"] for r in recs),
+            "overlapped_pairs": sum(r["overlapped"] for r in recs),
+            "answers_compared": len(alike), "answers_same": sum(b["same"] for b in alike),
+            "answers_same_all_branches": sum(b["same"] for b in branches),
+            "prompts_same": sum(r["prompt_same"] for r in recs),
+            "by_offset": {str(o): {
+                "pairs": sum(r["offset_ms"] == o for r in recs),
+                "second_loaded": sum(r["second"]["loaded_prompt"] for r in recs
+                                     if r["offset_ms"] == o),
+                "load_failures": sum(r[k]["load_failed"] for r in recs if r["offset_ms"] == o
+                                     for k in ("first", "second"))}
+                for o in [*args.offsets_ms, None]}}
+        out[name] = {"summary": summary, "pairs": recs}
+        print(f"pairs {name}: {summary['pairs']} pairs, second branch loaded the stored prompt "
+              f"in {summary['second_loaded']} ({summary['second_loaded_share']:.3f}), load "
+              f"failures {summary['load_failures']}, answers as the reference "
+              f"{summary['answers_same']} of {summary['answers_compared']} compared "
+              f"({summary['answers_same_all_branches']} of {len(branches)} in all)", flush=True)
+    return {"prompt": args.prompt, "message": args.branch, "answer": args.answer,
+            "offsets_ms": args.offsets_ms, "pairs_per_offset": args.pairs_per_offset,
+            "size": args.size, "results": out}
+
+
 # ---- turns (llama.cpp, ShareGPT) ---------------------------------------------------------
 def bench_turns(args, work: Path) -> dict:
     """The replay's real-mode workload (``make demo``'s: ShareGPT conversations of 5-10 turns,
@@ -318,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
         child_main(sys.argv[2])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["ttft", "bytes", "turns"])
+    p.add_argument("what", choices=["ttft", "bytes", "pairs", "turns"])
     p.add_argument("--engine", nargs="+", choices=["llama", "vllm"], default=["llama", "vllm"])
     p.add_argument("--model", nargs="+", default=["gemma3", "qwen3_next", "lfm2",
                                                   "granitemoehybrid"])
@@ -336,15 +524,34 @@ def main(argv: list[str] | None = None) -> None:
                    help="bytes, --trace system: the shared system prompt's tokens")
     p.add_argument("--message", type=int, default=120, help="bytes: each later message")
     p.add_argument("--answer", type=int, default=16, help="bytes: tokens generated a turn")
+    p.add_argument("--prompt", type=int, default=256,
+                   help="pairs: the stored prompt's tokens (each pair's own)")
+    p.add_argument("--branch", type=int, default=24,
+                   help="pairs: the first branch's message (the second's: 7 tokens more)")
+    p.add_argument("--offsets-ms", type=float, nargs="+", default=[0, 50, 120, 250],
+                   help="pairs: the second branch sent this long after the first (and one "
+                        "after the other besides)")
+    p.add_argument("--pairs-per-offset", type=int, default=3)
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny",
+                   help="pairs: the hybrid models' size (engine.hybrid_models)")
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.what == "pairs":
+        if args.pairs_per_offset < 1:
+            p.error(f"--pairs-per-offset must be >= 1, got {args.pairs_per_offset}")
+        if any(o < 0 for o in args.offsets_ms):
+            p.error(f"--offsets-ms must be >= 0, got {args.offsets_ms}")
+        if args.prompt < 2 or args.branch < 1:
+            p.error(f"--prompt must be >= 2 and --branch >= 1, got {args.prompt}, "
+                    f"{args.branch}")
     with tempfile.TemporaryDirectory(dir=ROOT / ".cache") as d:
         work = Path(d)
         t0 = time.time()
         load0 = os.getloadavg()
-        res = {"ttft": bench_ttft, "bytes": bench_bytes, "turns": bench_turns}[args.what](
+        res = {"ttft": bench_ttft, "bytes": bench_bytes, "pairs": bench_pairs,
+               "turns": bench_turns}[args.what](
             args, work)
     res.update({"what": args.what, "command": " ".join(sys.argv), "wall_s": time.time() - t0,
                 "loadavg_before": load0, "loadavg_after": os.getloadavg(),
