@@ -34,7 +34,7 @@ real small model's does.
     python bench/hybrid_reuse.py ttft --engine llama vllm --out bench/results/hybrid_ttft.json
     python bench/hybrid_reuse.py bytes --out bench/results/hybrid_bytes.json
     python bench/hybrid_reuse.py bytes --trace system --out bench/results/hybrid_bytes_system.json
-    python bench/hybrid_reuse.py pairs --model gemma3 lfm2 --answer 8 \
+    python bench/hybrid_reuse.py pairs --model gemma3 lfm2 --answer 8 \\
         --out bench/results/hybrid_pairs_vllm.json
     python bench/hybrid_reuse.py turns --out bench/results/hybrid_turns_llama.json
 """
