@@ -25,9 +25,11 @@ DRAM only if that evicts nothing ranked above it), and victims that still fit af
 back (``size_aware``). A time-varying policy (``reuse``) gets the wall clock and every
 context's turns and save time, learns from each return
 (:class:`~kvstore.eviction.returns.ReturnModel`)
-and has its priorities refreshed whenever the clock moved on by a twentieth of the mean think
-time seen, before a save that must evict. Every save, read and drop goes to ``log`` (a
-:class:`~engine.replay.offline.RequestLog`) when one is given: the offline bound's input.
+and has its priorities re-ranked before a save that must evict, by the store's rule
+(:class:`~kvstore.eviction.reranking.Reranking`: once the model first has statistics, then
+whenever the clock moved on by a twentieth of the mean think time seen). Every save, read
+and drop goes to ``log`` (a :class:`~engine.replay.offline.RequestLog`) when one is given:
+the offline bound's input.
 
 Queue hints are incremental, for speed over a long trace: the scheduler calls :meth:`enqueue`
 when a job arrives (FCFS: jobs start in arrival order), :meth:`start` when it runs and
@@ -52,6 +54,7 @@ from kvstore.eviction.policies import (
     Queued,
     make_policy,
 )
+from kvstore.eviction.reranking import Reranking
 from kvstore.eviction.return_predictor import TurnFeatures
 from kvstore.eviction.returns import MAX_PENDING_LABELS, ReturnTracker
 from kvstore.residency.victims import choose_victims
@@ -121,7 +124,8 @@ class SimStore:
         # is read again or counted as ended.
         self._tracker = ReturnTracker(self._pol.model) if self._learns else None
         self._turns: dict[Hashable, int] = {}
-        self._refreshed_at = -1.0
+        self._reranking = Reranking(self._pol, self._tracker) \
+            if self._tracker is not None else None  # type: ignore[arg-type]
         self._entries: dict[Hashable, SimEntry] = {}
         self._disk_heap = PriorityHeap()
         self._dram_heap = PriorityHeap()
@@ -389,25 +393,19 @@ class SimStore:
 
     def _refresh(self) -> None:
         """Time-varying priorities: count the conversations gone longer than any think time
-        seen as ended, and re-rank every context, at most every 1/20 of the mean think time."""
-        model = self._pol.model
-        if not model.ready:
-            return
-        step = model.mean_gap_s / 20
-        if self._wall - self._refreshed_at < step:
-            return
-        self._refreshed_at = self._wall
-        self._tracker.sweep(self._wall)  # type: ignore[union-attr]
-        plain = []
-        for k, e in self._entries.items():
-            if e.queued is None and not e.stats.spent:
-                plain.append(e)
-            else:
-                self._reprioritize(k)
-        if plain:
-            b = self._pol.benefits_of([e.stats for e in plain])
-            for e, x in zip(plain, b.tolist(), strict=True):
-                self._push(e, (0, x))
+        seen as ended, and re-rank every context, as the store does
+        (:class:`~kvstore.eviction.reranking.Reranking`: at once when the model first has
+        statistics, then at most every 1/20 of the mean think time)."""
+        entries = self._entries
+        self._reranking.refresh(  # type: ignore[union-attr]
+            self._wall, entries,
+            unqueued=lambda k: entries[k].queued is None and not entries[k].stats.spent,
+            stats=lambda k: entries[k].stats, reprioritize=self._reprioritize_all,
+            push=lambda k, prio: self._push(entries[k], prio))
+
+    def _reprioritize_all(self, keys: list[Hashable]) -> None:
+        for k in keys:
+            self._reprioritize(k)
 
     def drop(self, key: Hashable) -> bool:
         """Invalidate a stored context (e.g. positions baked in and the history truncated)."""

@@ -20,12 +20,12 @@ Thread-safety: none of its own; every method is called with the store's metadata
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 
 from kvstore.eviction.policies import AccessStats, LearnedReturn, Queued, ReuseProbability
+from kvstore.eviction.reranking import Reranking
 from kvstore.eviction.return_predictor import CONTENT_TOKENS, TurnFeatures
 from kvstore.eviction.returns import MAX_PENDING_LABELS, ReturnTracker
 from kvstore.format.hashing import chunk_hash
@@ -42,8 +42,7 @@ class PutLearner:
         self.tracker = ReturnTracker(policy.model)
         self._partial: dict[bytes, dict[bytes, int]] = {}  # parent -> {context: its tokens}
         self._parent: dict[bytes, bytes] = {}  # context (partial last chunk) -> parent
-        self._refreshed_at = -math.inf
-        self._ranked_ready = False
+        self.reranking = Reranking(policy, self.tracker)
         # ``learned``: what each tracked context's last turn looked like (its put)
         self._features: dict[bytes, TurnFeatures] | None = \
             {} if isinstance(policy, LearnedReturn) else None
@@ -176,27 +175,13 @@ class PutLearner:
     def refresh(self, queued: Callable[[bytes], Queued | None]) -> None:
         """Before an eviction: count conversations gone longer than any think time seen as
         ended and re-rank every context, at most every 1/20 of the mean think time (and at
-        once when the model first has statistics: until then the policy is LRU). ``queued``:
-        where a context is next needed; unqueued ones are ranked in one vectorized pass."""
-        model = self.policy.model
-        if not model.ready:
-            return
-        now = self.now()
-        if self._ranked_ready and now - self._refreshed_at < model.mean_gap_s / 20:
-            return
-        self._ranked_ready = True
-        self._refreshed_at = now
-        self.tracker.sweep(now)
+        once when the model first has statistics: until then the policy is LRU); the rule is
+        :class:`~kvstore.eviction.reranking.Reranking`'s. ``queued``: where a context is next
+        needed; unqueued ones are ranked in one vectorized pass."""
+        if not self.policy.model.ready:
+            return  # without reading the clock
         tree = self.tree
-        plain: list[ContextRecord] = []
-        rest: list[bytes] = []
-        for key, rec in tree.contexts.items():
-            if queued(key) is None:
-                plain.append(rec)
-            else:
-                rest.append(key)
-        tree.reprioritize(rest)
-        if plain:  # what policy.priority gives an unqueued context: (0, benefit)
-            b = self.policy.benefits_of([self.stats(r) for r in plain])
-            for rec, x in zip(plain, b.tolist(), strict=True):
-                tree.heap.push(rec.key, (0, x))
+        self.reranking.refresh(
+            self.now(), tree.contexts, unqueued=lambda key: queued(key) is None,
+            stats=lambda key: self.stats(tree.contexts[key]), reprioritize=tree.reprioritize,
+            push=tree.heap.push)
