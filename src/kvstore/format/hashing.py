@@ -15,7 +15,7 @@ import xxhash
 
 HASH_BYTES = 16
 _MAX_TOKEN = np.iinfo(np.uint32).max
-# The token id that marks a boundary state's positions (kvstore.store.boundaries): no
+# The token id that marks a boundary state's positions (kvstore.format.boundary_state): no
 # vocabulary has it, and public calls refuse it, so only the store writes it.
 STATE_TOKEN = _MAX_TOKEN - 1
 STATE_TOKEN_BYTES = int(STATE_TOKEN).to_bytes(4, "little")

@@ -165,7 +165,7 @@ class Store:
         ``state`` (layouts with sliding-window or recurrent layers, ``KVLayout.layers``): the
         engine's bytes of those layers' state after exactly these tokens (at most
         ``layout.state_bytes``), stored with the KV as the boundary state that lets
-        :meth:`match` serve this prefix (:mod:`kvstore.store.boundaries`). Without it such a
+        :meth:`match` serve this prefix (:mod:`kvstore.view.boundaries`). Without it such a
         put stores the full-attention KV only, which serves a longer prefix's boundary.
 
         Thread-safe; puts of several threads and processes run at once. The metadata lock is

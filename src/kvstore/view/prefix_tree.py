@@ -62,7 +62,7 @@ def _common_bytes(a: bytes, b: bytes) -> int:
 
 def state_offset(toks: bytes) -> int | None:
     """Where the first :data:`STATE_TOKEN` is in token-id bytes (in tokens), or None: a
-    chunk carrying a boundary state's marker (:mod:`kvstore.store.boundaries`)."""
+    chunk carrying a boundary state's marker (:mod:`kvstore.format.boundary_state`)."""
     if STATE_TOKEN_BYTES not in toks:  # the common case, one scan in C
         return None
     hit = np.flatnonzero(np.frombuffer(toks, dtype="<u4") == STATE_TOKEN)
