@@ -40,16 +40,18 @@ from kvstore.pipelines.layer_reads import Loads
 from kvstore.pipelines.pages import Pages, to_block_end
 from kvstore.pipelines.prefetch import Prefetch
 from kvstore.pipelines.put import Writer
-from kvstore.pipelines.remote import ChunkServer, RemoteLink
 from kvstore.pipelines.row_reads import RowReader
 from kvstore.pipelines.saving import SaveHandle, Saver
-from kvstore.pipelines.shared_tiers import SharedTiers
+from kvstore.pipelines.shared.link import RemoteLink
+from kvstore.pipelines.shared.local import LocalTiers
+from kvstore.pipelines.shared.tiers import SharedTiers
 from kvstore.residency import retention
 from kvstore.residency.core import Core
 from kvstore.residency.lookahead import PREDICTOR_META, Hints
 from kvstore.residency.plans import Plans
 from kvstore.residency.retention import ContextInfo
 from kvstore.store.argument_checks import check_device, check_kv, check_out
+from kvstore.tiers.shared.chunk_server import ChunkServer
 from kvstore.view import boundaries
 from kvstore.view.prefix_tree import Piece, served
 
@@ -107,12 +109,8 @@ class Store:
     def _attach_shared(self, tier: ChunkServer, name: str) -> None:
         """Called by :func:`kvstore.open` with each connected shared tier (``"remote"``:
         Redis, ``"objects"``: an object store), in the order they are tried."""
-        self._shared.attach(RemoteLink(
-            self._core, tier, name=name,
-            get_local=lambda toks, ns, out: self._reader.get(toks, ns, out, None),
-            read_chunk=self._reader.chunk_extent,
-            fill=lambda toks, ns, kr, vr: self._writer.put(toks, kr, vr, ns, learn=False),
-            prefetch_get=lambda toks, ns: self.get(toks, namespace=ns)))
+        self._shared.attach(RemoteLink(self._core, tier, name=name,
+                                       local=LocalTiers(self._reader, self._writer)))
 
     def _write_saved(self, toks: np.ndarray, k: torch.Tensor, v: torch.Tensor,
                      namespace: str | None, base: int) -> bool:
@@ -391,7 +389,7 @@ class Store:
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
         self._core.check_open()
         redis = self._shared.of_kind("remote")
-        return redis is not None and redis.tier.put_doc(name, data)
+        return redis is not None and redis.put_doc(name, data)
 
     def shared_doc(self, name: str) -> bytes | None:
         """A document stored by :meth:`put_shared_doc` (by any store on this Redis), or None.
@@ -400,7 +398,7 @@ class Store:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         self._core.check_open()
         redis = self._shared.of_kind("remote")
-        return None if redis is None else redis.tier.get_doc(name)
+        return None if redis is None else redis.get_doc(name)
 
     def set_prefill_rate(self, tokens_per_s: float | None) -> None:
         """How fast the caller recomputes (prefills) KV, in tokens per second, or None

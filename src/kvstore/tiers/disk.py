@@ -91,12 +91,16 @@ class SegmentGeometry:
 
 
 class SegmentFiles:
-    """Open segment files of one store.
+    """Open segment files of one store: the disk tier, a
+    :class:`~kvstore.tiers.interface.ChunkTier` (which chunk a slot holds is the catalog's).
 
     Thread-safety: ``read``, ``write``, ``sync`` and ``ensure_ready`` may be called from any
     thread at once (positional IO on descriptors that stay open until :meth:`close`);
     ``prepare`` of existing files and ``remove`` only by an opener holding the store alone.
     """
+
+    tier_name = "disk"
+    thread_safe = True
 
     def __init__(self, root: Dir, geometry: SegmentGeometry, *, readonly: bool) -> None:
         self.geo = geometry
@@ -304,7 +308,16 @@ class SegmentFiles:
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
+    def stats(self) -> dict[str, object]:
+        """The geometry and the segment files open (no IO). Any thread."""
+        with self._fd_lock:
+            open_files = len(self._fds)
+        return {"slots": self.geo.total_slots, "slot_stride": self.geo.slot_stride,
+                "slots_per_segment": self.geo.slots_per_segment,
+                "open_segments": open_files, "readonly": self.readonly}
+
     def close(self) -> None:
+        """Close every segment file. After the store's last IO on them."""
         for fds in (self._fds, self._exact_fds):
             for fd in fds.values():
                 os.close(fd)

@@ -44,6 +44,12 @@ class Entry:
 
 
 class DramTier:
+    """The DRAM tier (module docstring); a :class:`~kvstore.tiers.interface.ChunkTier`. Not
+    thread-safe: called with the store's metadata lock held."""
+
+    tier_name = "dram"
+    thread_safe = False
+
     def __init__(self, *, capacity_bytes: int, slot_bytes: int, policy: EvictionPolicy) -> None:
         self.slot_stride = align_up(slot_bytes)
         self.num_slots = capacity_bytes // self.slot_stride
@@ -78,6 +84,18 @@ class DramTier:
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
+
+    def close(self) -> None:
+        """The tier's end (:class:`~kvstore.tiers.interface.ChunkTier`): the slab's
+        page-locking dropped; the slab itself goes with the tier."""
+        self.unpin_from_cuda()
+
+    def stats(self) -> dict[str, object]:
+        """Servable copies, bytes held, capacity, slots, evictions, whether the slab is
+        page-locked for CUDA. With the store's metadata lock held."""
+        return {"chunks": len(self), "bytes_used": self._bytes,
+                "capacity_bytes": self.capacity_bytes, "slots": self.num_slots,
+                "evictions": self.evictions, "pinned": bool(self.pinned)}
 
     def __contains__(self, key: bytes) -> bool:
         e = self._entries.get(key)

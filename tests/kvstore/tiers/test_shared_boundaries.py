@@ -30,7 +30,7 @@ from kvstore.format.boundary_state import STATE
 from kvstore.format.hashing import chain_seed, chunk_hash
 from kvstore.tiers.objects import lifecycle
 from kvstore.tiers.objects import names as on
-from kvstore.tiers.remote import marks
+from kvstore.tiers.shared import marks
 from tests.support.kvgen import causal_kv
 from tests.support.strategies import ns_st, tokens_st
 

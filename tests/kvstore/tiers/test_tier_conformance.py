@@ -3,7 +3,10 @@ byte from DRAM (a roomy DRAM tier), from disk (no DRAM tier), and from Redis (a 
 another directory that keeps nothing locally, so every read crosses the remote tier), and from an
 object store (the same, through SeaweedFS), against a dict of what was put. A shared tier may
 lose everything (Redis's eviction; a sweep of the bucket down to nothing): then it misses, and
-never serves a wrong byte."""
+never serves a wrong byte.
+
+Every tier is one interface, :class:`kvstore.tiers.interface.ChunkTier` (what a chunk and a
+miss are, thread-safety): each store's tiers are checked against it before the machine runs."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 import kvstore
+from kvstore.events.media import TIER_MEDIA
+from kvstore.tiers.interface import ChunkTier
 from tests.support.kvgen import SMALL, causal_kv, lcp, put_causal
 
 C = 4
@@ -28,6 +33,25 @@ def remote_serves(t, x):
     if n == len(x) or (len(x) % C and n - full >= min(8, len(x) - full)):
         return n  # whole, or sharing the kid's first min(8, n) tokens (its kids-set key)
     return n // C * C
+
+
+def tiers_of(store, shared: str | None) -> list[object]:
+    """The tier objects a store opened (its parts, read as they are): DRAM, disk, and the
+    shared tier named ``shared``."""
+    tiers = [store._core.dram, store._core.segments]
+    if shared is not None:
+        tiers.append(store._shared.of_kind(shared).tier)
+    return tiers
+
+
+def check_tiers(store, shared: str | None) -> None:
+    tiers = tiers_of(store, shared)
+    for t in tiers:
+        assert isinstance(t, ChunkTier), f"{type(t).__name__} is no ChunkTier"
+        assert t.tier_name in TIER_MEDIA and isinstance(t.thread_safe, bool)
+    names = [t.tier_name for t in tiers]
+    assert names == ["dram", "disk"] + ([shared] if shared else [])
+    assert [t.thread_safe for t in tiers] == [False, True] + ([True] if shared else [])
 
 
 class TierMachine(RuleBasedStateMachine):
@@ -52,6 +76,9 @@ class TierMachine(RuleBasedStateMachine):
                                     objects=kvstore.ObjectsConfig(url=self.url, fill="none"))
         else:
             self.writer = self.reader = self.make(dram_bytes=dram)
+        shared = self.tier if self.tier in ("remote", "objects") else None
+        check_tiers(self.writer, shared)
+        check_tiers(self.reader, shared)
         self.model: list[list[int]] = []
 
     @rule(b=st.integers(0, 2), n=st.integers(1, 40))

@@ -5,7 +5,7 @@ bounded by the tier's deadline, never served at another length.
 A boundary after ``b`` tokens is the context ``tokens[:b] + [STATE] * r``
 (:mod:`kvstore.format.boundary_state`): its chunks are written through like any chunk. What a
 shared tier lacks is the prefix tree's per-chunk marks (:mod:`kvstore.view.boundaries`) of where
-boundaries begin, so write-through files one (:mod:`kvstore.tiers.remote.marks`) under the
+boundaries begin, so write-through files one (:mod:`kvstore.tiers.shared.marks`) under the
 boundary's parent chunk after the boundary's chunks.
 
 * **Lookup** (:meth:`Boundaries.find`, for :meth:`kvstore.Store.match`): the prompt's chain keys
@@ -46,10 +46,10 @@ from kvstore.format.boundary_state import STATE, data_start, max_state_tokens
 from kvstore.format.hashing import chunk_hash
 from kvstore.pipelines.gather import gather
 from kvstore.residency.core import Core
-from kvstore.tiers.chunk_server import ChunkServer
-from kvstore.tiers.remote import value as rv
-from kvstore.tiers.remote.estimate import worth_fetching
-from kvstore.tiers.remote.marks import Mark
+from kvstore.tiers.shared import value as rv
+from kvstore.tiers.shared.chunk_server import ChunkServer
+from kvstore.tiers.shared.estimate import worth_fetching
+from kvstore.tiers.shared.marks import Mark
 from kvstore.view.prefix_tree import Piece
 
 MAX_CANDIDATES = 8  # boundaries of one prompt whose chunks one lookup reads

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvstore.format.hashing import common_prefix_len
-from kvstore.tiers.remote import value as rv
+from kvstore.tiers.shared import value as rv
 
 FOUND_S = 30.0  # how long a lookup's findings are used
 MOST = 4096  # headers (and parents' kid lists) remembered

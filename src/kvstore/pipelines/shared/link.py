@@ -7,7 +7,7 @@ says it of Redis, and holds for both.
 * ``match``: after the local prefix (its full chunks), the chain addresses of the rest of the
   tokens are looked up in one pipelined round trip (headers only, verified); the remote
   prefix counts only if fetching it is estimated to end sooner than recomputing it at the
-  caller's prefill rate (:mod:`kvstore.tiers.remote.estimate`).
+  caller's prefill rate (:mod:`kvstore.tiers.shared.estimate`).
 * ``get``: the local full-chunk prefix comes from the local tiers, the rest in one pipelined
   ``GET`` round trip, every byte verified; then (``fill="disk"``) the fetched context is saved
   locally in the background (DRAM and disk), without sending it back to Redis.
@@ -16,16 +16,16 @@ says it of Redis, and holds for both.
 * write-through: each put queues its chunks; a worker thread sends those Redis lacks
   (``EXISTS``, then ``SET NX``, and each chunk's entry in its parent's kids set, so that a
   prompt whose chunk there is a prefix of it finds it), reading them from the local tiers when
-  it gets to them; then a hybrid boundary's mark (:mod:`.remote_boundaries`).
-* a load right after a match starts from what the match found (:mod:`.remote_found`).
+  it gets to them; then a hybrid boundary's mark (:mod:`.boundaries`).
+* a load right after a match starts from what the match found (:mod:`.found`).
 * prefetch: the scheduler's next jobs whose prompts Redis serves further than the local tiers
   are fetched (and filled) by a worker thread.
 
 A remote failure never raises from ``match``/``get``: the chunk is a miss (a ``get`` of tokens
 that only the remote could have served raises ``KeyError`` like any miss), and it is counted in
 ``stats()["remote"]``. Each public call's remote round trips end by one deadline
-(``RemoteConfig.deadline_s``, :mod:`kvstore.tiers.remote.deadline`): what has not arrived by then is
-a miss too. Local eviction never deletes a remote copy; ``Store.delete`` does
+(``RemoteConfig.deadline_s``, :mod:`kvstore.tiers.shared.deadline`): what has not arrived by
+then is a miss too. Local eviction never deletes a remote copy; ``Store.delete`` does
 (:meth:`RemoteLink.delete`: ``DEL``, and ``SREM`` of the chunk's kids entry).
 
 Thread-safety: every method may be called from any thread at once; no method holds the store's
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -47,20 +46,22 @@ from kvstore.errors import StoreClosed
 from kvstore.eviction.jobs import Job
 from kvstore.format import chunk_extent
 from kvstore.format.boundary_state import STATE
-from kvstore.format.hashing import chunk_hash, common_prefix_len
+from kvstore.format.hashing import chunk_hash
 from kvstore.format.records import ChunkRecord
 from kvstore.pipelines.gather import gather
-from kvstore.pipelines.remote_boundaries import Boundaries
-from kvstore.pipelines.remote_found import Found
-from kvstore.pipelines.remote_loads import LayerLoads
+from kvstore.pipelines.shared.addressing import Chunk, best_kid
+from kvstore.pipelines.shared.boundaries import Boundaries
+from kvstore.pipelines.shared.found import Found
+from kvstore.pipelines.shared.loads import LayerLoads
+from kvstore.pipelines.shared.local import LocalTiers
 from kvstore.residency.core import Core
 from kvstore.threads.background import Worker
 from kvstore.threads.fork_join import copy_all
-from kvstore.tiers.chunk_server import ChunkServer
 from kvstore.tiers.codecs import remote_value_codec
-from kvstore.tiers.remote import value as rv
-from kvstore.tiers.remote.estimate import worth_fetching
-from kvstore.tiers.remote.marks import Mark
+from kvstore.tiers.shared import value as rv
+from kvstore.tiers.shared.chunk_server import ChunkServer
+from kvstore.tiers.shared.estimate import worth_fetching
+from kvstore.tiers.shared.marks import Mark
 from kvstore.view.prefix_tree import Piece, served
 
 RECENT = 4096  # keys fetched from remote, remembered so that filling them does not send them back
@@ -89,46 +90,17 @@ class LinkCounters:
     delete_failed: int = 0  # ... it could not remove (the tier did not answer)
 
 
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    key: bytes
-    start: int  # token offset in the request
-    tokens: np.ndarray
-    parent: bytes
-
-
-def best_kid(kids: list[tuple[bytes, np.ndarray]], want: np.ndarray
-             ) -> tuple[bytes, np.ndarray, int] | None:
-    """The stored partial chunk sharing the longest prefix with ``want``: (key, its tokens,
-    tokens shared), None if none shares any. Ties go to the smaller key (deterministic)."""
-    best = None
-    for key, toks in kids:
-        n = common_prefix_len(toks, want)
-        if n and (best is None or n > best[2] or (n == best[2] and key < best[0])):
-            best = (key, toks, n)
-    return best
-
-
 class RemoteLink(LayerLoads):
     """A tier of chunk values (:class:`ChunkServer`) as a
-    :class:`~kvstore.pipelines.shared_tiers.SharedTier` of a store, named ``name`` in its
+    :class:`~kvstore.pipelines.shared.tiers.SharedTier` of a store, named ``name`` in its
     ``stats()`` (``"remote"``: Redis; ``"objects"``: an object store)."""
 
-    def __init__(self, core: Core, tier: ChunkServer, *, name: str,
-                 get_local: Callable[[np.ndarray, str | None, tuple[torch.Tensor, torch.Tensor]],
-                                     None],
-                 read_chunk: Callable[[bytes], tuple[ChunkRecord, np.ndarray] | None],
-                 fill: Callable[[np.ndarray, str | None, np.ndarray, np.ndarray], None],
-                 prefetch_get: Callable[[np.ndarray, str | None], None]) -> None:
+    def __init__(self, core: Core, tier: ChunkServer, *, name: str, local: LocalTiers) -> None:
         self.core = core
         self.tier = tier
         self.name = name
-        self._get_local = get_local  # local KV of toks into the leading tokens of out tensors
-        self._read_chunk = read_chunk  # key -> (record, extent) from the local tiers, or None
-        # store a fetched context locally: (toks, ns, raw k, raw v) -> False if refused
-        self._fill = fill
+        self.local = local  # this machine's tiers: reads, write-through's chunks, fills
         self.last_fill_error = ""
-        self._prefetch_get = prefetch_get
         if hasattr(tier, "on_swept"):  # an object tier: what its sweep deletes, for KV events
             tier.on_swept = self._swept
         self._lock = threading.Lock()
@@ -157,7 +129,7 @@ class RemoteLink(LayerLoads):
 
     # ------------------------------------------------------------------ addressing
     def _rest(self, toks: np.ndarray, namespace: str | None,
-              pieces: list[Piece]) -> tuple[int, list[_Chunk]]:
+              pieces: list[Piece]) -> tuple[int, list[Chunk]]:
         """The local full-chunk prefix length and the chunks of the remaining tokens."""
         c = self.core.config.chunk_tokens
         full = 0
@@ -170,7 +142,7 @@ class RemoteLink(LayerLoads):
         for start in range(full * c, len(toks), c):
             part = toks[start:start + c]
             key = chunk_hash(parent, part)
-            out.append(_Chunk(key, start, part, parent))
+            out.append(Chunk(key, start, part, parent))
             parent = key
         return full * c, out
 
@@ -193,7 +165,7 @@ class RemoteLink(LayerLoads):
         with self.tier.deadline():
             return self._match_remote(local, base, rest, exact)
 
-    def _match_remote(self, local: int, base: int, rest: list[_Chunk], exact: bool) -> int:
+    def _match_remote(self, local: int, base: int, rest: list[Chunk], exact: bool) -> int:
         headers, kids = self.tier.headers_and_kids([(ch.key, ch.tokens) for ch in rest],
                                                    [(ch.parent, ch.tokens) for ch in rest])
         self._count("matches")
@@ -264,7 +236,7 @@ class RemoteLink(LayerLoads):
         else:
             k_out, v_out = self.core.buffers.kv(lay, len(toks))
         if base:
-            self._get_local(toks[:base], namespace, (k_out, v_out))
+            self.local.read_into(toks[:base], namespace, (k_out, v_out))
         gather(lay, chunk_extent.raw(k_out), chunk_extent.raw(v_out), pieces, self.core.helpers)
         self._remember([k for k, _ in items])
         self._count("gets")
@@ -282,7 +254,7 @@ class RemoteLink(LayerLoads):
             return k_out.to(device), v_out.to(device)
         return k_out, v_out
 
-    def _items(self, rest: list[_Chunk]) -> list[tuple[bytes, np.ndarray]]:
+    def _items(self, rest: list[Chunk]) -> list[tuple[bytes, np.ndarray]]:
         """(key, tokens) of the values that hold ``rest``: each chunk's own, but a hybrid
         layout's partial last chunk, which the chunk of a boundary stored after it holds."""
         items = [(ch.key, ch.tokens) for ch in rest]
@@ -296,7 +268,7 @@ class RemoteLink(LayerLoads):
             items[-1] = tail
         return items
 
-    def _kid(self, ch: _Chunk) -> tuple[bytes, np.ndarray] | None:
+    def _kid(self, ch: Chunk) -> tuple[bytes, np.ndarray] | None:
         """A stored chunk after ``ch.parent`` that starts with all of ``ch.tokens`` (one a
         match found, else one round trip)."""
         got = self.found.kid(ch.parent, ch.tokens)
@@ -327,7 +299,7 @@ class RemoteLink(LayerLoads):
                            f"(to {end})")
         return np.concatenate([toks[:ch.start], kid[1][:end - ch.start]]).astype(toks.dtype)
 
-    def _kid_extent(self, ch: _Chunk) -> tuple[np.ndarray, int, rv.Header] | None:
+    def _kid_extent(self, ch: Chunk) -> tuple[np.ndarray, int, rv.Header] | None:
         """(verified extent, its tokens, its header) of :meth:`_kid`; two more round
         trips."""
         kid = self._kid(ch)
@@ -336,7 +308,7 @@ class RemoteLink(LayerLoads):
         got = self.tier.values_and_headers([kid])[0]
         return None if got is None else (got[0], len(kid[1]), got[1])
 
-    def _served_lossy(self, local: list[Piece], base: int, rest: list[_Chunk],
+    def _served_lossy(self, local: list[Piece], base: int, rest: list[Chunk],
                       headers: list[rv.Header]) -> int:
         """Count a get or load whose remote part was served (partly) by lossy values, in
         the store's counters as a local lossy read is; the tokens they served."""
@@ -383,7 +355,7 @@ class RemoteLink(LayerLoads):
                                             torch.Tensor]]) -> None:
         for toks, ns, k, v in batch:
             try:
-                stored = self._fill(toks, ns, chunk_extent.raw(k), chunk_extent.raw(v))
+                stored = self.local.fill(toks, ns, chunk_extent.raw(k), chunk_extent.raw(v))
             except StoreClosed:
                 return
             except Exception as e:  # counted and shown in stats(); the get had its data
@@ -404,7 +376,7 @@ class RemoteLink(LayerLoads):
     # ------------------------------------------------------------------ write-through
     def after_put(self, toks: np.ndarray, namespace: str | None) -> None:
         """Queue the chunks of a stored context for write-through (waits if the queue is
-        full), then, for a boundary state's context, its mark (:mod:`.remote_boundaries`).
+        full), then, for a boundary state's context, its mark (:mod:`.boundaries`).
         Chunks just fetched from remote are not sent back."""
         if not self.tier.cfg.write_through:
             return
@@ -439,7 +411,7 @@ class RemoteLink(LayerLoads):
                 tier.count("already_present")
                 self._announce(k)
             else:
-                got = self._read_chunk(k)
+                got = self.local.chunk(k)
                 if got is None:  # evicted or superseded locally before it could be sent
                     tier.count("write_failed")
                     continue
@@ -558,8 +530,8 @@ class RemoteLink(LayerLoads):
                 pieces = self._local(job.tokens, job.namespace)
                 n = self.match(job.tokens, job.namespace, pieces)
                 if n > served(pieces):
-                    try:
-                        self._prefetch_get(job.tokens[:n], job.namespace)
+                    try:  # fetched from this tier, and filled locally
+                        self.get(job.tokens[:n], job.namespace, None, None)
                     except KeyError:  # evicted from Redis meanwhile: counted as a miss
                         continue
                     self._count("prefetched")
@@ -571,6 +543,19 @@ class RemoteLink(LayerLoads):
     def wait_filled(self, timeout: float | None = None) -> bool:
         """Block until fetched contexts queued to be stored locally are stored."""
         return self._fills.wait(timeout)
+
+    # ------------------------------------------------------------------ documents
+    def put_doc(self, name: str, data: bytes) -> bool:
+        """Store a small document (not KV) under ``name``; False if this tier keeps no
+        documents (an object store) or did not answer (counted in its stats)."""
+        put = getattr(self.tier, "put_doc", None)
+        return put is not None and put(name, data)
+
+    def get_doc(self, name: str) -> bytes | None:
+        """The document stored under ``name`` (untrusted bytes), or None: absent, this tier
+        keeps no documents, or it did not answer."""
+        get = getattr(self.tier, "get_doc", None)
+        return None if get is None else get(name)
 
     # ------------------------------------------------------------------ lifecycle, stats
     def close(self, *, abandon: bool = False) -> None:

@@ -1,5 +1,5 @@
 """Layer-wise loads of a context that extends past the local tiers into a shared tier (Redis,
-an object store): the part of :class:`kvstore.pipelines.remote.RemoteLink` behind
+an object store): the part of :class:`kvstore.pipelines.shared.link.RemoteLink` behind
 ``Store.load_layers``. The local prefix is read at once; the shared tier's chunks by ranged
 reads of growing groups of layers (1, 2, 4, ...:
 :func:`~kvstore.pipelines.layer_load.layer_groups`), each chunk's layer verified and placed
@@ -12,7 +12,6 @@ fetches the later layers by the deadline of the call that started it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,14 +19,12 @@ import torch
 from kvstore.format import chunk_extent
 from kvstore.pipelines.layer_load import LayerLoad, layer_groups
 from kvstore.pipelines.pages import Pages
+from kvstore.pipelines.shared.addressing import Chunk
 from kvstore.tiers.exec_buffers import HbmTier
-from kvstore.tiers.remote.deadline import call_deadline
-
-if TYPE_CHECKING:
-    from kvstore.pipelines.remote import _Chunk
+from kvstore.tiers.shared.deadline import call_deadline
 
 
-def check_block_starts(rest: list[_Chunk], block_tokens: int) -> None:
+def check_block_starts(rest: list[Chunk], block_tokens: int) -> None:
     """ValueError unless every remote chunk of a load into pages starts on a block boundary
     and fills whole blocks."""
     for ch in rest:
@@ -38,9 +35,9 @@ def check_block_starts(rest: list[_Chunk], block_tokens: int) -> None:
 
 
 class LayerLoads:
-    """The layer-wise loads of :class:`~kvstore.pipelines.remote.RemoteLink` (a mixin: it uses
+    """The layer-wise loads of :class:`~kvstore.pipelines.shared.link.RemoteLink` (a mixin: it uses
     the link's ``core``, ``tier``, ``found``, ``get``, ``_local``, ``_rest``, ``_items``,
-    ``_kid``, ``_get_local``, ``_count`` and ``_served_lossy``)."""
+    ``_kid``, ``local``, ``_count`` and ``_served_lossy``)."""
 
     def layer_load(self, toks: np.ndarray, namespace: str | None, *, start: int,
                    buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
@@ -154,7 +151,7 @@ class LayerLoads:
             if pages is not None:
                 if base:  # the local prefix through a buffer
                     k_loc, v_loc = chunk_extent.empty_kv(lay, base, 2)
-                    self._get_local(toks[:base], namespace, (k_loc, v_loc))
+                    self.local.read_into(toks[:base], namespace, (k_loc, v_loc))
                     kl, vl = chunk_extent.raw(k_loc), chunk_extent.raw(v_loc)
                     for layer in range(lay.num_layers):
                         pages.scatter(layer, 0, kl[layer], vl[layer])
@@ -162,7 +159,7 @@ class LayerLoads:
             else:
                 assert kv is not None
                 if base:
-                    self._get_local(toks[:base], namespace, kv)
+                    self.local.read_into(toks[:base], namespace, kv)
         except BaseException:
             if on_close is not None:
                 on_close(None)

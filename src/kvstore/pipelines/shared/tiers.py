@@ -1,5 +1,5 @@
 """The tiers below this machine's DRAM and disk that stores on other machines share (a Redis
-server or cluster: :mod:`kvstore.pipelines.remote`), as one protocol the store iterates.
+server or cluster: :mod:`kvstore.pipelines.shared.link`), as one protocol the store iterates.
 
 A store has none, or one of each kind, tried in the order they were attached. What the store
 asks of such a tier is :class:`SharedTier`: how far it extends the local prefix of a context
@@ -8,7 +8,7 @@ filled into the local tiers in the background), what a put stored (``after_put``
 through in the background), what a delete removed (``delete``), prefetching for the
 scheduler's queue, and its lifecycle; for a hybrid layout, the boundary states other machines
 stored (``find_boundary``, ``state``, ``delete_boundary``:
-:mod:`kvstore.pipelines.remote_boundaries`). A new kind of shared tier is one module
+:mod:`kvstore.pipelines.shared.boundaries`). A new kind of shared tier is one module
 implementing it.
 """
 
@@ -86,6 +86,13 @@ class SharedTier(Protocol):
 
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Until queued prefetches (and the local fills they cause) are done."""
+
+    def put_doc(self, name: str, data: bytes) -> bool:
+        """Store a small document (not KV: a conversation's state, say) under ``name``, where
+        stores on other machines find it; False if this tier keeps none or did not answer."""
+
+    def get_doc(self, name: str) -> bytes | None:
+        """The document stored under ``name`` by any store (untrusted bytes), or None."""
 
     def close(self, *, abandon: bool = False) -> None:
         """Send what is queued (unless ``abandon``), stop, close connections."""

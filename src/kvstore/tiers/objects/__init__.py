@@ -5,8 +5,8 @@
 :mod:`~kvstore.tiers.objects.names` (where objects live under the prefix),
 :mod:`~kvstore.tiers.objects.tier` (parallel ranged reads, conditional writes, verification),
 :mod:`~kvstore.tiers.objects.lifecycle` (time-to-live renewed on use, a size cap). Values are
-the Redis tier's checksummed format (:mod:`kvstore.tiers.remote.value`); the store reaches the
-tier through :mod:`kvstore.pipelines.remote`, as it reaches Redis.
+the Redis tier's checksummed format (:mod:`kvstore.tiers.shared.value`); the store reaches the
+tier through :mod:`kvstore.pipelines.shared.link`, as it reaches Redis.
 """
 
 from kvstore.tiers.objects.config import CredentialsMissing, ObjectsConfig

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 from kvstore.tiers.objects.s3 import Credentials, Endpoint, S3Client
-from kvstore.tiers.remote.config import check_link_options
+from kvstore.tiers.shared.options import check_link_options
 
 URL_OPTIONS = ("endpoint", "region", "profile", "ca_file")
 DAY = 86400.0

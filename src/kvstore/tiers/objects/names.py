@@ -1,6 +1,6 @@
 """Where the object tier's objects live under its prefix, and what a listing says of them.
 
-* ``v/<chain key>``: a chunk's value (:mod:`kvstore.tiers.remote.value`: header, then every
+* ``v/<chain key>``: a chunk's value (:mod:`kvstore.tiers.shared.value`: header, then every
   layer's payload, checksummed). The chain key is the chunk's chain hash, seeded by the
   layout's fingerprint and the namespace: every store of one model, anywhere, names the same
   KV the same way, and KV of another model is never under its name.
@@ -14,7 +14,7 @@
 * ``b/<parent key>/<offset>-<state tokens>-<chain key>``: an empty entry saying a hybrid
   layout's boundary state begins ``offset`` tokens into the chunk after ``parent``, carrying
   ``state tokens`` STATE positions, its context's chunk there being ``chain key``
-  (:mod:`kvstore.tiers.remote.marks`): a prompt lists its chunks' entries to find its
+  (:mod:`kvstore.tiers.shared.marks`): a prompt lists its chunks' entries to find its
   boundaries.
 
 A listing is untrusted XML: it is read with a scanner of the few elements it needs (no entity
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.tiers.remote import marks
-from kvstore.tiers.remote import value as rv
+from kvstore.tiers.shared import marks
+from kvstore.tiers.shared import value as rv
 
 KID_PREFIX = 8  # a partial chunk is found by a prompt sharing its first 8 tokens
 _HEX_KEY = 2 * rv.KEY_BYTES

@@ -5,7 +5,7 @@ MinIO, SeaweedFS): ``GET`` with a ``Range``, ``HEAD``, ``PUT``, ``DELETE``, ``Li
 and the bucket's ``HEAD``/``PUT``. Each request is signed with AWS Signature Version 4 (the
 payload's SHA-256 is signed too, so a proxy cannot swap a PUT's body).
 
-Bounds, as the Redis tier has (:mod:`kvstore.tiers.remote.deadline`): every request ends by the
+Bounds, as the Redis tier has (:mod:`kvstore.tiers.shared.deadline`): every request ends by the
 monotonic time ``expires`` its caller gives (the public call's deadline), covering connect, TLS
 handshake, send and every read, and no single socket operation waits longer than ``timeout_s``
 (a stalled server); a reply may carry at most ``max_bytes`` of body (the caller knows what it

@@ -2,7 +2,7 @@
 
 It answers what the store's shared-tier link asks of a tier of chunk values (the same calls as
 the Redis tier, :class:`kvstore.tiers.remote.tier.RemoteTier`, so reads, layer-wise loads,
-write-through and prefetch are the link's, :mod:`kvstore.pipelines.remote`), with requests
+write-through and prefetch are the link's, :mod:`kvstore.pipelines.shared.link`), with requests
 instead of pipelined commands:
 
 * headers: a ranged ``GET`` of exactly a header's bytes per chunk, all in parallel (the
@@ -12,7 +12,7 @@ instead of pipelined commands:
   chunk and layer, in parallel (``ObjectsConfig.parallel`` requests in flight);
 * chunks a prompt's chunk is a prefix of: listed under their parent
   (:mod:`kvstore.tiers.objects.names`), then their headers read; a hybrid layout's boundary
-  marks (:mod:`kvstore.tiers.remote.marks`): listed under their parent, one listing per
+  marks (:mod:`kvstore.tiers.shared.marks`): listed under their parent, one listing per
   parent, in the round of the headers;
 * writes: ``PUT`` with ``If-None-Match: *`` (an object is written whole or not at all, and one
   that is there is not written again; every store writes the same bytes under a name anyway).
@@ -47,11 +47,11 @@ from kvstore.tiers.objects import lifecycle
 from kvstore.tiers.objects import names as on
 from kvstore.tiers.objects.config import ObjectsConfig
 from kvstore.tiers.objects.s3 import Reply, ReplyTooLarge, S3Client, S3Error, S3Timeout
-from kvstore.tiers.remote import marks
-from kvstore.tiers.remote import value as rv
-from kvstore.tiers.remote.breaker import Breaker
-from kvstore.tiers.remote.deadline import call_deadline, call_expires
-from kvstore.tiers.remote.estimate import LinkEstimate
+from kvstore.tiers.shared import marks
+from kvstore.tiers.shared import value as rv
+from kvstore.tiers.shared.breaker import Breaker
+from kvstore.tiers.shared.deadline import call_deadline, call_expires
+from kvstore.tiers.shared.estimate import LinkEstimate
 
 LIST_BYTES = 4 << 20  # one page of a listing (1,000 entries)
 SMALL = 0  # the body of a HEAD, or of a PUT's or DELETE's success
@@ -97,6 +97,14 @@ class ObjectCounters:
 
 
 class ObjectTier:
+    """An S3-compatible bucket as a tier of chunk values by chain key: it answers
+    :class:`~kvstore.tiers.shared.chunk_server.ChunkServer`'s calls (a
+    :class:`~kvstore.tiers.interface.ChunkTier`) with parallel ranged GETs and conditional PUTs,
+    every value verified, a failure a miss. Thread-safety: every method from any thread."""
+
+    tier_name = "objects"
+    thread_safe = True
+
     def __init__(self, cfg: ObjectsConfig, layout: KVLayout) -> None:
         self.cfg = cfg
         self.layout = layout

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvstore.tiers.remote.value import CODEC_IDS
-
-FILL_MODES = ("disk", "none")
+from kvstore.tiers.shared.options import FILL_MODES, check_link_options  # noqa: F401
+from kvstore.tiers.shared.value import CODEC_IDS  # noqa: F401
 
 
 def _check_url(name: str, url: object) -> str:
@@ -35,28 +33,6 @@ def _check_url(name: str, url: object) -> str:
     return url
 
 
-def check_link_options(cfg: object, *, seconds: tuple[str, ...], counts: tuple[str, ...]
-                       ) -> None:
-    """The checks a shared tier's config shares (Redis's, the object store's): ``seconds``
-    positive and finite, ``counts`` ints >= 1, ``fill``, ``write_through`` and ``codec``."""
-    for name in seconds:
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
-                or v <= 0:
-            raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-    for name in counts:
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    fill, write_through, codec = (getattr(cfg, n) for n in ("fill", "write_through", "codec"))
-    if fill not in FILL_MODES:
-        raise ValueError(f"fill must be one of {FILL_MODES}, got {fill!r}")
-    if not isinstance(write_through, bool):
-        raise TypeError(f"write_through must be a bool, got {type(write_through)}")
-    if codec not in CODEC_IDS:
-        raise ValueError(f"codec must be one of {sorted(CODEC_IDS)}, got {codec!r}")
-
-
 def _shown(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
@@ -75,7 +51,7 @@ class RemoteConfig:
     write-through batch): every round trip made for it, connect, send and every read
     included, ends by then, so a server that trickles its replies costs a call at most
     ``deadline_s`` (what has not arrived is a miss: the caller recomputes). A round trip also
-    receives only the bytes its commands can answer (see :mod:`kvstore.tiers.remote.deadline`).
+    receives only the bytes its commands can answer (see :mod:`kvstore.tiers.shared.deadline`).
     ``breaker_failures`` consecutive failed round trips to a node (cut by a deadline or
     timeout included: slow calls count) open its circuit breaker, and a background probe
     retries it every ``breaker_retry_s``.

@@ -1,5 +1,5 @@
 """One Redis node of the remote tier: its client (no retries, sockets bounded by
-:mod:`kvstore.tiers.remote.deadline`), its circuit breaker, and its URL as shown (without the
+:mod:`kvstore.tiers.shared.deadline`), its circuit breaker, and its URL as shown (without the
 password) or as derived for another node of a cluster.
 
 Thread-safety: a node's client keeps a pool of connections; every method from any thread.
@@ -13,9 +13,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.tiers.remote.breaker import Breaker
 from kvstore.tiers.remote.config import RemoteConfig
-from kvstore.tiers.remote.deadline import bounded_connection, call_deadline, round_trip
+from kvstore.tiers.shared.breaker import Breaker
+from kvstore.tiers.shared.deadline import bounded_connection, call_deadline, round_trip
 
 # bytes per recv into hiredis: chunk values are megabytes, and redis-py's 64 KiB default makes
 # a large GET several times slower (measured: bench/remote.py get, docs/benchmarks.md)

@@ -2,17 +2,17 @@
 
 Every call is one pipelined round trip per node (a cluster's keys are grouped by the master
 that owns their slot, from the slot map read at open and again after a ``MOVED``). Each node
-has a client with no retries whose sockets are bounded (:mod:`kvstore.tiers.remote.deadline`):
+has a client with no retries whose sockets are bounded (:mod:`kvstore.tiers.shared.deadline`):
 connect and every read or send end within ``timeout_s`` (a stalled server), every round trip
 of a public call by the call's deadline (``deadline_s``: a server that trickles), and a round
 trip may receive only the bytes its commands can answer (a value
 is never read beyond the size its header allows: ``STRLEN`` and ``GETRANGE`` of that size,
-never a bare ``GET``). Each node has a circuit breaker (:mod:`kvstore.tiers.remote.breaker`): a
+never a bare ``GET``). Each node has a circuit breaker (:mod:`kvstore.tiers.shared.breaker`): a
 round trip that fails (cut by its deadline, refused connection, a reply that is not the
 protocol or longer than asked) counts against it, and while it is open the node's keys are
 misses at once. A reply that is the protocol but not a usable value (absent, evicted, another type,
 truncated, corrupt, another chunk's) is a miss too, counted by kind; nothing unverified is
-returned (:mod:`kvstore.tiers.remote.value`).
+returned (:mod:`kvstore.tiers.shared.value`).
 
 Thread-safety: every method may be called from any number of threads at once (redis-py clients
 keep a pool of connections; counters are updated under a lock).
@@ -34,17 +34,17 @@ from redis.exceptions import AuthenticationError, MovedError, RedisError, Respon
 
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
-from kvstore.tiers.remote import marks
-from kvstore.tiers.remote import value as rv
 from kvstore.tiers.remote.config import RemoteConfig
-from kvstore.tiers.remote.deadline import (
+from kvstore.tiers.remote.nodes import ROUND_OVERHEAD, Node, hide_password, node_url
+from kvstore.tiers.shared import marks
+from kvstore.tiers.shared import value as rv
+from kvstore.tiers.shared.deadline import (
     ReplyTooLarge,
     call_deadline,
     call_expires,
     round_trip,
 )
-from kvstore.tiers.remote.estimate import LinkEstimate
-from kvstore.tiers.remote.nodes import ROUND_OVERHEAD, Node, hide_password, node_url
+from kvstore.tiers.shared.estimate import LinkEstimate
 
 KID_PREFIX = 8  # a stored partial chunk is found by a prompt sharing its first 8 tokens
 
@@ -104,6 +104,14 @@ class RemoteCounters:
 
 
 class RemoteTier:
+    """Redis (a server or a cluster) as a tier of chunk values by chain key: it answers
+    :class:`~kvstore.tiers.shared.chunk_server.ChunkServer`'s calls (a
+    :class:`~kvstore.tiers.interface.ChunkTier`), each in one pipelined round trip per node,
+    every value verified, a failure a miss. Thread-safety: every method from any thread."""
+
+    tier_name = "remote"
+    thread_safe = True
+
     def __init__(self, cfg: RemoteConfig, layout: KVLayout) -> None:
         self.cfg = cfg
         self.layout = layout
@@ -241,7 +249,7 @@ class RemoteTier:
 
     def deadline(self) -> object:
         """A context manager bounding the remote round trips of one public call by the
-        config's ``deadline_s`` (:func:`kvstore.tiers.remote.deadline.call_deadline`)."""
+        config's ``deadline_s`` (:func:`kvstore.tiers.shared.deadline.call_deadline`)."""
         return call_deadline(self.cfg.deadline_s)
 
     def _call(self, keys: Sequence[bytes], build: Callable[[object, int], None],

@@ -1,4 +1,4 @@
-"""What a store's shared-tier link (:mod:`kvstore.pipelines.remote`) asks of a tier of chunk
+"""What a store's shared-tier link (:mod:`kvstore.pipelines.shared.link`) asks of a tier of chunk
 values by chain key: Redis (:class:`kvstore.tiers.remote.tier.RemoteTier`) and an object store
 (:class:`kvstore.tiers.objects.tier.ObjectTier`) answer the same calls.
 """
@@ -10,13 +10,17 @@ from typing import Protocol
 
 import numpy as np
 
-from kvstore.tiers.remote import marks
-from kvstore.tiers.remote import value as rv
-from kvstore.tiers.remote.estimate import LinkEstimate
+from kvstore.tiers.interface import ChunkTier
+from kvstore.tiers.shared import marks
+from kvstore.tiers.shared import value as rv
+from kvstore.tiers.shared.estimate import LinkEstimate
 
 
-class ChunkServer(Protocol):
-    """A tier of verified chunk values by chain key, as the link uses it. Every call ends by
+class ChunkServer(ChunkTier, Protocol):
+    """A tier of verified chunk values by chain key, as the link uses it: a
+    :class:`~kvstore.tiers.interface.ChunkTier` (what a chunk and a miss are) with the calls
+    below; implemented by :class:`~kvstore.tiers.remote.tier.RemoteTier` and
+    :class:`~kvstore.tiers.objects.tier.ObjectTier`. Every call ends by
     the deadline of the public call it serves (``deadline()``); a failure is a miss (None),
     never an error. Thread-safety: every method from any thread."""
 
@@ -55,7 +59,7 @@ class ChunkServer(Protocol):
                           parents: Sequence[bytes]
                           ) -> tuple[list[rv.Header | None], list[list[marks.Mark]]]:
         """The headers of ``items`` and the boundary marks filed under each of ``parents``
-        (:mod:`kvstore.tiers.remote.marks`; untrusted: the caller checks them), in one
+        (:mod:`kvstore.tiers.shared.marks`; untrusted: the caller checks them), in one
         round."""
 
     def put_marks(self, items: Sequence[tuple[bytes, marks.Mark]]) -> int:

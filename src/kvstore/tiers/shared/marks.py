@@ -15,7 +15,7 @@ boundary context's chunk ``k``. Redis keeps a set of marks per parent (members o
 A mark is untrusted: an index entry, never data. A reader keeps only marks whose ``key`` is the
 one its own tokens give at that offset (another prompt's mark under a shared parent names
 another key), at offsets and lengths a boundary of its layout can have, then verifies every
-chunk the mark leads to as it verifies any value (:mod:`kvstore.pipelines.remote_boundaries`).
+chunk the mark leads to as it verifies any value (:mod:`kvstore.pipelines.shared.boundaries`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvstore.tiers.remote.value import KEY_BYTES, MAX_TOKENS
+from kvstore.tiers.shared.value import KEY_BYTES, MAX_TOKENS
 
 _MEMBER = struct.Struct(f"<II{KEY_BYTES}s")  # offset, state tokens, key
 MEMBER_BYTES = _MEMBER.size

@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from kvstore.codecs import layer_codec
-from kvstore.tiers.remote import value as rv
+from kvstore.tiers.shared import value as rv
 from tests.support.kvgen import SMALL, causal_kv, put_causal
 
 C = 4  # chunk tokens of the test stores

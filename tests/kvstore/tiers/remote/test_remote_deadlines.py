@@ -27,7 +27,7 @@ import xxhash
 import zstandard
 
 import kvstore
-from kvstore.tiers.remote import value as rv
+from kvstore.tiers.shared import value as rv
 from tests.support.kvgen import SMALL, assert_get_exact, put_causal
 from tests.support.redis_servers import Proxy, wait_for
 from tests.support.shared_tier_calls import assert_calls_bounded, chain_keys, toks

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.tiers.remote import RemoteConfig, RemoteTier
-from kvstore.tiers.remote import value as rv
+from kvstore.tiers.shared import value as rv
 from tests.support.kvgen import SMALL
 
 L = SMALL.num_layers
