@@ -1,8 +1,9 @@
 """What a store does with a shared tier of chunk values (Redis, an object store): read-through,
 write-through, prefetch, stats. The tier itself answers :class:`ChunkServer`'s calls
 (:class:`kvstore.tiers.remote.tier.RemoteTier` with pipelined commands,
-:class:`kvstore.tiers.objects.tier.ObjectTier` with parallel ranged requests); what follows
-says it of Redis, and holds for both.
+:class:`kvstore.tiers.objects.tier.ObjectTier` with parallel ranged requests); the link is the
+same for both. Below, a round trip is one call of the tier (Redis names the commands it
+sends; the object tier sends requests in parallel, bounded by the same deadline).
 
 * ``match``: after the local prefix (its full chunks), the chain addresses of the rest of the
   tokens are looked up in one pipelined round trip (headers only, verified); the remote

@@ -1,5 +1,6 @@
 """The tiers below this machine's DRAM and disk that stores on other machines share (a Redis
-server or cluster: :mod:`kvstore.pipelines.shared.link`), as one protocol the store iterates.
+server or cluster, an S3-compatible object store: both through
+:mod:`kvstore.pipelines.shared.link`), as one protocol the store iterates.
 
 A store has none, or one of each kind, tried in the order they were attached. What the store
 asks of such a tier is :class:`SharedTier`: how far it extends the local prefix of a context
