@@ -1,5 +1,35 @@
-"""Filesystem helpers shared by the modules that write files durably: ``fsync_dir`` and
-``atomic_write``, the one way the project replaces a whole file."""
+"""Durability: the filesystem helpers that write files durably (``fsync_dir``, ``create_new``
+and ``atomic_write``, the one way the project replaces a whole file), and where the store's
+crash-safety story lives, in the order a put runs it (docs/store.md, "Crash safety: the write
+order"; the code stays where what it works on lives):
+
+1. **The order** is :meth:`kvstore.pipelines.put.Writer.put`'s (the module docstring of
+   :mod:`kvstore.pipelines.put` says why it is safe): plan, write, commit, never another.
+2. **Plan**, one catalog write transaction: :meth:`kvstore.residency.plans.Plans.plan`
+   (``_plan_locked``: the dead's reservations reclaimed, ``_make_room``'s evictions, the
+   reservation recorded). Freed slots are taken only in a later transaction.
+3. **Write and sync**, no lock held: ``Writer._write_extents`` writes the extents into the
+   reserved slots through :meth:`kvstore.tiers.disk.SegmentFiles.write` (``pwritev``), then
+   :meth:`~kvstore.tiers.disk.SegmentFiles.sync` calls ``fdatasync`` on each file written;
+   a new segment file is created and its directory entry fsynced by
+   :meth:`~kvstore.tiers.disk.SegmentFiles.prepare` before the first write into it
+   (:meth:`~kvstore.tiers.disk.SegmentFiles.ensure_ready`, between the plan and the write).
+4. **Commit**, one catalog write transaction: :meth:`kvstore.residency.plans.Plans.commit`
+   (``_commit``, ``_checked``, ``_publish``): the chunk records and the context become visible
+   together and the reservation goes. The transactions are
+   :meth:`kvstore.format.catalog.Catalog.write` (LMDB opened with ``sync=True,
+   metasync=True``: a commit is durable when it returns, so a returned put is).
+5. **Files beside the catalog** (index manifests and files, a conversation's
+   state): replaced whole through :func:`atomic_write` here or
+   :meth:`kvstore.format.directory.Dir.atomic_write` (temporary file, fsync, rename, directory
+   fsync); new directory entries made durable with :func:`fsync_dir` /
+   :meth:`kvstore.format.directory.Dir.fsync`.
+
+After a crash: bytes in slots no record points to, and a reservation whose owner is dead, which
+the next plan reclaims (``Core.reclaim_dead_locked``; who is dead:
+:mod:`kvstore.format.writer_registry`) and an opener repairs (:mod:`kvstore.view.recovery`).
+``tests/kvstore/faults/test_crash.py`` kills writers at random instants to show it.
+"""
 
 from __future__ import annotations
 

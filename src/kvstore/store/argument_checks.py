@@ -7,6 +7,7 @@ import torch
 
 from kvstore.format import chunk_extent
 from kvstore.layout import KVLayout
+from kvstore.pipelines.pages import Pages
 
 
 def check_kv(layout: KVLayout, name: str, t: object, n_tokens: int) -> torch.Tensor:
@@ -47,3 +48,35 @@ def check_out(layout: KVLayout, out: object, n_tokens: int) -> tuple[torch.Tenso
             and np.shares_memory(chunk_extent.raw(k_out), chunk_extent.raw(v_out))):
         raise ValueError("out[0] and out[1] must not share memory")
     return k_out, v_out
+
+
+def check_start(start: object, n_tokens: int) -> int:
+    """A load's ``start``: an int in [0, n_tokens)."""
+    if isinstance(start, bool) or not isinstance(start, int | np.integer):
+        raise TypeError(f"start must be an int, got {type(start).__name__}")
+    if not 0 <= start < n_tokens:
+        raise ValueError(f"start must be in [0, {n_tokens}) for {n_tokens} tokens, got {start}")
+    return int(start)
+
+
+def check_load_out(layout: KVLayout, out: object, n_tokens: int, device: object,
+                   dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer-wise load's ``out=(keys, values)`` for ``n_tokens`` tokens: contiguous CPU
+    tensors, on ``dev`` when a ``device`` was named."""
+    k_out, v_out = check_out(layout, out, n_tokens)
+    if k_out.device.type != "cpu" or not (k_out.is_contiguous() and v_out.is_contiguous()):
+        raise ValueError("out tensors of load_layers must be contiguous CPU tensors")
+    if device is not None and dev != k_out.device:
+        raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
+    return k_out, v_out
+
+
+def check_pages(layout: KVLayout, pages: object, n_tokens: int) -> Pages:
+    """A load's ``pages`` for ``n_tokens`` tokens: a :class:`Pages` that fits ``layout``
+    and whose blocks end in the block holding the last token."""
+    if not isinstance(pages, Pages):
+        raise TypeError(f"pages must be a kvstore Pages, got {type(pages).__name__}")
+    pages.check(layout)
+    if not 0 <= pages.num_tokens - n_tokens < pages.block_tokens:
+        raise ValueError(f"pages hold {pages.num_tokens} tokens; the load has {n_tokens}")
+    return pages

@@ -27,11 +27,10 @@ from kvstore.errors import FormatError
 from kvstore.eviction.jobs import as_jobs
 from kvstore.eviction.policies import EvictionPolicy
 from kvstore.format import boundary_state, chunk_extent
-from kvstore.format.disk_throttle import ReadThrottle, TokenBucket
+from kvstore.format.disk_throttle import ReadThrottle
 from kvstore.format.hashing import as_tokens
 from kvstore.format.open_lock import DirLock
 from kvstore.format.records import ChunkRecord, ContextRecord, PinRecord
-from kvstore.index.context_dir import ContextIndexes
 from kvstore.index.lifecycle import ContextIndexStore, IndexFiles, check_keys, check_spec
 from kvstore.index.spec import IndexSpec
 from kvstore.pipelines.get import Reader
@@ -45,12 +44,22 @@ from kvstore.pipelines.saving import SaveHandle, Saver
 from kvstore.pipelines.shared.link import RemoteLink
 from kvstore.pipelines.shared.local import LocalTiers
 from kvstore.pipelines.shared.tiers import SharedTiers
-from kvstore.residency import retention
 from kvstore.residency.core import Core
 from kvstore.residency.lookahead import PREDICTOR_META, Hints
 from kvstore.residency.plans import Plans
 from kvstore.residency.retention import ContextInfo
-from kvstore.store.argument_checks import check_device, check_kv, check_out
+from kvstore.store.argument_checks import (
+    check_device,
+    check_kv,
+    check_load_out,
+    check_out,
+    check_pages,
+    check_start,
+)
+from kvstore.store.debug_hooks import DebugHooks
+from kvstore.store.index_api import Indexes
+from kvstore.store.retention_api import Retention
+from kvstore.store.shared_docs import SharedDocs
 from kvstore.tiers.shared.chunk_server import ChunkServer
 from kvstore.view import boundaries
 from kvstore.view.prefix_tree import Piece, served
@@ -103,6 +112,11 @@ class Store:
             write=self._write_saved, release=self._release_held, helpers=core.helpers)
         self._shared = SharedTiers()  # below DRAM and disk: Redis, an object store
         self._events = None  # its own publisher of KV events (kvstore.open(events=...))
+        # the calls beside the data path, each a handle of its own module
+        self.retention = Retention(core, files=files, shared=self._shared)
+        self.indexes = Indexes(core.layout, self._indexes)
+        self.shared_docs = SharedDocs(core, self._shared)
+        self.debug = DebugHooks(core, self._hints)
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -122,8 +136,8 @@ class Store:
 
     @property
     def policy(self) -> EvictionPolicy:
-        """This process's eviction policy object (e.g. to give ``reuse`` a test clock)."""
-        return self._hints.policy
+        """Deprecated: use ``store.debug.policy``. Thread-safe to read."""
+        return self.debug.policy
 
     def restore_policy_state(self) -> None:
         """At open: what the policy learned in processes that closed (the ``learned``
@@ -157,7 +171,7 @@ class Store:
         not written again. A stored context that is a strict prefix of ``tokens`` is
         superseded (its KV stays servable through this one, but its indexes go with it). With
         ``index``, per-head indexes of that spec are built over the context's keys (RoPE at
-        0..T-1) and stored with it (see :meth:`build_indexes`); keys that cannot be indexed
+        0..T-1) and stored with it (see ``store.indexes.build``); keys that cannot be indexed
         are refused before anything is stored.
 
         ``state`` (layouts with sliding-window or recurrent layers, ``KVLayout.layers``): the
@@ -191,107 +205,40 @@ class Store:
         return True
 
     def delete(self, tokens: object = None, namespace: str | None = None) -> bool | int:
-        """Remove the context stored for exactly ``tokens`` (returns whether there was one),
-        or, with ``tokens=None``, every context of ``namespace`` (returns how many; the
-        default namespace is never deleted whole: ``delete()`` with neither argument is a
-        ValueError). Chunks other contexts share stay; the contexts' pins and indexes go with
-        them. With a layout of sliding-window or recurrent layers, ``tokens`` names the
-        boundary state stored after exactly them (with what only it holds).
-
-        Every tier this store reaches: this process's DRAM and the disk (for every process,
-        at its next call), then the shared tiers (Redis, an object store), once the
-        write-through queued before the call has been sent: the values of the deleted
-        contexts' chunks that no remaining context of this store holds (for ``tokens`` not
-        stored here, the values its tokens address). Namespaces seed every chunk's chain
-        address, so no value of another namespace is touched, whatever tokens it shares.
-        Values of the namespace that only other machines hold, or that this store evicted
-        before, stay in the shared tiers until their own eviction (Redis) or sweep (objects):
-        their keys cannot be enumerated by namespace. A delete that a shared tier fails to
-        answer is counted in ``stats()["remote"|"objects"]["delete_failed"]``, never raised.
-        With boundary states (a hybrid layout), ``tokens`` name a state: the shared tiers lose
-        that state's own chunks and its mark (the one another machine stored, when this store
-        holds none), never the KV of the prompt before it, which other machines' boundaries
-        may share.
-
-        Thread-safe (one catalog transaction; a put of the same tokens racing with it may
-        leave them stored)."""
-        if tokens is None and namespace is None:
-            raise ValueError("delete() needs tokens (one context) or a namespace (all of its "
-                             "contexts); the default namespace is not deleted whole")
-        toks = None if tokens is None else as_tokens(tokens)
-        self._core.check_writable()
-        if self._shared:
-            self._shared.flush()  # nothing queued before the delete is written after it
-        n, dirs, shared = retention.delete(self._core, toks, namespace)
-        self._files.remove(dirs)
-        if self._shared and toks is not None and self.layout.boundary_state:
-            # tokens name a boundary's state: the shared tiers lose the state's own chunks,
-            # never the prompt's KV before it, which other machines' boundaries may share
-            shared = [ch for ch in shared if (ch[2] == boundary_state.STATE).any()]
-            if not shared:  # not stored here: the one another machine stored, if any
-                self._shared.delete_boundary(toks, namespace)
-        if self._shared and shared:
-            self._shared.delete(shared)
-        return n > 0 if toks is not None else n
+        """Deprecated: use ``store.retention.delete`` (same arguments and answer). Thread-safe."""
+        return self.retention.delete(tokens, namespace)
 
     # ------------------------------------------------------------------ retention hints
     def pin(self, tokens: object, namespace: str | None = None,
             ttl_s: float | None = None) -> PinRecord:
-        """Keep the stored context of exactly ``tokens`` on this store's disk tier until
-        :meth:`unpin` (``ttl_s=None``), or for at least ``ttl_s`` seconds of wall-clock time
-        (then it is evictable as any context is). Pinning a pinned context keeps the longer
-        of the two. Returns the pin (:class:`kvstore.PinRecord`).
-
-        A pinned context is never evicted, nor superseded by a put that extends it; puts that
-        could only fit by evicting pinned contexts raise :class:`CapacityError`. Its DRAM
-        copies come and go as any (the disk holds it); shared tiers keep their own eviction.
-        Pins live in the catalog: every process of the store honours them, and they survive
-        reopen. The pins of one namespace may take at most ``pin_namespace_fraction`` of the
-        disk tier, every namespace's together ``pin_total_fraction`` (:func:`kvstore.open`):
-        a pin beyond a cap, or of a context larger than one, raises :class:`PinRefused`
-        (nothing changes). KeyError if no context of exactly these tokens is stored in
-        ``namespace``; ValueError/TypeError for a bad ``ttl_s``.
-
-        Thread-safe; one catalog transaction (checked against every process's pins)."""
-        toks = as_tokens(tokens)
-        return retention.pin(self._core, toks, namespace, retention.check_ttl(ttl_s))
+        """Deprecated: use ``store.retention.pin`` (same arguments and answer). Thread-safe."""
+        return self.retention.pin(tokens, namespace, ttl_s)
 
     def unpin(self, tokens: object, namespace: str | None = None) -> bool:
-        """Remove the pin of the context of exactly ``tokens``: it is evictable again (it
-        stays stored until it is evicted). Returns whether a live pin was removed.
-        Thread-safe; one catalog transaction."""
-        return retention.unpin(self._core, as_tokens(tokens), namespace)
+        """Deprecated: use ``store.retention.unpin``. Thread-safe."""
+        return self.retention.unpin(tokens, namespace)
 
     def pins(self) -> list[PinRecord]:
-        """The live pins on stored contexts, oldest first (every process's). Thread-safe."""
-        return retention.live_pins(self._core)
+        """Deprecated: use ``store.retention.pins``. Thread-safe."""
+        return self.retention.pins()
 
     def list_contexts(self, *namespaces: str | None) -> list[ContextInfo]:
-        """Every stored context (with ``namespaces``: those of these namespaces only; None
-        is the default namespace) as :class:`kvstore.ContextInfo`: key, tokens, disk bytes,
-        namespace where its name is known, pin. Thread-safe."""
-        for ns in namespaces:
-            if ns is not None and not isinstance(ns, str):
-                raise TypeError(f"namespaces must be str or None, got {type(ns).__name__}")
-        return retention.list_contexts(self._core, namespaces or None)
+        """Deprecated: use ``store.retention.list_contexts``. Thread-safe."""
+        return self.retention.list_contexts(*namespaces)
 
     def context_tokens(self, key: bytes) -> np.ndarray:
-        """The token ids (uint32) of the stored context ``key`` (a :class:`ContextInfo`'s
-        ``key``, or ``bytes.fromhex`` of what ``kvstore ls`` prints); KeyError if it is not
-        stored. Thread-safe."""
-        return retention.context_tokens(self._core, key)
+        """Deprecated: use ``store.retention.context_tokens``. Thread-safe."""
+        return self.retention.context_tokens(key)
 
     @property
     def wall_clock(self) -> Callable[[], float]:
-        """The clock pins expire by (``time.time``); tests may set another. Set it before
-        using the store from other threads."""
-        return self._core.wall_clock
+        """Deprecated: use ``store.debug.wall_clock`` (set it before other threads use the
+        store)."""
+        return self.debug.wall_clock
 
     @wall_clock.setter
     def wall_clock(self, clock: Callable[[], float]) -> None:
-        if not callable(clock):
-            raise TypeError(f"wall_clock must be callable, got {type(clock).__name__}")
-        self._core.wall_clock = clock
+        self.debug.wall_clock = clock
 
     def begin_save(self, tokens: object, *, namespace: str | None = None,
                    max_new_tokens: int = 0, wait: bool = True,
@@ -380,25 +327,12 @@ class Store:
             self._shared.flush()
 
     def put_shared_doc(self, name: str, data: bytes) -> bool:
-        """Store a small document (e.g. a conversation's state) in the remote tier, where
-        stores on other machines find it by ``name``. False if there is no remote tier or it
-        did not answer (counted in stats). Thread-safe."""
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"name must be a non-empty str, got {name!r}")
-        if not isinstance(data, bytes):
-            raise TypeError(f"data must be bytes, got {type(data).__name__}")
-        self._core.check_open()
-        redis = self._shared.of_kind("remote")
-        return redis is not None and redis.put_doc(name, data)
+        """Deprecated: use ``store.shared_docs.put``. Thread-safe."""
+        return self.shared_docs.put(name, data)
 
     def shared_doc(self, name: str) -> bytes | None:
-        """A document stored by :meth:`put_shared_doc` (by any store on this Redis), or None.
-        Untrusted bytes: validate before use. Thread-safe."""
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"name must be a non-empty str, got {name!r}")
-        self._core.check_open()
-        redis = self._shared.of_kind("remote")
-        return None if redis is None else redis.get_doc(name)
+        """Deprecated: use ``store.shared_docs.get``. Thread-safe."""
+        return self.shared_docs.get(name)
 
     def set_prefill_rate(self, tokens_per_s: float | None) -> None:
         """How fast the caller recomputes (prefills) KV, in tokens per second, or None
@@ -556,51 +490,58 @@ class Store:
         checksum as always; the keys stay pre-RoPE (their true positions are start.. on use).
         Tokens served by the remote tier are fetched whole first, then sliced.
 
-        ``pages``: fill an engine's paged KV cache instead
-        (:class:`~kvstore.pipelines.pages.Pages`, holding the loaded tokens; ``start`` and the
-        store's chunks on its block boundaries): each layer goes straight into the blocks,
-        with no execution buffer (a raw chunk on disk is read into them in place and verified
-        there: a load that fails leaves its blocks holding unverified bytes, which the caller
-        must not use), and ``wait(l)`` returns None once layer l is in them. Blocks are filled
-        whole: where ``tokens`` end inside the pages' last block, the rest of that block comes
-        from the stored chunk holding the last token (the KV of whatever that chunk continues
-        with: positions the engine computes itself, after the load has filled that block: a
-        block the engine writes while it is loaded fails its check); KeyError if this store
-        does not hold that block whole.
+        ``pages``: deprecated, use :meth:`load_into_pages` (which this forwards to; a load
+        into pages takes neither ``out`` nor ``device``).
         """
         toks = as_tokens(tokens)
-        if isinstance(start, bool) or not isinstance(start, int | np.integer):
-            raise TypeError(f"start must be an int, got {type(start).__name__}")
-        if not 0 <= start < len(toks):
-            raise ValueError(f"start must be in [0, {len(toks)}) for {len(toks)} tokens, "
-                             f"got {start}")
-        start = int(start)
+        start = check_start(start, len(toks))
         if pages is not None:
-            if not isinstance(pages, Pages):
-                raise TypeError(f"pages must be a kvstore Pages, got {type(pages).__name__}")
             if out is not None or device is not None:
                 raise ValueError("a load into pages takes neither out nor device")
-            pages.check(self.layout)
-            if not 0 <= pages.num_tokens - (len(toks) - start) < pages.block_tokens:
-                raise ValueError(f"pages hold {pages.num_tokens} tokens; the load has "
-                                 f"{len(toks) - start}")
-            if pages.num_tokens != len(toks) - start:
-                toks = self._to_block_end(toks, namespace, start + pages.num_tokens)
+            return self.load_into_pages(toks, pages, namespace=namespace, start=start,
+                                        buffer_layers=buffer_layers)
         dev = check_device(device) if device is not None else torch.device("cpu")
         if out is not None:
-            out = check_out(self.layout, out, len(toks) - start)
-            k_out, v_out = out
-            if k_out.device.type != "cpu" or not (k_out.is_contiguous()
-                                                  and v_out.is_contiguous()):
-                raise ValueError("out tensors of load_layers must be contiguous CPU tensors")
-            if device is not None and dev != k_out.device:
-                raise ValueError(f"device={device!r} disagrees with out tensors on {k_out.device}")
+            out = check_load_out(self.layout, out, len(toks) - start, device, dev)
+        return self._start_load(toks, namespace, start=start, buffer_layers=buffer_layers,
+                                out=out, device=dev, pages=None)
+
+    def load_into_pages(self, tokens: object, pages: Pages, *, namespace: str | None = None,
+                        start: int = 0, buffer_layers: int | None = None) -> LayerLoad:
+        """Start loading the KV of ``tokens`` layer by layer straight into an engine's paged KV
+        cache (:class:`~kvstore.pipelines.pages.Pages`, holding the loaded tokens; ``start``
+        and the store's chunks on its block boundaries); returns a :class:`LayerLoad` whose
+        ``wait(l)`` returns None once layer l is in the blocks. ``start`` and
+        ``buffer_layers`` as in :meth:`load_layers`.
+
+        No execution buffer: a raw chunk on disk is read into the blocks in place and verified
+        there, so a load that fails leaves its blocks holding unverified bytes, which the
+        caller must not use. Blocks are filled whole: where ``tokens`` end inside the pages'
+        last block, the rest of that block comes from the stored chunk holding the last token
+        (the KV of whatever that chunk continues with: positions the engine computes itself,
+        after the load has filled that block: a block the engine writes while it is loaded
+        fails its check); KeyError if this store does not hold that block whole, or not every
+        token. Thread-safe.
+        """
+        toks = as_tokens(tokens)
+        start = check_start(start, len(toks))
+        pages = check_pages(self.layout, pages, len(toks) - start)
+        if pages.num_tokens != len(toks) - start:
+            toks = self._to_block_end(toks, namespace, start + pages.num_tokens)
+        return self._start_load(toks, namespace, start=start, buffer_layers=buffer_layers,
+                                out=None, device=torch.device("cpu"), pages=pages)
+
+    def _start_load(self, toks: np.ndarray, namespace: str | None, *, start: int,
+                    buffer_layers: int | None, out: tuple[torch.Tensor, torch.Tensor] | None,
+                    device: torch.device, pages: Pages | None) -> LayerLoad:
+        """A checked layer-wise load: from this machine's tiers, else through a shared tier
+        (the local prefix, then the rest)."""
         if self._shared and self._local_tokens(toks, namespace) < len(toks):
             return self._shared.layer_load(toks, namespace, start=start,
-                                           buffer_layers=buffer_layers, out=out, device=dev,
+                                           buffer_layers=buffer_layers, out=out, device=device,
                                            hbm=self._loads.hbm, pages=pages)
         return self._loads.start(toks, namespace, buffer_layers=buffer_layers, out=out,
-                                 device=dev, start=start, pages=pages)
+                                 device=device, start=start, pages=pages)
 
     def _to_block_end(self, toks: np.ndarray, namespace: str | None, end: int) -> np.ndarray:
         """``toks`` continued to ``end`` as the stored chunk holding the last of them
@@ -631,46 +572,16 @@ class Store:
     # ------------------------------------------------------------------ per-head indexes
     def build_indexes(self, tokens: object, spec: IndexSpec, *,
                       namespace: str | None = None) -> bool:
-        """Build and store per-(layer, kv-head) indexes for the stored context of exactly
-        ``tokens`` (late materialization, AlayaDB §7.2: a context is indexed once it is
-        stored). Keys are indexed with RoPE at positions 0..T-1. The files live in the store
-        directory under the context, checksummed, and are removed when the context is (delete,
-        eviction, a longer put that supersedes it). Existing indexes are replaced. Returns
-        False if no context of exactly these tokens is stored (or it left meanwhile).
-        Thread-safe; the build runs without the metadata lock."""
-        self.layout.require_plain("per-head indexes (build_indexes)")
-        check_spec(spec, "spec", self.layout.head_dim)
-        return self._indexes.build(as_tokens(tokens), namespace, spec)
-
-    def indexes(self, tokens: object, *, namespace: str | None = None
-                ) -> ContextIndexes | None:
-        """The stored indexes covering ``tokens``: those of the stored context of exactly these
-        tokens, or of a longer stored context that starts with them (query it with
-        ``limit=len(tokens)``, the prefix filter). None if no such context has indexes.
-
-        Every file is checked: a head whose file is corrupt or missing is rebuilt from the
-        stored keys (and rewritten, in a writable store; counted in ``stats()["indexes"]``);
-        if the manifest itself is bad, the context's indexes are dropped and counted as
-        corrupt, and None is returned; if the stored keys cannot be read for a rebuild (a
-        corrupt chunk), None is returned too. Thread-safe: files are read and heads rebuilt
-        without the metadata lock.
-
-        The index files hold no keys: the returned indexes read the context's keys through
-        this store's get path on their first query that needs them (re-ranking, the graph
-        walk). If the context was evicted or a chunk failed its checksum since this call, that
-        query raises ``KeyError`` or :class:`CorruptData` (a miss: recompute).
-        """
-        self.layout.require_plain("per-head indexes (indexes)")
-        return self._indexes.read(as_tokens(tokens), namespace)
+        """Deprecated: use ``store.indexes.build``. Thread-safe."""
+        return self.indexes.build(tokens, spec, namespace=namespace)
 
     def index_dirs(self) -> dict[bytes, str]:
-        """Context key -> directory of the contexts that have indexes. Thread-safe."""
-        return self._indexes.dirs()
+        """Deprecated: use ``store.indexes.dirs``. Thread-safe."""
+        return self.indexes.dirs()
 
     def check_indexes(self) -> dict[bytes, str | None]:
-        """Context key -> None if its index directory reads back whole (manifest and every
-        file's checksums), else what is wrong. Reads only; repairs nothing. Thread-safe."""
-        return self._indexes.check_all()
+        """Deprecated: use ``store.indexes.check``. Thread-safe."""
+        return self.indexes.check()
 
     # ------------------------------------------------------------------ scheduler hints
     def set_queue(self, jobs: object, *, running: object = ()) -> None:
@@ -756,22 +667,12 @@ class Store:
         return self._events
 
     def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
-        """Make this process's disk tier slow, for tests and benchmarks: every segment read
-        from now on is held to ``throttle.bytes_per_s`` (:mod:`kvstore.format.disk_throttle`; the
-        bytes
-        are still read from the file and verified). None removes the limit. Not persisted.
-        Thread-safe (reads in flight keep the bucket they started with)."""
-        if throttle is not None and not isinstance(throttle, ReadThrottle):
-            raise TypeError(f"throttle must be a kvstore.ReadThrottle or None, "
-                            f"got {type(throttle).__name__}")
-        self._core.check_open()
-        self._core.segments.throttle = None if throttle is None else TokenBucket(throttle)
+        """Deprecated: use ``store.debug.throttle_disk_reads``. Thread-safe."""
+        self.debug.throttle_disk_reads(throttle)
 
     def drop_caches(self) -> None:
-        """Empty this process's DRAM tier and the OS page cache of the segment files (for
-        benchmarks). Thread-safe."""
-        self._core.drop_dram()
-        self._core.segments.drop_cache()
+        """Deprecated: use ``store.debug.drop_caches``. Thread-safe."""
+        self.debug.drop_caches()
 
     # ------------------------------------------------------------------ closing
     def close(self, *, abandon_pending: bool = False) -> None:
