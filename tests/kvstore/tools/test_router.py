@@ -185,27 +185,31 @@ def test_local_mode_leaves_the_producer_alone(servers):
 def test_the_decision_sends_long_prompts_remote_and_short_ones_local(servers):
     """Priors: a producer ten times faster than the consumer, a fast link, 200 ms more per
     remote prefill: a prompt of a few tokens stays local (25 ms against 227 ms), one of 200
-    goes remote (1.01 s against 0.33 s)."""
+    goes remote (1.01 s against 0.33 s). Each prompt goes to a fresh router (its decision
+    from the priors alone: what the first request measured would move the second's)."""
     producer, consumer, reference = servers
-    short, long = "Say hello.", text(4, 18)
-    with router(producer, consumer, "--producer-tokens-per-s", "2000",
-                "--consumer-tokens-per-s", "200", "--producer-fixed-ms", "10",
-                "--consumer-fixed-ms", "10", "--remote-overhead-ms", "200",
-                "--link-mbps", "10000", "--explore-every", "0") as r:
-        for prompt in (short, long):
+    priors = ("--producer-tokens-per-s", "2000", "--consumer-tokens-per-s", "200",
+              "--producer-fixed-ms", "10", "--consumer-fixed-ms", "10",
+              "--remote-overhead-ms", "200", "--link-mbps", "10000", "--explore-every", "0")
+    decisions = []
+    for prompt, measured in (("Say hello.", "consumer"), (text(4, 18), "producer")):
+        with router(producer, consumer, *priors) as r:
             status, raw, _ = r.post("/v1/completions", completion(prompt))
             assert status == 200 and json.loads(raw)["choices"][0]["text"] \
                 == reference_text(reference, prompt)
-        stats = r.stats()
-    first, second = stats["recent"]
-    assert (first["went"], first["why"]) == ("local", "model")
-    assert first["t_local_s"] < first["t_remote_s"]
-    assert (second["went"], second["why"]) == ("remote", "model")
-    assert second["t_remote_s"] < second["t_local_s"]
-    assert second["n_tokens"] > 150
-    # what it measured moved its estimates off the priors
-    assert stats["estimates"]["consumer"]["tokens_per_s"] != 200.0
-    assert stats["estimates"]["producer"]["tokens_per_s"] != 2000.0
+            stats = r.stats()
+        (d,) = stats["recent"]
+        decisions.append(d)
+        # what it measured moved that server's estimate off its prior
+        est = stats["estimates"][measured]
+        prior = (0.01, 2000.0 if measured == "producer" else 200.0)
+        assert est["samples"] == 1 and (est["fixed_s"], est["tokens_per_s"]) != prior
+    short, long = decisions
+    assert (short["went"], short["why"]) == ("local", "model")
+    assert short["t_local_s"] < short["t_remote_s"]
+    assert (long["went"], long["why"]) == ("remote", "model")
+    assert long["t_remote_s"] < long["t_local_s"]
+    assert long["n_tokens"] > 150
 
 
 def test_a_producer_that_is_down_means_a_local_prefill(servers):
