@@ -1,4 +1,11 @@
-"""The store: the public methods of an open store directory, its lifecycle and its lock.
+"""The store: the data path of an open store directory (put, match, get, layer-wise loads,
+saves, flush, stats), its lifecycle and its lock. What is beside the data path is on handles
+the store hands out, each its own module: ``store.retention``
+(:mod:`kvstore.store.retention_api`), ``store.indexes`` (:mod:`kvstore.store.index_api`),
+``store.shared_docs`` (:mod:`kvstore.store.shared_docs`), ``store.debug``
+(:mod:`kvstore.store.debug_hooks`); the old names of their calls on ``Store``:
+:mod:`kvstore.store.deprecated_aliases`. Crash safety, step by step:
+:mod:`kvstore.format.durable`.
 
 The work lives in parts (see ``docs/store.md``): the catalog (:mod:`kvstore.format.catalog`)
 is the truth every process shares; :mod:`kvstore.residency.catch_up` keeps this process's view
@@ -16,7 +23,6 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -27,10 +33,9 @@ from kvstore.errors import FormatError
 from kvstore.eviction.jobs import as_jobs
 from kvstore.eviction.policies import EvictionPolicy
 from kvstore.format import boundary_state, chunk_extent
-from kvstore.format.disk_throttle import ReadThrottle
 from kvstore.format.hashing import as_tokens
 from kvstore.format.open_lock import DirLock
-from kvstore.format.records import ChunkRecord, ContextRecord, PinRecord
+from kvstore.format.records import ChunkRecord, ContextRecord
 from kvstore.index.lifecycle import ContextIndexStore, IndexFiles, check_keys, check_spec
 from kvstore.index.spec import IndexSpec
 from kvstore.pipelines.get import Reader
@@ -47,7 +52,6 @@ from kvstore.pipelines.shared.tiers import SharedTiers
 from kvstore.residency.core import Core
 from kvstore.residency.lookahead import PREDICTOR_META, Hints
 from kvstore.residency.plans import Plans
-from kvstore.residency.retention import ContextInfo
 from kvstore.store.argument_checks import (
     check_device,
     check_kv,
@@ -57,6 +61,7 @@ from kvstore.store.argument_checks import (
     check_start,
 )
 from kvstore.store.debug_hooks import DebugHooks
+from kvstore.store.deprecated_aliases import DeprecatedAliases
 from kvstore.store.index_api import Indexes
 from kvstore.store.retention_api import Retention
 from kvstore.store.shared_docs import SharedDocs
@@ -79,7 +84,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Store:
+class Store(DeprecatedAliases):
     """An open store directory. Use :func:`kvstore.open`; close with :meth:`close` or ``with``.
 
     Thread-safety: every public method may be called from any number of threads at once; each
@@ -87,6 +92,10 @@ class Store:
     disk IO, an fsync or a catalog commit: gets run in parallel with each other and with puts.
     Processes: several may have one directory open at once (see :func:`kvstore.open`); each
     sees the others' committed puts.
+
+    Handles (attributes, built at open): ``retention`` (pins, deletes, listings), ``indexes``
+    (per-head indexes), ``shared_docs`` (the remote tier's documents), ``debug`` (test and
+    benchmark hooks).
     """
 
     def __init__(self, core: Core, *, lock: DirLock, policy: EvictionPolicy,
@@ -112,7 +121,8 @@ class Store:
             write=self._write_saved, release=self._release_held, helpers=core.helpers)
         self._shared = SharedTiers()  # below DRAM and disk: Redis, an object store
         self._events = None  # its own publisher of KV events (kvstore.open(events=...))
-        # the calls beside the data path, each a handle of its own module
+        # the calls beside the data path, each a handle of its own module (their old names on
+        # Store: kvstore.store.deprecated_aliases)
         self.retention = Retention(core, files=files, shared=self._shared)
         self.indexes = Indexes(core.layout, self._indexes)
         self.shared_docs = SharedDocs(core, self._shared)
@@ -133,11 +143,6 @@ class Store:
         if stored:
             self._shared.after_put(toks, namespace)
         return stored
-
-    @property
-    def policy(self) -> EvictionPolicy:
-        """Deprecated: use ``store.debug.policy``. Thread-safe to read."""
-        return self.debug.policy
 
     def restore_policy_state(self) -> None:
         """At open: what the policy learned in processes that closed (the ``learned``
@@ -204,42 +209,7 @@ class Store:
             self._indexes.attach(toks, namespace, keys, index)
         return True
 
-    def delete(self, tokens: object = None, namespace: str | None = None) -> bool | int:
-        """Deprecated: use ``store.retention.delete`` (same arguments and answer). Thread-safe."""
-        return self.retention.delete(tokens, namespace)
-
     # ------------------------------------------------------------------ retention hints
-    def pin(self, tokens: object, namespace: str | None = None,
-            ttl_s: float | None = None) -> PinRecord:
-        """Deprecated: use ``store.retention.pin`` (same arguments and answer). Thread-safe."""
-        return self.retention.pin(tokens, namespace, ttl_s)
-
-    def unpin(self, tokens: object, namespace: str | None = None) -> bool:
-        """Deprecated: use ``store.retention.unpin``. Thread-safe."""
-        return self.retention.unpin(tokens, namespace)
-
-    def pins(self) -> list[PinRecord]:
-        """Deprecated: use ``store.retention.pins``. Thread-safe."""
-        return self.retention.pins()
-
-    def list_contexts(self, *namespaces: str | None) -> list[ContextInfo]:
-        """Deprecated: use ``store.retention.list_contexts``. Thread-safe."""
-        return self.retention.list_contexts(*namespaces)
-
-    def context_tokens(self, key: bytes) -> np.ndarray:
-        """Deprecated: use ``store.retention.context_tokens``. Thread-safe."""
-        return self.retention.context_tokens(key)
-
-    @property
-    def wall_clock(self) -> Callable[[], float]:
-        """Deprecated: use ``store.debug.wall_clock`` (set it before other threads use the
-        store)."""
-        return self.debug.wall_clock
-
-    @wall_clock.setter
-    def wall_clock(self, clock: Callable[[], float]) -> None:
-        self.debug.wall_clock = clock
-
     def begin_save(self, tokens: object, *, namespace: str | None = None,
                    max_new_tokens: int = 0, wait: bool = True,
                    state: bool = False) -> SaveHandle:
@@ -325,14 +295,6 @@ class Store:
         self._saver.flush()
         if remote:
             self._shared.flush()
-
-    def put_shared_doc(self, name: str, data: bytes) -> bool:
-        """Deprecated: use ``store.shared_docs.put``. Thread-safe."""
-        return self.shared_docs.put(name, data)
-
-    def shared_doc(self, name: str) -> bytes | None:
-        """Deprecated: use ``store.shared_docs.get``. Thread-safe."""
-        return self.shared_docs.get(name)
 
     def set_prefill_rate(self, tokens_per_s: float | None) -> None:
         """How fast the caller recomputes (prefills) KV, in tokens per second, or None
@@ -570,19 +532,6 @@ class Store:
         return self._core.where(as_tokens(tokens), namespace)
 
     # ------------------------------------------------------------------ per-head indexes
-    def build_indexes(self, tokens: object, spec: IndexSpec, *,
-                      namespace: str | None = None) -> bool:
-        """Deprecated: use ``store.indexes.build``. Thread-safe."""
-        return self.indexes.build(tokens, spec, namespace=namespace)
-
-    def index_dirs(self) -> dict[bytes, str]:
-        """Deprecated: use ``store.indexes.dirs``. Thread-safe."""
-        return self.indexes.dirs()
-
-    def check_indexes(self) -> dict[bytes, str | None]:
-        """Deprecated: use ``store.indexes.check``. Thread-safe."""
-        return self.indexes.check()
-
     # ------------------------------------------------------------------ scheduler hints
     def set_queue(self, jobs: object, *, running: object = ()) -> None:
         """Hand the store the scheduler's waiting jobs, the next to run first (AttentionStore
@@ -665,14 +614,6 @@ class Store:
         """The store's own publisher of KV events (:class:`kvstore.events.publisher.
         ZmqPublisher`), or None. Thread-safe."""
         return self._events
-
-    def throttle_disk_reads(self, throttle: ReadThrottle | None) -> None:
-        """Deprecated: use ``store.debug.throttle_disk_reads``. Thread-safe."""
-        self.debug.throttle_disk_reads(throttle)
-
-    def drop_caches(self) -> None:
-        """Deprecated: use ``store.debug.drop_caches``. Thread-safe."""
-        self.debug.drop_caches()
 
     # ------------------------------------------------------------------ closing
     def close(self, *, abandon_pending: bool = False) -> None:
