@@ -11,12 +11,12 @@ the other benches do not use (``--skip``), stored in three stores of chunks of 2
 Three measurements, each store's samples interleaved with the others' (one round = one sample
 of each store, in turn), so all see the same disk and the same neighbours' load:
 
-* ``cold``: ``store.get`` of the whole context after ``store.drop_caches()`` (DRAM tier and page
-  cache emptied); GB/s of decoded bytes; ``pairs``: raw seconds / coded seconds of each round.
-  The ceiling, measured in the same rounds: ``read``, the store's stored bytes read cold in
-  slot order into one reused buffer, with no checksum, decode or copy (one ``preadv`` per
-  chunk through the store's segment files, one thread); ``of_read`` is the get's seconds
-  over those.
+* ``cold``: ``store.get`` of the whole context after ``store.debug.drop_caches()`` (DRAM
+  tier and page cache emptied); GB/s of decoded bytes; ``pairs``: raw seconds / coded seconds
+  of each round. The ceiling, measured in the same rounds: ``read``, the store's stored bytes
+  read cold in slot order into one reused buffer, with no checksum, decode or copy (one
+  ``preadv`` per chunk through the store's segment files, one thread); ``of_read`` is the
+  get's seconds over those.
 * ``hot``: ``store.get`` of the whole context with every chunk in DRAM (the cost of a decode on
   every hit against a copy); ``memcpy`` of the same bytes in the same rounds is the ceiling.
 * ``working_set``: ``--contexts`` contexts of ``--kv-tokens`` tokens (rotated copies of the same
@@ -73,7 +73,7 @@ def close_all(stores: dict[str, kvstore.Store], workdir: str) -> None:
 
 def timed_get(store: kvstore.Store, toks, *, cold: bool) -> float:
     if cold:
-        store.drop_caches()
+        store.debug.drop_caches()
     t = time.perf_counter()
     store.get(toks)
     return time.perf_counter() - t
@@ -92,7 +92,7 @@ def timed_read(store: kvstore.Store) -> float:
     buf = _READ_BUF.get(max(sizes))
     if buf is None:
         buf = _READ_BUF.setdefault(max(sizes), np.ones(max(sizes), dtype=np.uint8))
-    store.drop_caches()
+    store.debug.drop_caches()
     t = time.perf_counter()
     for r, n in zip(recs, sizes, strict=True):
         core.segments.read(r.slot, [buf[:n]])

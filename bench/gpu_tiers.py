@@ -184,7 +184,7 @@ def _layerwise_one(root: str, model: Model, hist_n: int, buffers: list[int], rep
 
         def prepare(source: str) -> None:
             if source == "disk":
-                store.drop_caches()
+                store.debug.drop_caches()
             else:
                 store.get(hist, device="cuda")  # resident in DRAM (and registered)
 
@@ -329,7 +329,7 @@ def bench_ttft(root: str, model: Model, history: int, turn: int, reps: int) -> d
         for rep in range(reps + 1):
             for mode in ("recompute", "reuse_dram", "reuse_disk", "reuse_disk_get"):
                 if mode.startswith("reuse_disk"):
-                    store.drop_caches()
+                    store.debug.drop_caches()
                 elif mode == "reuse_dram":
                     store.get(hist, device="cuda")
                 sync()
@@ -406,7 +406,7 @@ def bench_cold(root: str, layout: kvstore.KVLayout, tokens: int, reps: int) -> d
         store.get(toks, out=(ko, vo))  # registration out of the timings
 
         def store_cold() -> None:
-            store.drop_caches()
+            store.debug.drop_caches()
             t = time.perf_counter()
             store.get(toks, out=(ko, vo))
             samples["store_get"].append(time.perf_counter() - t)

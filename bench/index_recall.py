@@ -4,8 +4,8 @@ Runs the model over ShareGPT chats that no other bench uses (``--skip`` conversa
 skipped; the other benches start at 0, 50 and 80), captures in every layer the KV of the first
 ``N - Q`` tokens and the queries of the last ``Q`` tokens (the decode queries the model computes
 for them), stores the context in a kvstore (fp16 pre-RoPE keys, as the store keeps them) and,
-per index variant, builds the indexes with ``store.build_indexes`` and queries what
-``store.indexes()`` returns: indexes that read keys through the store's key source. The oracle
+per index variant, builds the indexes with ``store.indexes.build`` and queries what
+``store.indexes.read()`` returns: indexes that read keys through the store's key source. The oracle
 is brute force over the same positioned keys.
 
 Per variant (means over every layer, kv-head and query of its group):
@@ -144,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         for text in args.variants.split(","):
             name, spec = parse_variant(text)
             t0 = time.perf_counter()
-            assert store.build_indexes(ctx, spec)
+            assert store.indexes.build(ctx, spec)
             build_s = time.perf_counter() - t0
-            (path,) = store.index_dirs().values()
+            (path,) = store.indexes.dirs().values()
             with Dir.open_root(path, create=False) as d:
                 nbytes = directory_bytes(d)
-            ci = store.indexes(ctx)
+            ci = store.indexes.read(ctx)
             rows = evaluate(ci, kpos, qs, args.k, beta, spec.kind)
 
             def mean(key, rows=rows):

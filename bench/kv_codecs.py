@@ -11,7 +11,7 @@ baseline, measured in the same run):
   int8/fp8/int4 where built, and the native int8 encoder); ``decode_numpy_gbps``: the numpy/
   torch decoders of the same bytes in the same repetitions; the ceiling beside them is a numpy
   copy of the same bytes (``memcpy_gbps``).
-* ``cold_get``: ``store.get`` of the whole context after ``store.drop_caches()`` (DRAM tier
+* ``cold_get``: ``store.get`` of the whole context after ``store.debug.drop_caches()`` (DRAM tier
   and page cache of the segments emptied), effective GB/s = decoded (raw) bytes / s,
   alternating with a raw store holding the same KV (``raw_get``), so each coded sample has a
   raw one taken just before it on the same disk under the same load; ``pair_ratios``: raw s /
@@ -189,7 +189,7 @@ def cold_gets(path: str, layout, name: str, toks, k, v, reps: int, *,
         samples, raw_samples = [], []
         for i in range(reps + 1):
             for st, out in ((raw, raw_samples), (store, samples)):
-                st.drop_caches()
+                st.debug.drop_caches()
                 t = time.perf_counter()
                 gk, gv = st.get(toks)
                 dt = time.perf_counter() - t
@@ -218,7 +218,7 @@ def quality(model, prompts, conts, name: str, workdir: str, new_tokens: int,
                           codecs={"disk": name}) as store:
             k, v = ref[i]["kv"]
             store.put(ids, k, v)
-            store.drop_caches()
+            store.debug.drop_caches()
             gk, gv = store.get(ids)
             m = len(cont) - 1
             logits, _ = model.forward(cont[:m], torch.arange(len(ids), len(ids) + m),
@@ -226,7 +226,7 @@ def quality(model, prompts, conts, name: str, workdir: str, new_tokens: int,
             nll = F.cross_entropy(logits.float(), torch.tensor(cont[1:]),
                                   reduction="none").tolist()
             dl = (logits.float() - ref[i]["logits"]).abs()
-            store.drop_caches()
+            store.debug.drop_caches()
             r = Generator(model, store, async_save=False).generate(ids, new_tokens, store=False)
             want = ref[i]["tokens"]
             same = [a == b for a, b in zip(r.tokens, want, strict=False)]

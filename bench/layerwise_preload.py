@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def prepare(source: str) -> None:
             if source == "disk":
-                store.drop_caches()
+                store.debug.drop_caches()
             else:
                 store.get(hist)  # into DRAM
 

@@ -9,7 +9,7 @@ Measures, for the same 2,048-token prompt (SmolLM2-135M Q4_1, f16 KV, one Llama)
   time to first token on a hit;
 * ``KVStoreLlamaCache``: save (``save_state`` + the cache's put), restore (the cache's lookup:
   match, get into a sequence state, ``llama_state_seq_set_data``) from DRAM and from disk
-  (``Store.drop_caches``: DRAM tier emptied, segment pages dropped from the page cache), time
+  (``store.debug.drop_caches``: DRAM tier emptied, segment pages dropped from the page cache), time
   to first token on a hit from each, and after a restart: a new process loads the model and
   runs the prompt through the cache (page cache warm, then dropped);
 * bytes on disk for ``--conversations`` conversations sharing a system prompt, kept by
@@ -215,7 +215,7 @@ def bench_llama_caches(llm, prompt: list[int], args: argparse.Namespace, work: P
     cache.gets.clear()
     cold = []
     for _ in range(warm + reps):
-        cache.store.drop_caches()
+        cache.store.debug.drop_caches()
         cold.append(ttft(llm, prompt))
     out["kvstore_disk_hit_ttft"] = stats(cold[warm:])
     out["kvstore_disk_restore"] = stats(cache.gets[warm:])

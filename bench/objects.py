@@ -96,7 +96,7 @@ def bench_get(args: argparse.Namespace, work: str, weed: Weed) -> dict[str, obje
                 elif what == "raw_parallel_get":
                     out = raw_get()
                 elif what == "local_disk_get":
-                    local.drop_caches()
+                    local.debug.drop_caches()
                     out = local.get(toks)
                 else:
                     with b.load_layers(toks) as load:
@@ -173,12 +173,12 @@ def _turn_once(store, toks: list[int], pages, compute_s: float, token_s: float
     if n > whole:  # the worker fills the block the match ends in first, every layer of it
         last = kvstore.Pages(layers=pages.layers, block_ids=pages.block_ids[whole // block:][:1],
                              block_tokens=block)
-        with store.load_layers(toks[:n], start=whole, pages=last) as load:
+        with store.load_into_pages(toks[:n], last, start=whole) as load:
             for layer in range(lay.num_layers):
                 load.wait(layer)
     used = kvstore.Pages(layers=pages.layers, block_ids=pages.block_ids[:whole // block],
                          block_tokens=block)
-    with store.load_layers(toks[:whole], pages=used) as load:
+    with store.load_into_pages(toks[:whole], used) as load:
         for layer in range(lay.num_layers):
             load.wait(layer)
             if layer == 0:

@@ -17,7 +17,7 @@ up to ``--context-tokens`` tokens (default 4,096), each a fresh token sequence, 
 
   dram_get_out   ``store.get(t, out=(k, v))`` of every context, DRAM-resident, into
                  preallocated (touched) tensors  -- vs LMCache engine_cpu retrieve
-  cold_get_out   ``store.drop_caches()`` then ``get(t, out=(k, v))`` of every context
+  cold_get_out   ``store.debug.drop_caches()`` then ``get(t, out=(k, v))`` of every context
                  -- vs LMCache engine_disk retrieve (its files fadvise-dropped)
   dram_get       ``store.get(t)`` into new tensors, DRAM-resident
                  -- vs ``np.copyto(np.empty(n, np.uint8), src)`` of the same bytes (ceiling)
@@ -268,7 +268,7 @@ def bench_store(args: argparse.Namespace, n_chunks: int, workdir: str,
             keep = rep >= args.warmup
             s = {}
             # the cold pass leaves every context in DRAM for the DRAM passes after it
-            s["cold_get_out"] = one_pass("cold_get_out", get_out, keep, store.drop_caches)
+            s["cold_get_out"] = one_pass("cold_get_out", get_out, keep, store.debug.drop_caches)
             s["dram_get_out"] = one_pass("dram_get_out", get_out, keep)
             pair = [("dram_get", get_new), ("alloc_copy_ceiling", alloc_copy)]
             for name, fn in (pair if rep % 2 == 0 else pair[::-1]):

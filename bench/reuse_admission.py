@@ -52,7 +52,7 @@ def run_store(path: str, policy: str, events, slots: int) -> dict[str, object]:
         assert s.config.slot_bytes(s.layout) == 4096
         clock = Clock()
         if policy == "reuse":
-            s.policy.clock = clock
+            s.debug.policy.clock = clock
         latest: dict[int, list[int]] = {}
         stored, resident, put_s = [], [], []
         hits = turns = served = 0

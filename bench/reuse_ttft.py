@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     order = modes[rep % 3:] + modes[: rep % 3]
                     for mode in order:
                         if mode == "cold_disk":
-                            store.drop_caches()
+                            store.debug.drop_caches()
                         elif mode == "dram":
                             store.get(ids[:hist])  # make sure it is DRAM-resident
                         t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     "stats_s": {m: _pct(v) for m, v in samples.items()},
                     "ratio_to_recompute": {m: med[m] / med["recompute"] for m in med},
                 }
-                store.delete(ids[:hist])
+                store.retention.delete(ids[:hist])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

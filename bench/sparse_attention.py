@@ -313,7 +313,7 @@ def offload_main(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             prof = measure_profile(positioned_keys(keys, lay), queries=qs,
                                    kinds=args.planner_kinds.split(","), spec=spec,
-                                   indexes={"pq": store.indexes(ctx)},
+                                   indexes={"pq": store.indexes.read(ctx)},
                                    ks=(args.k // 2, args.k, 2 * args.k), beta=args.beta,
                                    dipr_cap=args.dipr_cap, window=args.window, offload=True,
                                    group=g, itemsize=lay.itemsize, capacity=cap)
@@ -344,10 +344,10 @@ def offload_main(args: argparse.Namespace) -> int:
 
             def make(cfg=cfg, opened=opened):
                 if args.offload_tier == "disk":
-                    store.drop_caches()
+                    store.debug.drop_caches()
                 t0 = time.perf_counter()
                 s = OffloadedSession(lay, store.rows(ctx), sparse=cfg,
-                                     indexes=store.indexes(ctx), capacity=cap)
+                                     indexes=store.indexes.read(ctx), capacity=cap)
                 opened.append(time.perf_counter() - t0)
                 return s
 

@@ -2,7 +2,7 @@
 slow disk, for load-all, recompute-all and the Cake-style split.
 
 The store's DRAM tier is 0 bytes, so every hit is a disk hit, and the page cache of the segment
-files is dropped before each request; segment reads go through ``Store.throttle_disk_reads``
+files is dropped before each request; segment reads go through ``store.debug.throttle_disk_reads``
 (a token bucket on the real reads). The bandwidths are set against recompute measured in the
 same run (``--load-over-recompute K``: the history loads in K times the median recompute TTFT
 of ``--warmup`` requests, so the settings mean the same on a quiet or a busy machine), or given
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings = [(float(k), nbytes / (float(k) * t_re))
                             for k in args.load_over_recompute.split(",")]
             for k, bps in settings:
-                store.throttle_disk_reads(kvstore.ReadThrottle(bytes_per_s=bps))
+                store.debug.throttle_disk_reads(kvstore.ReadThrottle(bytes_per_s=bps))
                 gens = {"recompute": Generator(model, store),
                         "load_all": Generator(model, store),
                         "split": Generator(model, store, rates=LoadRates())}
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 for rep in range(args.warmup + args.reps):
                     order = MODES[rep % 3:] + MODES[: rep % 3]
                     for mode in order:
-                        store.drop_caches()
+                        store.debug.drop_caches()
                         g = gens[mode]
                         plan = g.rates.plan("disk", args.history, args.new,
                                             layers=model.config.num_layers) \

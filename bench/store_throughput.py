@@ -7,7 +7,7 @@ For each layout (SmolLM2-135M and a Llama-8B-sized one) and one context of ``T``
    (``copy_ceiling``) and vs ``np.empty`` + ``np.copyto`` for K and for V (``copy_alloc_ceiling``:
    what any API returning new tensors pays); the ratio of the last two is reported on its own
    (``get_new_vs_alloc_copy``: medians, every repetition's ratio, the load average).
-2. ``cold_get``: ``store.get`` after ``store.drop_caches()`` (DRAM tier emptied, segment pages
+2. ``cold_get``: ``store.get`` after ``store.debug.drop_caches()`` (DRAM tier emptied, segment pages
    fadvise-dropped) vs a buffered sequential read of a file of the same size, its page cache
    dropped first, read in large ``preadv`` calls into a preallocated buffer (ceiling).
 3. ``put``: a durable ``store.put`` of a whole context with new tokens vs ``write`` + ``fsync``
@@ -221,12 +221,12 @@ def bench_layout(name: str, layout: KVLayout, n_tok: int, reps: int, warmup: int
 
         # 2. cold get from disk vs a cold buffered read of a file of the same size.
         def cold_store() -> None:
-            store.drop_caches()
+            store.debug.drop_caches()
             d0 = hits()
             s["cold_get"] = timed(lambda: store.get(ctx))
             d1 = hits()
             assert d1[1] - d0[1] == n_chunks and d1[0] == d0[0], (d0, d1)
-            store.drop_caches()  # again, into preallocated output: the IO path without malloc
+            store.debug.drop_caches()  # again, into preallocated output: the IO path without malloc
             s["cold_get_out"] = timed(lambda: store.get(ctx, out=kv_out))
             d2 = hits()
             assert d2[1] - d1[1] == n_chunks and d2[0] == d1[0], (d1, d2)
@@ -368,7 +368,7 @@ def profile_store(store: kvstore.Store, ctx: np.ndarray, keys: torch.Tensor,
                 pr.runcall(store.put, toks, keys, values)
             else:
                 if tag == "cold_get":
-                    store.drop_caches()
+                    store.debug.drop_caches()
                 pr.runcall(store.get, ctx)
         text = io.StringIO()
         pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(14)
@@ -402,7 +402,8 @@ def _threads_run(store: kvstore.Store, ctxs: list[np.ndarray], readers: int, wri
             t0 = time.perf_counter()
             store.put(toks, keys, values)
             puts.append(time.perf_counter() - t0)
-            store.delete(toks)  # keep the disk from filling (and evicting the read contexts)
+            # keep the disk from filling (and evicting the read contexts)
+            store.retention.delete(toks)
 
     def raw_writer() -> None:
         src = np.concatenate([keys.numpy().view(np.uint8).ravel(),
@@ -524,7 +525,7 @@ def _share_worker(path: str, role: int, n_tok: int, n_ctx: int, conn) -> None:
         put_s = time.perf_counter() - t0
         conn.send(("put", put_s))
         conn.recv()  # every writer is done
-        store.drop_caches()  # what it reads is not in its DRAM tier (nor the page cache)
+        store.debug.drop_caches()  # what it reads is not in its DRAM tier (nor the page cache)
         others = [1, 0] if role < 0 else [1 - role]
         t0 = time.perf_counter()
         for r in others:

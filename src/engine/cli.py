@@ -81,7 +81,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             root.sub(CONVERSATIONS, create=True) as conversations:
         state = _load_state(conversations, file)
         if state is None and args.remote is not None:  # another machine's conversation?
-            state = _conversation_state(store.shared_doc(doc), model.tokenizer.vocab_size)
+            state = _conversation_state(store.shared_docs.get(doc), model.tokenizer.vocab_size)
         gen = Generator(model, store)
         conv = Conversation(gen, args.conversation,
                             truncation=Truncation(drop_ratio=args.drop_ratio, sink=args.sink),
@@ -118,7 +118,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             conversations.atomic_write(file, json.dumps(state))
             if args.remote is not None:
                 store.flush(remote=True)  # the KV first, then the state that points to it
-                store.put_shared_doc(doc, json.dumps(state).encode())
+                store.shared_docs.put(doc, json.dumps(state).encode())
     return 0
 
 

@@ -415,7 +415,7 @@ def open_offloaded(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *
     n = min(store.match(toks, namespace=namespace), len(toks) - 1)
     if n < 1:
         raise KeyError("no prefix of ids is stored")
-    indexes = store.indexes(toks[:n], namespace=namespace)
+    indexes = store.indexes.read(toks[:n], namespace=namespace)
     if indexes is not None and indexes.n_tokens != n:
         indexes = None  # a longer context's: its walk would go through tokens not read here
     s = OffloadedSession(layout, store.rows(toks[:n], namespace=namespace), sparse=sparse,

