@@ -147,7 +147,28 @@ class Plans:
         if not segs:
             return
         with core.mutex:  # rare: once per segment per process
-            found = {core.geo.locate(r.slot)[0] for r in core.tree.chunks.values()} & set(segs)
+            self._refuse_hidden_segments_locked(segs)
+
+    def _refuse_tampered_segments_locked(self, slots: list[int]) -> None:
+        """Under the lock, in the plan's transaction: a segment file of ``slots`` deleted,
+        renamed or replaced under the store refuses the put here (:class:`StoreTampered`),
+        so the evictions that made room for it are not committed either; the commit checks
+        again (:meth:`_checked`) for a file moved while the put wrote."""
+        core = self.core
+        missing = core.segments.missing(slots)
+        if missing:
+            self._refuse_hidden_segments_locked(missing)
+        try:
+            core.segments.check_named(slots)
+        except StoreTampered as e:
+            core.failed = e
+            raise
+
+    def _refuse_hidden_segments_locked(self, segs: list[int]) -> None:
+        """Under the lock: :class:`StoreTampered` if committed chunks live in any of the
+        missing segments ``segs`` (see :meth:`_check_new_segments`)."""
+        core = self.core
+        found = {core.geo.locate(r.slot)[0] for r in core.tree.chunks.values()} & set(segs)
         if found:
             seg = min(found)
             raise StoreTampered(f"segment file {core.segments.path(seg)!r} is missing, yet "
@@ -246,6 +267,7 @@ class Plans:
             core.mirror.flush_access(txn)
             return BYPASSED
         slots = core.slots.take(len(specs), reserved)
+        self._refuse_tampered_segments_locked(slots)
         res = Reservation(core.owner.id, next(self._seq), tuple(slots),  # type: ignore[union-attr]
                           tuple(r.key for r in reused))
         txn.put_reservation(res)

@@ -224,6 +224,12 @@ class SegmentFiles:
         for seg in sorted({self.geo.locate(s)[0] for s in slots}):
             fd = self._fds.get(seg)
             if fd is None:
+                if seg in self._ready and self.dir is not None \
+                        and self.dir.check_file(self.name(seg)) is None:
+                    # found at open or made ready here, never opened since: a put would
+                    # open it by name, and finds nothing there
+                    raise StoreTampered(f"segment file {self.path(seg)!r} is missing: it was "
+                                        f"deleted or renamed while the store was in use")
                 continue
             mine = os.fstat(fd)
             named = None if self.dir is None else self.dir.lstat(self.name(seg))

@@ -197,3 +197,35 @@ def test_a_second_open_in_one_process_leaves_the_first_ones_lock_file_lock(tmp_p
                            text=True, timeout=120, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.strip() == "12"
+
+
+def test_a_put_refused_for_a_moved_segment_evicts_nothing(tmp_path):
+    """A full store (every put must evict) whose segment file is renamed away, in a process
+    that had it open and in one that had not read it yet: the put is refused
+    (StoreTampered) in its plan, and the contexts it would have evicted are all still stored
+    once the file is back."""
+    path = tmp_path / "st"
+    _create(path)
+    with kvstore.open(path) as s:  # filled: 80 slots, 20 contexts of 4 chunks
+        for i in range(SLOTS // 4):
+            toks = list(range(i * 100, i * 100 + 16))
+            s.put(toks, *causal_kv(SMALL, toks))
+        stored = {c.key for c in s.contexts()}
+        assert len(stored) == SLOTS // 4
+    seg = path / "segments" / "seg-000000.kv"
+    for reads_first in (True, False):
+        with kvstore.open(path) as s:
+            if reads_first:  # the file is open in this process
+                first = list(range(16))
+                assert get_is_exact(s, first)
+            os.rename(seg, path / "segments" / "away")
+            new = list(range(5000, 5016))
+            try:
+                s.put(new, *causal_kv(SMALL, new))
+                raise AssertionError("stored beside a moved segment file")
+            except kvstore.StoreTampered:
+                pass
+            os.rename(path / "segments" / "away", seg)
+        with kvstore.open(path) as s:
+            assert {c.key for c in s.contexts()} == stored, reads_first
+    assert verify_path(path)["ok"]
