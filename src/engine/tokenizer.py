@@ -74,7 +74,6 @@ class Tokenizer:
 
         self._tok = build(parse_special=True)
         self._tok_plain = build(parse_special=False)
-        self._tokens = list(tokens)
         self.vocab_size = len(tokens)
         self.special_ids = frozenset(
             i for i, t in enumerate(token_types or ()) if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
@@ -103,9 +102,6 @@ class Tokenizer:
         if i is None:
             raise KeyError(token)
         return int(i)
-
-    def id_to_token(self, i: int) -> str:
-        return self._tokens[i]
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
         """Token ids of ``text``. With ``allow_special=False`` special-token strings in the text

@@ -56,11 +56,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name][0]
 
 
-def dtype_name(dtype: torch.dtype) -> str | None:
-    """The KV dtype name of torch ``dtype``; None for a dtype KV is not stored in."""
-    return next((n for n, (t, _) in _DTYPES.items() if t == dtype), None)
-
-
 LAYER_KINDS = ("full", "sliding", "recurrent")
 # dtypes a recurrent state tensor may have -> bytes per element
 STATE_DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,

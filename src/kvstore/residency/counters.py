@@ -6,7 +6,7 @@ updated under the store's metadata lock.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -44,6 +44,3 @@ class Counters:
     lossy_tokens_served: int = 0  # tokens they served from such chunks
     coded_chunks_written: int = 0  # chunks written through the disk codec
     raw_fallback_chunks: int = 0  # chunks the disk codec could not take, written raw
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
