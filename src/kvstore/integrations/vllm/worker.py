@@ -441,7 +441,8 @@ class WorkerSide:
         while self._boundaries:
             rid, durable = self._boundaries.popleft()
             report.stored[rid] = durable
-        return report if (report.loaded or report.failed or report.stored) else None
+        return report if (report.loaded or report.failed or report.stored
+                          or report.produced) else None
 
     def take_sent(self) -> set[str]:
         out, self._sent = self._sent, set()
