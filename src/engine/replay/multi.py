@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from engine.replay.costs import CostModel
-from engine.replay.server import Job, Method
+from engine.replay.server import Job, Method, MethodKind
 from engine.replay.simstore import SimStore
 from engine.replay.simulated import CostLimits, place_load
 
@@ -118,7 +118,7 @@ class MultiServerExecutor(CostLimits):
             return False
         cut = self._truncated[key]
         if stored_turn == turn - 1:
-            return not (turn in cut and self.method.kind == "of")
+            return not (turn in cut and self.method.kind is MethodKind.OF)
         return not any(stored_turn < t <= turn for t in cut)
 
     def prefill(self, job: Job, waiting: deque[Job], running: list[Job]) -> float:
@@ -128,7 +128,7 @@ class MultiServerExecutor(CostLimits):
         store.start(key)
         if job.truncated:
             self._truncated[key].add(job.turn)
-            if self.method.kind == "of":
+            if self.method.kind is MethodKind.OF:
                 store.drop(key)
         local: tuple[str, int] | None = None  # (tier, tokens) this server holds
         remote: int | None = None  # tokens the shared tier holds

@@ -20,7 +20,7 @@ import kvstore
 from engine.generate import Generator
 from engine.loadcompute import LoadRates
 from engine.model import Model
-from engine.replay.server import Job, Method
+from engine.replay.server import Job, Method, MethodKind
 from engine.truncation import Truncation
 
 HINT_JOBS = 64  # waiting jobs handed to the store as hints
@@ -81,7 +81,7 @@ class RealExecutor(OneJobAtATime):
         """What a waiting job will read from the store: its prompt, or for an AS job that
         will truncate, the whole stored history it truncates."""
         st = self._convs.get(job.conv.index) or _ConvState(ids=[])
-        if job.truncated and self.method.kind == "as":
+        if job.truncated and self.method.kind is MethodKind.AS:
             return st.ids, st.namespace
         kept = [st.ids[i] for i in self._kept(job).tolist()]
         return kept + list(job.conv.turns[job.turn].user_ids), st.namespace
@@ -107,14 +107,14 @@ class RealExecutor(OneJobAtATime):
             self.store.wait_prefetched()
         trunc_s, recomputed, from_store, where = 0.0, False, None, None
         if job.truncated:
-            if self.method.kind == "as":
+            if self.method.kind is MethodKind.AS:
                 where = self.store.residency(st.ids, namespace=st.namespace)
                 t0 = time.perf_counter()
                 n, from_store = self._truncate_stored(job, st)
                 trunc_s, recomputed = time.perf_counter() - t0, n < job.history
             else:  # RE: token truncation; OF: stored KV is useless, a fresh namespace
                 st.ids = [st.ids[i] for i in self._kept(job).tolist()]
-                if self.method.kind == "of":
+                if self.method.kind is MethodKind.OF:
                     st.truncations += 1
                     st.namespace = f"replay-of:{job.conv.conv_id}:{st.truncations}"
         prompt = st.ids + list(spec.user_ids)

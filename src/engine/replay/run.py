@@ -17,7 +17,7 @@ from engine.replay.metrics import (
     write_turns,
 )
 from engine.replay.multi import MultiServerExecutor, ScaleOut
-from engine.replay.server import Method, serve
+from engine.replay.server import Method, MethodKind, serve
 from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import Trace, WorkloadConfig, build_trace
 
@@ -78,7 +78,7 @@ class ReplayConfig:
                 raise ValueError("--engine vllm takes no --remote: with --servers N every AS "
                                  "engine shares one store directory")
             for m in self.methods:
-                if m.kind == "of" or m.load != "split":
+                if m.kind is MethodKind.OF or m.load != "split":
                     raise ValueError(f"--engine vllm compares re and as[:policy]; got "
                                      f"{m.label}")
             _check_model(self.model, self.engine_cache)
@@ -403,13 +403,14 @@ def replay(cfg: ReplayConfig, out_dir: str, *, model=None, table=None,
 
 def compare_to_re(results: dict[str, dict]) -> dict[str, dict[str, float]]:
     """Per method: mean TTFT on turns >= 2 relative to RE (reduction), prefill tokens saved."""
-    re = results.get("RE")
+    re_label = Method(MethodKind.RE).label
+    re = results.get(re_label)
     if re is None:
         return {}
     base = re["ttft_s_turn2plus"]["mean"]
     out = {}
     for label, s in results.items():
-        if label == "RE":
+        if label == re_label:
             continue
         out[label] = {
             "ttft_turn2plus_reduction": 1 - s["ttft_s_turn2plus"]["mean"] / base if base else 0.0,

@@ -20,12 +20,24 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 from engine.replay.workload import ConvSpec, Trace
 
-METHOD_KINDS = ("re", "as", "of")
 LOADS = ("split", "all")
+
+
+class MethodKind(StrEnum):
+    """What a method does with the stored KV (see :class:`Method`); a str enum, so JSON, the
+    CLI and labels keep the strings ``re``, ``as``, ``of``."""
+
+    RE = "re"  # recompute every turn
+    AS = "as"  # reuse; truncated in place on overflow
+    OF = "of"  # reuse; positions baked in, so an overflow invalidates it
+
+
+METHOD_KINDS = tuple(k.value for k in MethodKind)  # ("re", "as", "of")
 
 
 @dataclass(frozen=True)
@@ -35,9 +47,10 @@ class Method:
     so an overflow invalidates it. ``policy``: the store's eviction policy (AS and OF).
     ``load``: ``split`` decides per request how much of the stored prefix to load and how
     much to recompute from the front at the same time (never slower than either alone;
-    :meth:`engine.replay.costs.CostModel.split`); ``all`` loads whatever is stored."""
+    :meth:`engine.replay.costs.CostModel.split`); ``all`` loads whatever is stored.
+    ``kind``: a :class:`MethodKind` (its string is taken and stored as one)."""
 
-    kind: str
+    kind: MethodKind
     policy: str = "scheduler"
     load: str = "split"
 
@@ -46,6 +59,7 @@ class Method:
 
         if self.kind not in METHOD_KINDS:
             raise ValueError(f"method must be one of {METHOD_KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "kind", MethodKind(self.kind))
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.load not in LOADS:
@@ -53,11 +67,11 @@ class Method:
 
     @property
     def caches(self) -> bool:
-        return self.kind != "re"
+        return self.kind is not MethodKind.RE
 
     @property
     def label(self) -> str:
-        if self.kind == "re":
+        if self.kind is MethodKind.RE:
             return "RE"
         tail = "" if self.load == "split" else f"-load{self.load}"
         return f"{self.kind.upper()}-{self.policy}{tail}"

@@ -8,7 +8,7 @@ from collections import deque
 
 from engine.replay.costs import CostModel
 from engine.replay.offline import RequestLog
-from engine.replay.server import Job, Method
+from engine.replay.server import Job, Method, MethodKind
 from engine.replay.simstore import SimStore
 from kvstore.eviction.policies import EvictionPolicy, LearnedReturn, make_policy
 from kvstore.eviction.return_predictor import TurnFeatures, auc
@@ -88,7 +88,7 @@ class SimulatedExecutor(CostLimits):
             store.advance(job.start_s)  # background prefetch up to now
             store.start(key)
             if job.turn > 0:
-                if job.truncated and self.method.kind == "of":
+                if job.truncated and self.method.kind is MethodKind.OF:
                     store.drop(key)  # positions baked in: the truncated KV is useless
                 tier = store.lookup(key)
         if job.turn == 0:

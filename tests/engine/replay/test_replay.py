@@ -9,7 +9,7 @@ import pytest
 from engine.replay.costs import PRESETS, parse_bytes
 from engine.replay.metrics import rows, summarize
 from engine.replay.run import ReplayConfig, plan, replay
-from engine.replay.server import Method, serve
+from engine.replay.server import METHOD_KINDS, Method, MethodKind, serve
 from engine.replay.simulated import SimulatedExecutor
 from engine.replay.workload import WorkloadConfig, build_trace
 from tests.support.replay_tables import real_table, synthetic_table
@@ -60,6 +60,21 @@ def test_trace_is_deterministic_and_follows_the_rules():
         assert all(max(t.user_len, t.reply_len) <= 400 for t in c.turns)
     arr = [c.arrival_s for c in a.conversations]
     assert arr == sorted(arr) and arr[0] == 0.0
+
+
+@pytest.mark.parametrize("text,kind,label", [
+    ("re", MethodKind.RE, "RE"), ("as", MethodKind.AS, "AS-scheduler"),
+    ("of:fifo", MethodKind.OF, "OF-fifo"), ("belady:all", MethodKind.AS, "AS-belady-loadall"),
+    (" RE ", MethodKind.RE, "RE"),
+])
+def test_method_kinds_are_an_enum_that_keeps_its_strings(text, kind, label):
+    m = Method.parse(text)
+    assert m.kind is kind and m.label == label and m.caches == (kind is not MethodKind.RE)
+    assert m == Method(kind.value, m.policy, m.load) == Method(kind, m.policy, m.load)
+    assert hash(m) == hash(Method(kind.value, m.policy, m.load))
+    assert json.loads(json.dumps({"kind": m.kind})) == {"kind": kind.value}  # JSON: the string
+    assert f"{m.kind}" == str(m.kind) == kind.value  # CLI, labels and paths: the string
+    assert METHOD_KINDS == ("re", "as", "of") == tuple(MethodKind)
 
 
 def test_bad_workload_and_methods_are_named():
