@@ -6,6 +6,7 @@ after another and prints one ``RESULT {json}`` line per request. A job::
     {"model": DIR, "connector": {...extra config...} | null, "multiprocessing": false,
      "kv_events": {...KVEventsConfig fields...} | null, "hash_algo": "sha256_cbor" | null,
      "prefix_caching": false, "logprobs": false (true: each token's logprob too),
+     "top_logprobs": null (k: each step's k best tokens and their logprobs too, as "top"),
      "max_num_batched_tokens": null, "max_num_seqs": null (vLLM's; e.g. to split a prefill),
      "kv_role": "kv_both" (or "kv_producer", "kv_consumer"),
      "requests": [{"ids": [...], "max_tokens": 24, "after_previous": false,
@@ -120,7 +121,15 @@ def _sampling(job: dict, req: dict):
     extra = {"kv_transfer_params": params} if params is not None else None
     return SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 24),
                           ignore_eos=req.get("ignore_eos", True),
-                          logprobs=1 if job.get("logprobs") else None, extra_args=extra)
+                          logprobs=_logprobs(job), extra_args=extra)
+
+
+def _logprobs(job: dict) -> int | None:
+    """How many of each step's top tokens vLLM reports (``top_logprobs``, else one for
+    ``logprobs``)."""
+    if job.get("top_logprobs"):
+        return int(job["top_logprobs"])
+    return 1 if job.get("logprobs") else None
 
 
 def _result(job: dict, out, elapsed: float) -> dict:
@@ -131,6 +140,9 @@ def _result(job: dict, out, elapsed: float) -> dict:
     if job.get("logprobs"):  # the chosen token's logprob at each step
         result["logprobs"] = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs,
                                                               strict=True)]
+    if job.get("top_logprobs"):  # each step's top tokens: [[token, logprob], ...], best first
+        result["top"] = [sorted(([t, x.logprob] for t, x in lp.items()), key=lambda p: -p[1])
+                         for lp in out.outputs[0].logprobs]
     return result
 
 

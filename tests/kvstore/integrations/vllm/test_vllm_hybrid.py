@@ -45,6 +45,7 @@ def start_engine(tmp_path: Path, name: str, requests: list[dict], store: Path | 
     job.write_text(json.dumps({
         "model": hybrid_models.model_dir(name), "dtype": dtype, "prefix_caching": pc,
         "max_model_len": 2048, "kv_cache_bytes": 128 << 20, "logprobs": True,
+        "top_logprobs": 2,
         "connector": None if store is None else {"store_dir": str(store), **extra},
         "requests": requests, **(engine or {})}))
     running = LAUNCHER.start(job)
@@ -82,8 +83,22 @@ def requests(p) -> list[dict]:
 
 
 def same(want: dict, got: dict, tol: float) -> bool:
-    return want["tokens"] == got["tokens"] and np.allclose(want["logprobs"], got["logprobs"],
-                                                           rtol=0, atol=tol)
+    """Tokens equal and each logprob within ``tol``; or equal up to a step where the two
+    runs' best two tokens are a tie within ``tol`` in both (each run's choice is the other's
+    runner-up: another prefill split may flip a greedy choice between near-equal tokens,
+    after which the continuations differ; bf16 Qwen3-Next does so here)."""
+    wt, gt = want["tokens"], got["tokens"]
+    if wt == gt:
+        return np.allclose(want["logprobs"], got["logprobs"], rtol=0, atol=tol)
+    i = next((j for j, (a, b) in enumerate(zip(wt, gt, strict=True)) if a != b), None)
+    if i is None or "top" not in want or "top" not in got:
+        return False
+    if not np.allclose(want["logprobs"][:i], got["logprobs"][:i], rtol=0, atol=tol):
+        return False
+    w_top, g_top = dict(map(tuple, want["top"][i])), dict(map(tuple, got["top"][i]))
+    return (gt[i] in w_top and wt[i] in g_top
+            and w_top[wt[i]] - w_top[gt[i]] <= tol and g_top[gt[i]] - g_top[wt[i]] <= tol
+            and abs(w_top[wt[i]] - g_top[gt[i]]) <= tol)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
