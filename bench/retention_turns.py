@@ -62,7 +62,11 @@ def retention_loop(path: str, stop, ready, delete_every: int, out) -> None:
         i, t0 = 0, time.perf_counter()
         while not stop.is_set():
             j = i % len(ctxs)
-            s.pin(ctxs[j], namespace="loop")
+            try:
+                s.pin(ctxs[j], namespace="loop")
+            except KeyError:  # evicted by the puts beside: the loop goes on with the others
+                i += 1
+                continue
             s.unpin(ctxs[j], namespace="loop")
             if delete_every and i % delete_every == delete_every - 1 and j in kv:
                 s.delete(ctxs[j], namespace="loop")
@@ -93,11 +97,15 @@ def phase(ctx, path: str, args, first: int, beside: bool) -> dict[str, float]:
     p = ctx.Process(target=putter, args=(path, args.seconds, args.tokens, first, q))
     p.start()
     p.join()
+    if p.exitcode != 0:
+        raise RuntimeError(f"the putting process failed (exit code {p.exitcode})")
     puts = q.get()
     out = {"puts_per_s": puts}
     if loop is not None:
         stop.set()
         loop.join()
+        if loop.exitcode != 0:
+            raise RuntimeError(f"the retention loop failed (exit code {loop.exitcode})")
         out["loop_iterations_per_s"] = q.get()
     return out
 
