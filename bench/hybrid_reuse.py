@@ -379,21 +379,38 @@ def pair_specs(args) -> list[dict]:
     return out
 
 
-def _pair_record(spec: dict, got: dict, ref: dict, name: str, prompt_len: int) -> dict:
-    """One pair's outcome: each branch's load and whether its answer is the reference's."""
+def _same(a: dict, b: dict, tol: float) -> tuple[bool, float, int | None]:
+    """Whether two answers are one (tokens equal, logprobs within ``tol``), their largest
+    logprob difference, and the first token where they part (None: nowhere)."""
+    diff = float(np.max(np.abs(np.subtract(a["logprobs"], b["logprobs"]))))
+    part = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True))
+                 if x != y), None)
+    return a["tokens"] == b["tokens"] and diff <= tol, diff, part
+
+
+def _pair_record(spec: dict, got: dict, ref: dict, ref_sent: dict, name: str,
+                 prompt_len: int) -> dict:
+    """One pair's outcome: each branch's load and whether its answer is the reference's
+    (``ref``: served alone without the connector; ``ref_sent``: sent as ``got`` was, without
+    the connector: whether vLLM alone answers the same batched and alone)."""
     rec: dict[str, object] = {"offset_ms": spec["offset_ms"]}
     overlapped = False
     for role in ("first", "second"):
         g, r = got[role], ref[role]
         ks = g["kvstore"] or {}
-        diff = float(np.max(np.abs(np.subtract(g["logprobs"], r["logprobs"]))))
+        same, diff, part = _same(g, r, PAIR_TOL[name])
+        ref_same, ref_diff, ref_part = _same(ref_sent[role], r, PAIR_TOL[name])
         rec[role] = {"loaded_tokens": ks.get("loaded_tokens", 0),
                      "load_failed": bool(ks.get("load_failed", False)),
                      "loaded_prompt": ks.get("loaded_tokens", 0) >= prompt_len
                      and not ks.get("load_failed", False),
                      "added_after_s": g["added_after_s"], "seconds": g["seconds"],
                      "same_tokens": g["tokens"] == r["tokens"], "max_logprob_diff": diff,
-                     "same": g["tokens"] == r["tokens"] and diff <= PAIR_TOL[name]}
+                     "first_differing_token": part, "same": same,
+                     "reference_sent_so_same_as_alone": ref_same,
+                     "reference_sent_so_max_logprob_diff": ref_diff,
+                     "reference_sent_so_first_differing_token": ref_part,
+                     "reference_sent_so_added_after_s": ref_sent[role]["added_after_s"]}
     if spec["offset_ms"] is not None:  # the second came before the first ended
         overlapped = got["second"]["added_after_s"] < got["first"]["seconds"]
     rec["overlapped"] = overlapped
@@ -414,12 +431,15 @@ def bench_pairs(args, work: Path) -> dict:
         ref_engine = dict(PAIR_REFERENCE_ENGINE.get(name, {}))
         if "max_num_batched_tokens" in ref_engine:  # the split where the stored prompt ends
             ref_engine["max_num_batched_tokens"] = args.prompt
-        got, ref = run_children([{**base, "store": str(work / f"pairs-{name}")},
-                                 {**base, "alone": True, "engine_args": ref_engine}], work)
+        got, ref, ref_sent = run_children([
+            {**base, "store": str(work / f"pairs-{name}")},
+            {**base, "alone": True, "engine_args": ref_engine},
+            {**base, "engine_args": ref_engine}], work)  # vLLM alone, its pairs sent so
         by = {(r["pair"], r["role"]): r for r in got}
         rby = {(r["pair"], r["role"]): r for r in ref}
-        recs = [_pair_record(s, {k: by[(i, k)] for k in ("first", "second")},
-                             {k: rby[(i, k)] for k in ("first", "second")}, name, args.prompt)
+        sby = {(r["pair"], r["role"]): r for r in ref_sent}
+        recs = [_pair_record(s, *({k: d[(i, k)] for k in ("first", "second")}
+                                  for d in (by, rby, sby)), name, args.prompt)
                 for i, s in enumerate(specs)]
         for i, r in enumerate(recs):
             r["prompt_loaded_tokens"] = (by[(i, "prompt")]["kvstore"] or {}).get(
@@ -437,6 +457,14 @@ def bench_pairs(args, work: Path) -> dict:
             "answers_compared": len(alike), "answers_same": sum(b["same"] for b in alike),
             "answers_same_all_branches": sum(b["same"] for b in branches),
             "prompts_same": sum(r["prompt_same"] for r in recs),
+            # vLLM without the connector, its branches sent as these were: answers equal to
+            # its own alone (where they overlapped), what batching moves without the store
+            "reference_overlapped_branches": 2 * sum(r["overlapped"] for r in recs),
+            "reference_overlapped_same_as_alone": sum(
+                r[k]["reference_sent_so_same_as_alone"] for r in recs if r["overlapped"]
+                for k in ("first", "second")),
+            "overlapped_same_as_alone": sum(r[k]["same"] for r in recs if r["overlapped"]
+                                            for k in ("first", "second")),
             "by_offset": {str(o): {
                 "pairs": sum(r["offset_ms"] == o for r in recs),
                 "second_loaded": sum(r["second"]["loaded_prompt"] for r in recs
@@ -449,7 +477,10 @@ def bench_pairs(args, work: Path) -> dict:
               f"in {summary['second_loaded']} ({summary['second_loaded_share']:.3f}), load "
               f"failures {summary['load_failures']}, answers as the reference "
               f"{summary['answers_same']} of {summary['answers_compared']} compared "
-              f"({summary['answers_same_all_branches']} of {len(branches)} in all)", flush=True)
+              f"({summary['answers_same_all_branches']} of {len(branches)} in all); "
+              f"overlapped branches as alone: {summary['overlapped_same_as_alone']} of "
+              f"{summary['reference_overlapped_branches']}, vLLM without the connector "
+              f"{summary['reference_overlapped_same_as_alone']}", flush=True)
     return {"prompt": args.prompt, "message": args.branch, "answer": args.answer,
             "offsets_ms": args.offsets_ms, "pairs_per_offset": args.pairs_per_offset,
             "size": args.size, "results": out}
