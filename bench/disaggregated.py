@@ -27,17 +27,17 @@ stored serves another):
 * ``link``: the link's ceiling, measured in the same run (a TCP transfer each way between the
   namespaces, tests/support/netns.py): the KV rates above are reported against it.
 
-Until the connector honours ``kv_role`` (``kv_producer`` / ``kv_consumer``), ``--roles both``
-(the default) runs both servers as ``kv_both`` sharing the tier: the consumer finds what the
-producer stored by its own lookup, through Redis, and the producer's reply carries no
-``kvstore.produced``. A ``kv_both`` producer answers before its saves reach the tier, so
-``--handoff tier`` (the default) does what a ``kv_consumer`` will do itself: the consumer's
-request waits until the producer has sent the prompt's KV up its link (the kernel's tbf
-counter, then 0.2 s of quiet), and that wait counts in the end-to-end time
-(``handoff_wait_s``); before each measurement both links are quiet for a second (earlier
-saves written through, untimed);
-``--handoff none`` sends it at once. ``--roles split`` runs ``kv_producer`` /
-``kv_consumer``.
+``--roles split`` (the default) runs ``kv_producer`` / ``kv_consumer``: the producer answers
+once the prompt's KV is in the tier (its ``wait_for_save``), with ``kvstore.produced`` in its
+``kv_transfer_params``; the consumer's request carries them (and ``deadline_s``:
+``--remote-deadline-s``, as the router's would), and the consumer waits for the KV itself
+(``--handoff auto`` is ``none`` then). The consumer writes nothing, so its own prefills send
+nothing up its link. ``--roles both`` runs both servers as ``kv_both`` (the connector as it
+was before ``kv_role``): a ``kv_both`` server asked to produce (``do_remote_decode``) answers
+as a producer does, and ``--handoff tier`` (``auto`` with ``both``) also waits until the
+producer's link is quiet (the kernel's tbf counter, then 0.2 s), counted in the end-to-end
+time (``handoff_wait_s``). Before each measurement both links are quiet for a second
+(earlier saves written through, untimed). Each row records the load average before it.
 
     python bench/disaggregated.py --lengths 1024 4096 --reps 2 --sweep-mbps 100 400 1600 \\
         --trace 16 --out bench/results/disaggregated_dense.json
@@ -152,7 +152,8 @@ class Cluster:
             from tests.support.seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, Weed
 
             self.tier = hub.call_in("tier", Weed, self.work / "weed", host=addr)
-            shared = {"objects": self.tier.url(BUCKET, "disagg")}
+            shared = {"objects": self.tier.url(BUCKET, "disagg"),
+                      "remote_deadline_s": a.remote_deadline_s}
             env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
         model = model_dir(a.model)
         roles = {"producer": "kv_producer", "consumer": "kv_consumer"} if a.roles == "split" \
@@ -345,25 +346,42 @@ def wait_for_tier(c: Cluster, start: int, nbytes: int, deadline_s: float) -> flo
 
 
 def measure_remote(c: Cluster, ids: list[int], salt: str, handoff_s: float) -> dict:
-    from kvstore.tools.router.protocol import PRODUCE
+    from kvstore.tools.router.protocol import DEADLINE, PRODUCE
 
     ask = {"do_remote_decode": True, "do_remote_prefill": False, "kvstore": {PRODUCE: True}}
     c.quiet()
     start = c.sent_bytes("producer")
     tp, pdoc = c.post("producer", body(ids, salt, ask))
     params = pdoc.get("kv_transfer_params") or None
-    if c.args.handoff == "tier":  # the whole blocks' KV at least (a tail: a whole block)
+    if params is not None:  # the consumer's wait, as the router asks for it
+        params = {**params, "kvstore": {**(params.get("kvstore") or {}),
+                                        DEADLINE: c.args.remote_deadline_s}}
+    if handoff(c.args) == "tier":  # the whole blocks' KV at least (a tail: a whole block)
         block = c.kv["chunk_tokens"]
         handoff_s = wait_for_tier(c, start, -(-len(ids) // block) * block * c.kv["per_token"],
                                   c.args.remote_deadline_s)
     elif handoff_s:
         time.sleep(handoff_s)
     tc, cdoc = c.post("consumer", body(ids, salt, params))
+    pks = (pdoc.get("kv_transfer_params") or {}).get("kvstore") or {}
+    cks = (cdoc.get("kv_transfer_params") or {}).get("kvstore") or {}
     return {"producer_s": tp, "consumer_s": tc, "handoff_wait_s": handoff_s,
             "end_to_end_s": tp + handoff_s + tc,
             "producer_server_ttft_s": _server_ttft(pdoc),
             "consumer_server_ttft_s": _server_ttft(cdoc), "loaded_tokens": _loaded(cdoc),
-            "producer_params": params, "tokens": len(ids)}
+            "produced": pks.get("produced"), "produce_wait_s": pks.get("produce_wait_s"),
+            "produce_failed": pks.get("produce_failed"),
+            "remote_prefill": cks.get("remote_prefill"), "waited_s": cks.get("waited_s"),
+            "loaded_bytes": cks.get("loaded_bytes"), "tokens": len(ids)}
+
+
+def handoff(args: argparse.Namespace) -> str:
+    """How the consumer's request waits for the producer's KV: ``tier`` (the producer's link
+    quiet: a kv_both producer's saves written through) or ``none`` (a kv_consumer waits
+    itself)."""
+    if args.handoff != "auto":
+        return args.handoff
+    return "none" if args.roles == "split" else "tier"
 
 
 def med(xs: list[float]) -> float:
@@ -374,13 +392,15 @@ def compare(c: Cluster, prompts: Prompts, n: int, reps: int, handoff_s: float,
             tag: str) -> dict:
     """``reps`` alternations of a local and a remote prefill of fresh ``n``-token prompts."""
     local, remote = [], []
+    load = os.getloadavg()
     for r in range(reps):
         local.append(measure_local(c, prompts.fresh(n), f"{tag}-l{r}"))
         remote.append(measure_remote(c, prompts.fresh(n), f"{tag}-r{r}", handoff_s))
     lt = med([x["seconds"] for x in local])
     ct = med([x["consumer_s"] for x in remote])
     e2e = med([x["end_to_end_s"] for x in remote])
-    return {"tokens": n, "local": local, "remote": remote, "local_ttft_p50_s": lt,
+    return {"tokens": n, "loadavg_before": load, "local": local, "remote": remote,
+            "local_ttft_p50_s": lt,
             "consumer_ttft_p50_s": ct, "end_to_end_p50_s": e2e,
             "consumer_ttft_over_local": ct / lt, "end_to_end_over_local": e2e / lt,
             "loaded_tokens": [x["loaded_tokens"] for x in remote]}
@@ -477,16 +497,18 @@ def save(out: dict, path: str | None) -> None:
 
 
 def annotate(out: dict) -> None:
-    """The KV's rate into the consumer (loaded bytes over the consumer's time to first token:
-    a lower bound, that time also holds its request and last token) against the link's
-    measured ceiling, per remote sample."""
+    """The KV's rate into the consumer (the bytes it loaded, a hybrid's state included, over
+    its request's wall time: a lower bound, that time also holds the request and its last
+    token; vLLM's own time to first token leaves out an asynchronous load) against the
+    link's measured ceiling, per remote sample."""
     ceiling = out["link"]["measured_mbps"]["tier->consumer"]
     rows = list(out.get("lengths", [])) + list(out.get("sweep", {}).get("rows", []))
     for row in rows:
         for x in row["remote"]:
-            loaded = x["loaded_tokens"] or 0
-            t = x["consumer_server_ttft_s"] or x["consumer_s"]
-            mbps = loaded * out["kv"]["per_token"] * 8 / t / 1e6
+            nbytes = x.get("loaded_bytes")
+            if nbytes is None:  # a kv_both consumer reports tokens only
+                nbytes = (x["loaded_tokens"] or 0) * out["kv"]["per_token"]
+            mbps = nbytes * 8 / x["consumer_s"] / 1e6
             x["kv_mbps"] = mbps
             x["kv_over_link"] = mbps / (row.get("mbps") and row["mbps"] * ceiling
                                         / out["args"]["link_mbps"] or ceiling)
@@ -498,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="dense (SmolLM2) or a hybrid builder name (gemma3, qwen3_next, ...)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tier", choices=("redis", "objects"), default="redis")
-    p.add_argument("--roles", choices=("both", "split"), default="both")
+    p.add_argument("--roles", choices=("both", "split"), default="split",
+                   help="split: kv_producer / kv_consumer; both: kv_both servers")
     p.add_argument("--link-mbps", type=float, default=200.0)
     p.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096])
     p.add_argument("--reps", type=int, default=2)
@@ -518,11 +541,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="each server's store write buffer: above one prompt's KV, or its save "
                         "is dropped while an earlier one is written")
     p.add_argument("--remote-deadline-s", type=float, default=60.0)
-    p.add_argument("--handoff", choices=("tier", "none"), default="tier",
-                   help="tier: the consumer's request waits until the producer has sent the "
-                        "prompt's KV up its link (tbf counters), as a kv_consumer would, "
-                        "counted in the end-to-end time; none: at once (kv_both then loads "
-                        "what was written through by then)")
+    p.add_argument("--handoff", choices=("auto", "tier", "none"), default="auto",
+                   help="tier: the consumer's request waits until the producer's link is "
+                        "quiet (tbf counters), counted in the end-to-end time; none: at once "
+                        "(a kv_consumer waits for the KV itself); auto: none with --roles "
+                        "split, tier with both")
     p.add_argument("--handoff-wait-s", type=float, default=0.0,
                    help="with --handoff none: a fixed pause instead")
     p.add_argument("--producer-cpus", default="", help="VLLM_CPU_OMP_THREADS_BIND, e.g. 0-1")
