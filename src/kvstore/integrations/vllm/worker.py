@@ -110,6 +110,9 @@ class WorkerSide:
         self._produce: dict[str, list] = {}
         self._produce_errors: dict[str, str] = {}
         self._produce_later: list[SaveSpec] = []  # found the write buffer full: in end()
+        # the shared tiers' failed writes when the last producer's prompt was checked (None:
+        # not counted yet; counted from the first step, before any save of this engine's)
+        self._failed_writes: int | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer KV caches, in layer order of their names."""
@@ -144,6 +147,8 @@ class WorkerSide:
     def begin(self, plan: StepPlan) -> None:
         """The step's plan is bound (before the forward): open its saves."""
         self._produce = {rid: [] for rid in plan.produce}
+        if self._failed_writes is None and self.store is not None and self.durable != "disk":
+            self._failed_writes = self._shared_write_failures()
         if self.store is None:
             self._produce_errors = {rid: "the connector's store could not be opened"
                                     for rid in plan.produce}
@@ -380,7 +385,7 @@ class WorkerSide:
                 except STORE_ERRORS as e:
                     errors.setdefault(rid, f"its save failed: {type(e).__name__}: {e}")
         if self.store is not None:
-            why = self._flush()
+            why = self._flush() or self._writes_failed()
             for rid in produce if why else ():
                 errors.setdefault(rid, why)
         wait_s = time.perf_counter() - t0
@@ -391,6 +396,26 @@ class WorkerSide:
             if rid in errors:
                 log.warning("kvstore: request %s: its prompt's KV is not durable in %s, a "
                             "consumer recomputes it: %s", rid, self.durable, errors[rid])
+
+    def _shared_write_failures(self) -> int:
+        """Chunks the shared tiers' write-through could not send so far (their counters: a
+        flush waits for the write-through but does not raise what failed)."""
+        stats = self.store.stats()
+        tiers = [stats.get(name) for name in ("remote", "objects")]  # each shared tier's
+        return sum(int(t.get(k) or 0) for t in tiers if isinstance(t, dict)
+                   for k in ("write_failed", "write_dropped", "write_errors"))
+
+    def _writes_failed(self) -> str | None:
+        """Why this step's prompts are not durable in the shared tier although the flush
+        returned: chunks whose write-through failed since the last such check (any
+        request's: a prompt is offered only when none did), or None."""
+        if self.durable == "disk" or self._failed_writes is None:
+            return None
+        now = self._shared_write_failures()
+        failed, self._failed_writes = now - self._failed_writes, now
+        if failed <= 0:
+            return None
+        return f"{failed} chunk write(s) to the shared tier failed (not durable in {self.durable})"
 
     def _flush(self) -> str | None:
         """``Store.flush`` (with the shared tiers' write-through if ``durable`` is one); why
