@@ -400,7 +400,11 @@ class WorkerSide:
     def _shared_write_failures(self) -> int:
         """Chunks the shared tiers' write-through could not send so far (their counters: a
         flush waits for the write-through but does not raise what failed)."""
-        stats = self.store.stats()
+        try:
+            stats = self.store.stats()
+        except STORE_ERRORS as e:  # a store that cannot report: none counted (never fatal)
+            log.warning("kvstore: the store's stats could not be read: %s", e)
+            return 0
         tiers = [stats.get(name) for name in ("remote", "objects")]  # each shared tier's
         return sum(int(t.get(k) or 0) for t in tiers if isinstance(t, dict)
                    for k in ("write_failed", "write_dropped", "write_errors"))
