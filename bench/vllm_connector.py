@@ -183,6 +183,8 @@ def bench_ttft(args, model: str, work: Path) -> dict:
             bucket = weed.url("bench", f"ttft{rep}")
             store = {"store_dir": str(d / "store"), "remote": srv.url, "objects": bucket,
                      **STORE_SIZES}
+            if args.remote_deadline_s is not None:
+                store["remote_deadline_s"] = args.remote_deadline_s
             srv.cli("flushall")
             if "recompute" in args.configs:
                 record(run_engine({**base, "steps": [{**step, "label": "recompute"}]}, d))
@@ -305,6 +307,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--configs", default="recompute,example,kvstore",
                    help="ttft: which engines run (the kvstore ones always)")
+    p.add_argument("--remote-deadline-s", type=float, default=None,
+                   help="the connector's remote_deadline_s (default: the tiers' own, 2 s for "
+                        "Redis and 5 s for the bucket: a long prompt's load that takes longer "
+                        "is recomputed)")
     p.add_argument("--model", default=None, help="HF model dir (default: the exported SmolLM2)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
