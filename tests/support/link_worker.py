@@ -1,6 +1,7 @@
 """A store on one end of a slow link (tests/support/netns.py), run inside a network namespace:
 ``ip netns exec NS python -m tests.support.link_worker put|get --store DIR --remote URL
-[--objects URL] --tokens N --seed S``. Prints one ``RESULT {json}`` line.
+[--objects URL] --tokens N --seed S [--remote-timeout-s T --remote-deadline-s D]``.
+Prints one ``RESULT {json}`` line.
 
 ``put`` stores the causal KV (tests/support/kvgen.py) of ``N`` seeded tokens and waits until
 the shared tiers hold it (``flush(remote=True)``); ``get`` opens a fresh store (nothing on its
@@ -39,10 +40,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--objects", default=None)
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remote-timeout-s", type=float, default=None,
+                   help="RemoteConfig.timeout_s (a stall's bound; default the config's)")
+    p.add_argument("--remote-deadline-s", type=float, default=None,
+                   help="RemoteConfig.deadline_s (a call's bound; default the config's)")
     a = p.parse_args(argv)
     t = tokens(a.tokens, a.seed)
     k, v = causal_kv(LINK_LAYOUT, t)
-    shared = {"remote": a.remote, "objects": a.objects}
+    remote = a.remote
+    if remote is not None and (a.remote_timeout_s or a.remote_deadline_s):
+        limits = {name: x for name, x in (("timeout_s", a.remote_timeout_s),
+                                          ("deadline_s", a.remote_deadline_s)) if x}
+        remote = kvstore.RemoteConfig(urls=remote, **limits)
+    shared = {"remote": remote, "objects": a.objects}
     which = "objects" if a.objects is not None else "remote"
     with kvstore.open(a.store, layout=LINK_LAYOUT, chunk_tokens=CHUNK_TOKENS,
                       dram_bytes=64 << 20, disk_bytes=256 << 20, **shared) as store:

@@ -157,3 +157,27 @@ def test_a_transfer_through_redis_takes_the_links_time(tmp_path):
     assert got["equal"], got
     link_s = got["stats"]["fetched_bytes"] / (rate * 1e6 / 8)
     assert link_s * 0.95 <= got["seconds"] <= link_s * 3 + 1.0, (got["seconds"], link_s)
+
+
+def test_a_batch_longer_on_the_link_than_the_stall_timeout_is_written_through(tmp_path):
+    """``timeout_s`` bounds a stall, ``deadline_s`` a call: chunks of 256 KiB over a 0.6 Mbit/s
+    link (3.5 s of sending each) with a stall timeout of 2.5 s (above what TCP's
+    retransmissions of tbf's drops pause a transfer) and a deadline of 60 s are written
+    whole, and read back bit for bit (a send bounded as a whole by the stall timeout failed
+    every such chunk: a producer behind a slow link wrote nothing)."""
+    require_netns()
+    rate, n = 0.6, 3 * CHUNK_TOKENS
+    with Hub(members={"producer": Shaping(rate_mbit=rate), "consumer": Shaping(rate_mbit=100)}
+             ) as h:
+        server = _shared_redis(h, tmp_path)
+        try:
+            limits = ("--remote-timeout-s", "2.5", "--remote-deadline-s", "60")
+            put = run_worker(h, "producer", "put", "--store", str(tmp_path / "a"), "--remote",
+                             server.url, "--tokens", str(n), "--seed", "11", *limits)
+            got = run_worker(h, "consumer", "get", "--store", str(tmp_path / "b"), "--remote",
+                             server.url, "--tokens", str(n), "--seed", "11", *limits)
+        finally:
+            server.stop()
+    assert put["stats"]["written_chunks"] == n // CHUNK_TOKENS, json.dumps(put["stats"])
+    assert put["stats"]["write_failed"] == 0, json.dumps(put["stats"])
+    assert got["matched"] == n and got["equal"], got

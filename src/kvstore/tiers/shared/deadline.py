@@ -19,6 +19,12 @@ header announcing 2 GB then a drip, or values padded with junk. So:
   deadline is a ``socket.timeout`` (redis-py's ``TimeoutError``). Either way the tier drops
   the node's connections (a half-read reply is never reused) and counts a failure against
   its breaker: slow calls open it like dead ones.
+* **A stall is no progress, not a slow link.** ``timeout_s`` bounds each ``send`` (never a
+  whole ``sendall``: a pipelined batch of megabytes over a slow link takes longer than a
+  stall), and a read that times out while this socket's own bytes are still leaving it
+  (``SIOCOUTQ``, the kernel's unacknowledged send queue, shrank since the last try) waits
+  again: the server cannot answer before it has the request. Only the call's deadline
+  bounds the whole.
 
 The limits live in a thread-local: a round trip runs on the thread that makes it, and a
 connection is used by one thread at a time (redis-py's pool). Thread-safety: every function
@@ -27,7 +33,10 @@ may be called from any thread; each thread sees its own call and round trip.
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Iterator
@@ -37,6 +46,7 @@ from dataclasses import dataclass
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 _local = threading.local()
+_SIOCOUTQ = termios.TIOCOUTQ  # Linux: bytes of a TCP socket's send queue not yet acknowledged
 
 
 class ReplyTooLarge(RedisConnectionError):
@@ -130,23 +140,49 @@ class BoundedSocket:
                 raise ReplyTooLarge(f"the server sent more than the {r.max_bytes} bytes the "
                                     f"commands asked can answer")
 
+    def _unsent(self) -> int:
+        """Bytes this socket sent that the peer has not acknowledged yet (0 if unknown)."""
+        try:
+            raw = fcntl.ioctl(self._sock.fileno(), _SIOCOUTQ, b"\0\0\0\0")
+        except OSError:
+            return 0
+        return struct.unpack("i", raw)[0]
+
+    def _read(self, op):  # noqa: ANN001, ANN202  (a recv of the socket's, with its arguments)
+        """``op()`` armed as any read; a timeout while this socket's own bytes are still
+        draining to the peer (fewer unacknowledged than at the last try) reads again."""
+        last = None
+        while True:
+            r = self._arm()  # raises once the round trip's deadline passed
+            try:
+                return r, op()
+            except TimeoutError:
+                unsent = self._unsent()
+                if unsent == 0 or (last is not None and unsent >= last):
+                    raise
+                last = unsent
+
     def recv_into(self, buffer: object, nbytes: int = 0, flags: int = 0) -> int:
-        r = self._arm()
-        n = self._sock.recv_into(buffer, nbytes, flags)
+        r, n = self._read(lambda: self._sock.recv_into(buffer, nbytes, flags))
         if not flags & socket.MSG_PEEK:
             self._count(r, n)
         return n
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        r = self._arm()
-        data = self._sock.recv(bufsize, flags)
+        r, data = self._read(lambda: self._sock.recv(bufsize, flags))
         if not flags & socket.MSG_PEEK:
             self._count(r, len(data))
         return data
 
     def sendall(self, data: object, flags: int = 0) -> None:
-        self._arm()  # Python bounds a whole sendall by the timeout
-        self._sock.sendall(data, flags)
+        # Python bounds a whole sendall by the socket's timeout, which would make ``timeout_s``
+        # (a stall) bound the transfer of a large pipelined batch over a slow link: each send
+        # is bounded instead, by the stall timeout and what is left of the round trip
+        view = memoryview(data).cast("B")
+        while view:
+            self._arm()
+            n = self._sock.send(view, flags)
+            view = view[n:]
 
     def send(self, data: object, flags: int = 0) -> int:
         self._arm()
