@@ -267,10 +267,6 @@ def _produced_for(store: Path, ids: list[int]) -> dict:
             "kvstore": {"produced": rec}}
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "behind a 24 Mbit/s link every chunk write of the producer's to Redis fails within 1.5 s "
-    "(it answers produce_failed: 9 chunk writes failed), so it ends before it can be killed "
-    "mid-write"))
 def test_a_producer_killed_mid_write_leaves_the_consumer_exact(hub, tier_redis, oracle,
                                                                tmp_path):
     """The producer's link is slowed to 24 Mbit/s (its 51 MB of KV take some 17 s to go up)
