@@ -43,8 +43,11 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 @dataclass(eq=False)
 class _Entry:
-    """The store open at ``key`` and the directory it was opened on; ``lock`` guards
-    ``store``, ``ident`` and ``checked`` (when the directory was last checked)."""
+    """The store open at ``key`` and the directory it was opened on. ``lock`` guards
+    ``store``, ``ident`` and ``checked`` (when the directory was last checked) and is never
+    held while a store opens or closes: a store's closing waits for its threads, whose
+    callbacks may read the store through a lease. ``swap`` is held by whoever replaces or
+    closes the store (a reopen, the last lease's close)."""
 
     key: str
     store: Store
@@ -53,6 +56,7 @@ class _Entry:
     leases: set[int] = field(default_factory=set)
     checked: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    swap: threading.Lock = field(default_factory=threading.Lock)
 
     @functools.cached_property
     def view(self) -> FollowingStore:
@@ -61,21 +65,34 @@ class _Entry:
 
     def current(self) -> Store:
         """The store, reopened first if its directory vanished (checked at most every
-        :data:`VANISHED_CHECK_S`). Thread-safe."""
+        :data:`VANISHED_CHECK_S`; while another thread replaces or closes it, the store as
+        it is). Thread-safe."""
         with self.lock:
             now = time.monotonic()
-            if now - self.checked >= VANISHED_CHECK_S:
-                self.checked = now
-                if _identity(self.key) != self.ident:
-                    self._reopen()
+            if now - self.checked < VANISHED_CHECK_S:
+                return self.store
+            self.checked = now
+            store = self.store
+            if _identity(self.key) == self.ident:
+                return store
+        if not self.swap.acquire(blocking=False):
+            return store
+        try:
+            with self.lock:
+                if self.store is not store:  # replaced meanwhile
+                    return self.store
+            self._reopen(store)
+        finally:
+            self.swap.release()
+        with self.lock:
             return self.store
 
-    def _reopen(self) -> None:
-        """Close the store whose directory vanished and open a fresh one at the path. The old
-        one closes first (its catalog's file may share an inode number with the new one's).
-        A fresh open that fails leaves the closed store (its calls raise StoreClosed, which
-        the integrations take as misses) and is tried again at the next check."""
-        old = self.store
+    def _reopen(self, old: Store) -> None:
+        """With ``swap`` held: close the store whose directory vanished and open a fresh one at
+        the path. The old one closes first (its catalog's file may share an inode number with
+        the new one's). A fresh open that fails leaves the closed store (its calls raise
+        StoreClosed, which the integrations take as misses) and is tried again at the next
+        check."""
         try:
             old.close(abandon_pending=True)
         except (KVStoreError, OSError) as e:  # its files are gone: nothing of it to save
@@ -87,10 +104,18 @@ class _Entry:
                         "fresh one could not be opened there (%s); tried again in %.0f s",
                         self.key, e, VANISHED_CHECK_S)
             return
-        self.store, self.ident = fresh, _identity(self.key)
+        with self.lock:
+            self.store, self.ident = fresh, _identity(self.key)
         log.warning("kvstore: the store directory %s vanished under this process (removed or "
                     "replaced); a fresh store is open there, and what the old one held is gone",
                     self.key)
+
+    def close(self) -> None:
+        """Close the store (the last lease's close); a reopen in progress finishes first."""
+        with self.swap:
+            with self.lock:
+                store = self.store
+            store.close()
 
 
 class FollowingStore:
@@ -153,8 +178,7 @@ class Lease:
             if last:
                 del _open[self._key]
         if last:
-            with entry.lock:
-                entry.store.close()
+            entry.close()
 
     def __enter__(self) -> Lease:
         return self
