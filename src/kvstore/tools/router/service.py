@@ -177,7 +177,7 @@ class Router:
                 return
         if out is None:
             return
-        reply, ttft = out
+        reply, ttft, answer = out
         self.state.observe_chars(req, reply)
         self.state.remember("consumer", counted)
         if reply.server_ttft_s is not None:  # the server's own, without its queue
@@ -186,28 +186,32 @@ class Router:
             self.state.observe_remote(counted, reply, ttft, choice.transfer_bytes)
         else:
             self.state.observe_local(counted, reply, ttft, queued)
+        if answer is not None:  # after the estimates: a client that reads /stats next sees them
+            sink.whole(*answer)
 
     def _relay_whole(self, req: ClientRequest, body: dict, sink: Sink
-                     ) -> tuple[Reply, float] | None:
-        """The consumer's whole answer relayed; its reply and its estimated time to first
-        token (its time less its later tokens at the measured decode rate)."""
+                     ) -> tuple[Reply, float, tuple[int, str, bytes]] | None:
+        """The consumer's whole answer: its reply, its estimated time to first token (its
+        time less its later tokens at the measured decode rate) and the answer to relay
+        (status, content type, body), which the caller sends; an error is relayed here."""
         try:
             a = post_json(self.config.consumer, req.path, body, timeout_s=self.config.timeout_s,
                           headers=req.headers)
         except UpstreamError as e:
             sink.whole(502, "application/json", _json(_error(f"consumer: {e}")))
             raise
-        sink.whole(a.status, a.content_type or "application/json", a.body)
+        answer = (a.status, a.content_type or "application/json", a.body)
         if a.status != 200:
+            sink.whole(*answer)
             self.state.bump("consumer_errors")
             return None
         reply = protocol.read_reply(a.doc)
         later = max(0, (reply.completion_tokens or 1) - 1)
         ttft = a.seconds - later * self.state.decode_s_per_token()
-        return reply, max(ttft, 0.1 * a.seconds)
+        return reply, max(ttft, 0.1 * a.seconds), answer
 
     def _relay_stream(self, req: ClientRequest, body: dict, sink: Sink
-                      ) -> tuple[Reply, float] | None:
+                      ) -> tuple[Reply, float, None] | None:
         """The consumer's stream relayed event by event as it arrives; its time to the first
         event with text, and its decode time per token after that."""
         t0 = time.perf_counter()
@@ -243,7 +247,7 @@ class Router:
             return None
         if events > 1:
             self.state.observe_decode(last - first, events - 1)
-        return Reply(), first - t0
+        return Reply(), first - t0, None
 
 
 def _error(message: str) -> dict[str, Any]:
